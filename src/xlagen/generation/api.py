@@ -1,0 +1,156 @@
+"""`generate()`: transformers 4.x semantics on top of the model-agnostic decoding loops.
+
+Everything that can be checked is checked here from static shapes and Python options, before any
+tracing; the loops themselves only see tensors and a static `Plan`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import numpy as np
+import tensorflow as tf
+
+from xlagen.generation.beam_search import BeamOptions, beam_search
+from xlagen.generation.config import GenerationConfig
+from xlagen.generation.loop import Plan, decode
+from xlagen.generation.sampling import build_processors, select_greedy, select_sample
+
+logger = logging.getLogger(__name__)
+
+_MODEL_INPUTS = frozenset({"input_ids", "attention_mask"})
+
+
+class GenerateOutput(NamedTuple):
+    """What `generate(..., return_dict_in_generate=True)` returns.
+
+    Attributes:
+        sequences: int32 `[B * R, T_max]`, prompt + new tokens, pad after EOS.
+        scores: With `output_scores`, a tuple of N processed score tensors `[B * R, V]` (beam search:
+            `[B * K, V]` log-probabilities), one per step; otherwise None.
+        sequences_scores: Beam search with `output_scores`: float32 `[B * R]` final beam scores.
+    """
+
+    sequences: tf.Tensor
+    scores: tuple | None = None
+    sequences_scores: tf.Tensor | None = None
+
+
+def _as_int32(value) -> tf.Tensor:
+    if isinstance(value, (list, tuple)) or isinstance(value, np.ndarray):
+        value = np.asarray(value)
+    return tf.cast(tf.convert_to_tensor(value), tf.int32)
+
+
+def _default_attention_mask(input_ids: tf.Tensor, config: GenerationConfig) -> tf.Tensor:
+    """transformers' rule: mask the pad id when it occurs in the prompt and differs from EOS."""
+    pad = config.pad_token_id
+    if pad is None or pad in config.eos_token_ids:
+        return tf.ones_like(input_ids)
+    has_pad = tf.reduce_any(tf.equal(input_ids, pad))
+    return tf.where(has_pad, tf.cast(tf.not_equal(input_ids, pad), tf.int32), tf.ones_like(input_ids))
+
+
+def _split_kwargs(kwargs: dict) -> tuple[dict, dict]:
+    model_inputs = {k: v for k, v in kwargs.items() if k in _MODEL_INPUTS}
+    options = {k: v for k, v in kwargs.items() if k in GenerationConfig.field_names()}
+    unknown = sorted(set(kwargs) - set(model_inputs) - set(options))
+    if unknown:
+        raise ValueError(f"generate() got arguments it does not use: {unknown}. Model inputs are "
+                         f"{sorted(_MODEL_INPUTS)}; options are GenerationConfig fields.")
+    return model_inputs, options
+
+
+def resolve_config(model, generation_config: GenerationConfig | None, options: dict) -> GenerationConfig:
+    """The model's defaults, then `generation_config`, then keyword options."""
+    config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+    config = config.update(**options) if options else config
+    if config.pad_token_id is None and config.eos_token_ids:
+        config = config.update(pad_token_id=config.eos_token_ids[0])
+    return config
+
+
+def _check_lengths(model, prompt_length: int, config: GenerationConfig) -> int:
+    if prompt_length == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token) in input_ids")
+    new_tokens = config.max_new_tokens
+    if new_tokens is None:
+        new_tokens = config.max_length - prompt_length
+        if new_tokens < 1:
+            raise ValueError(f"the prompt has {prompt_length} tokens (with padding) but max_length is "
+                             f"{config.max_length}: raise max_length or set max_new_tokens")
+    limit = model.config.max_positions
+    if prompt_length + new_tokens > limit:
+        raise ValueError(f"prompt length {prompt_length} + {new_tokens} new tokens exceeds the model's "
+                         f"{limit} positions: shorten the prompt or lower max_new_tokens/max_length")
+    return new_tokens
+
+
+class GenerationMixin:
+    """Adds transformers-style `generate()` to a model offering `prefill` / `decode_step`."""
+
+    generation_config: GenerationConfig | None = None
+
+    def generate(self, inputs=None, generation_config: GenerationConfig | None = None, seed=None, **kwargs):
+        """Generates tokens; eagerly, or as one XLA program under `tf.function(jit_compile=True)`.
+
+        Args:
+            inputs: int `[B, P]` prompt ids (or pass `input_ids=`), left-padded for batches.
+            generation_config: Overrides the model's defaults (`generation_config.json`).
+            seed: Optional `[2]` ints (or one int) for reproducible sampling.
+            **kwargs: `attention_mask` `[B, P]`, and any `GenerationConfig` field
+                (max_new_tokens, num_beams, do_sample, ...).
+
+        Returns:
+            int32 `[B * num_return_sequences, P + N]` tokens (pad after EOS), or a `GenerateOutput`
+            with `return_dict_in_generate=True`.
+
+        Raises:
+            ValueError: for invalid options or lengths, before anything is traced.
+        """
+        model_inputs, options = _split_kwargs(kwargs)
+        if inputs is None:
+            inputs = model_inputs.pop("input_ids", None)
+        elif "input_ids" in model_inputs:
+            raise ValueError("pass the prompt either positionally or as input_ids=, not both")
+        if inputs is None:
+            raise ValueError("generate() needs input_ids")
+        config = resolve_config(self, generation_config, options)
+        input_ids = _as_int32(inputs)
+        if input_ids.shape.rank != 2:
+            raise ValueError(f"input_ids must be [batch, length], got shape {input_ids.shape}")
+        prompt_length = input_ids.shape[1]
+        new_tokens = _check_lengths(self, prompt_length, config)
+        mask = model_inputs.get("attention_mask")
+        mask = _default_attention_mask(input_ids, config) if mask is None else _as_int32(mask)
+        if mask.shape.rank != 2 or mask.shape[1] != prompt_length:
+            raise ValueError(f"attention_mask shape {mask.shape} does not match input_ids {input_ids.shape}")
+        plan = Plan(new_tokens, build_processors(config, prompt_length),
+                    select_sample if config.do_sample else select_greedy, config.eos_token_ids,
+                    config.pad_token_id if config.pad_token_id is not None else 0, config.output_scores)
+        if config.num_beams > 1:
+            options = BeamOptions(config.num_beams, float(config.length_penalty), config.early_stopping,
+                                  config.num_return_sequences)
+            sequences, sequence_scores, scores = beam_search(self, input_ids, mask, plan, options)
+        else:
+            if config.num_return_sequences > 1:
+                input_ids = tf.repeat(input_ids, config.num_return_sequences, axis=0)
+                mask = tf.repeat(mask, config.num_return_sequences, axis=0)
+            sequences, scores = decode(self, input_ids, mask, plan, _seed_tensor(seed, config.do_sample))
+            sequence_scores = None
+        if not config.return_dict_in_generate:
+            return sequences
+        if scores is not None:
+            scores = tuple(tf.unstack(scores, axis=1))
+        return GenerateOutput(sequences, scores, sequence_scores if config.output_scores else None)
+
+
+def _seed_tensor(seed, needed: bool) -> tf.Tensor:
+    """A `[2]` int32 seed; a fresh random one per call when `seed` is None and sampling needs one."""
+    if seed is None and not needed:
+        return tf.zeros([2], tf.int32)
+    if seed is None:
+        return tf.random.uniform([2], maxval=2**31 - 1, dtype=tf.int32)
+    seed = tf.reshape(tf.cast(tf.convert_to_tensor(seed), tf.int32), [-1])
+    return tf.concat([tf.zeros([max(0, 2 - seed.shape[0])], tf.int32), seed], 0)[-2:]

@@ -1,0 +1,140 @@
+"""Beam search as one `tf.while_loop`, with transformers 4.x's vectorised algorithm and scoring.
+
+Shapes: B prompts, K beams, C = candidates kept per step (max(2, 1 + #EOS) * K), P prompt length,
+T_max = P + N, V vocab. Model rows are `B * K`, beam-major within each prompt.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from xlagen import cache as cache_lib
+from xlagen.generation.loop import Plan, is_eos, write_column
+from xlagen.generation.sampling import Context, apply_processors
+
+BIG_NEGATIVE = -1.0e9
+
+
+class BeamOptions(NamedTuple):
+    """Beam-search-only static options."""
+
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool | str
+    num_return_sequences: int
+
+
+class BeamState(NamedTuple):
+    running: tf.Tensor  # int32 [B, K, T_max]
+    running_scores: tf.Tensor  # float32 [B, K]
+    finished: tf.Tensor  # int32 [B, K, T_max], best finished hypotheses
+    finished_scores: tf.Tensor  # float32 [B, K]
+    is_finished: tf.Tensor  # bool [B, K]
+    improvable: tf.Tensor  # bool [B, 1], the early-stop heuristic is not yet satisfied
+    all_hit_stop: tf.Tensor  # bool scalar: every candidate of the last step hit a stopping criterion
+    parents: tf.Tensor  # int32 [B * K], model rows the running beams continue (cache reorder)
+    index: tf.Tensor  # int32 scalar: where the next token is written
+    decoder_state: object
+    scores: tf.Tensor  # float32 [B * K, N, V] or [B * K, 0, V]
+
+
+def _gather_beams(tensor: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
+    return tf.gather(tensor, indices, axis=1, batch_dims=1)
+
+
+def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptions):
+    """Beam search over a left-padded batch.
+
+    Args:
+        model: Anything with `prefill` / `decode_step` (see `xlagen.models.base.CausalDecoding`).
+        input_ids: int32 `[B, P]`.
+        attention_mask: int32 `[B, P]`.
+        plan: Static options shared with greedy decoding (`select` is unused).
+        options: Beam options.
+
+    Returns:
+        `(sequences int32 [B * R, T_max], sequence scores float32 [B * R], step scores [B * K, N, V] or None)`
+        with R = num_return_sequences.
+    """
+    num_beams, prompt_length = options.num_beams, input_ids.shape[1]
+    batch = tf.shape(input_ids)[0]
+    total = prompt_length + plan.max_new_tokens
+    keep = max(2, 1 + len(plan.eos_ids)) * num_beams
+    logits, decoder_state = model.prefill(input_ids, attention_mask, total)
+    vocab = logits.shape[-1]
+    # Every beam starts from the same prompt: run it once, then repeat rows K times.
+    repeat = tf.repeat(tf.range(batch), num_beams)
+    logits, decoder_state = tf.gather(logits, repeat), cache_lib.batch_gather(decoder_state, repeat)
+    prompt = tf.concat([input_ids, tf.fill([batch, plan.max_new_tokens], tf.constant(plan.pad_id, tf.int32))], 1)
+    running = tf.repeat(prompt[:, None, :], num_beams, axis=1)
+    first_only = tf.concat([tf.zeros([batch, 1]), tf.fill([batch, num_beams - 1], BIG_NEGATIVE)], axis=1)
+    score_steps = plan.max_new_tokens if plan.output_scores else 0
+    state = BeamState(running, first_only, running, tf.fill([batch, num_beams], BIG_NEGATIVE),
+                      tf.zeros([batch, num_beams], tf.bool), tf.ones([batch, 1], tf.bool), tf.constant(False),
+                      tf.range(batch * num_beams), tf.constant(prompt_length, tf.int32), decoder_state,
+                      tf.zeros([batch * num_beams, score_steps, vocab]))
+    is_top_beam = tf.range(keep) < num_beams  # only the first K candidates may become finished hypotheses
+    early_stopping, length_penalty = options.early_stopping, options.length_penalty
+
+    def choose(state: BeamState, logits) -> BeamState:
+        cur = state.index
+        flat_running = tf.reshape(state.running, [batch * num_beams, total])
+        log_probs = apply_processors(plan.processors, tf.nn.log_softmax(logits, axis=-1), Context(flat_running, cur))
+        kept_scores = write_column(state.scores, log_probs, cur - prompt_length) if plan.output_scores else state.scores
+        totals = tf.reshape(log_probs, [batch, num_beams, vocab]) + state.running_scores[:, :, None]
+        top_scores, top_indices = tf.math.top_k(tf.reshape(totals, [batch, num_beams * vocab]), k=keep)
+        source_beams, ids = top_indices // vocab, top_indices % vocab  # [B, C]
+        candidates = _gather_beams(state.running, source_beams)
+        candidates = tf.transpose(write_column(tf.transpose(candidates, [0, 2, 1]), ids, cur), [0, 2, 1])
+        hit_stop = is_eos(ids, plan.eos_ids) | (cur + 1 >= total)  # [B, C]
+
+        # Continue with the best K candidates that did not stop.
+        continuing = top_scores + tf.cast(hit_stop, tf.float32) * BIG_NEGATIVE
+        next_running_scores, chosen = tf.math.top_k(continuing, k=num_beams)
+        parents = tf.reshape(_gather_beams(source_beams, chosen) + tf.range(batch)[:, None] * num_beams, [-1])
+
+        # Candidates that stopped among the top K become finished hypotheses if they beat the kept ones.
+        just_finished = hit_stop & is_top_beam[None, :]
+        length = tf.cast(cur + 1 - prompt_length, tf.float32)
+        finished_scores = top_scores / length ** length_penalty
+        full = tf.reduce_all(state.is_finished, axis=-1, keepdims=True) & (early_stopping is True)
+        finished_scores += tf.cast(full, tf.float32) * BIG_NEGATIVE
+        finished_scores += tf.cast(~state.improvable, tf.float32) * BIG_NEGATIVE
+        finished_scores += tf.cast(~just_finished, tf.float32) * BIG_NEGATIVE
+        merged_scores = tf.concat([state.finished_scores, finished_scores], axis=1)
+        best_scores, best = tf.math.top_k(merged_scores, k=num_beams)
+        finished = _gather_beams(tf.concat([state.finished, candidates], axis=1), best)
+        is_finished = _gather_beams(tf.concat([state.is_finished, just_finished], axis=1), best)
+
+        # transformers' early-stop heuristic: can a running beam still beat the worst finished one?
+        cur = cur + 1
+        if early_stopping == "never" and length_penalty > 0.0:
+            best_length = tf.cast(total - prompt_length, tf.float32)
+        else:
+            best_length = tf.cast(cur - prompt_length, tf.float32)
+        best_running = next_running_scores[:, :1] / best_length ** length_penalty
+        worst_finished = tf.where(is_finished, tf.reduce_min(best_scores, axis=1, keepdims=True), BIG_NEGATIVE)
+        improvable = state.improvable & tf.reduce_any(best_running > worst_finished, axis=-1, keepdims=True)
+        return state._replace(running=_gather_beams(candidates, chosen), running_scores=next_running_scores,
+                              finished=finished, finished_scores=best_scores, is_finished=is_finished,
+                              improvable=improvable, all_hit_stop=tf.reduce_all(hit_stop), parents=parents,
+                              index=cur, scores=kept_scores)
+
+    def running_cond(state: BeamState):
+        open_beams = tf.logical_not(tf.reduce_all(state.is_finished) & (early_stopping is True))
+        return tf.reduce_any(state.improvable) & open_beams & tf.logical_not(state.all_hit_stop)
+
+    def body(state: BeamState):
+        decoder_state = cache_lib.batch_gather(state.decoder_state, state.parents)
+        last = tf.reshape(tf.gather(state.running, state.index - 1, axis=2), [batch * num_beams, 1])
+        logits, decoder_state = model.decode_step(last, state.index - 1, decoder_state)
+        return (choose(state._replace(decoder_state=decoder_state), logits),)
+
+    state = choose(state, logits)
+    (state,) = tf.while_loop(running_cond, body, (state,), maximum_iterations=plan.max_new_tokens - 1)
+    returned = options.num_return_sequences
+    sequences = tf.reshape(state.finished[:, :returned], [batch * returned, total])
+    sequence_scores = tf.reshape(state.finished_scores[:, :returned], [-1])
+    return sequences, sequence_scores, (state.scores if plan.output_scores else None)

@@ -1,0 +1,135 @@
+"""`GenerationConfig`: how to decode, separate from the model's architecture.
+
+Defaults are transformers 4.x's, so `max_length=20` counts the (padded) prompt as in the seed system.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Decoding options with transformers 4.x names and defaults.
+
+    Attributes:
+        max_length: Total length (prompt + new tokens); ignored when `max_new_tokens` is set.
+        max_new_tokens: Number of tokens to generate.
+        min_length: EOS is suppressed until the sequence (prompt included) is this long.
+        min_new_tokens: EOS is suppressed until this many tokens were generated.
+        do_sample: Sample instead of greedy / beam search.
+        temperature, top_k, top_p: Sampling warpers (top_k=0 disables top-k).
+        num_beams: Beams for beam search (1 = greedy or sampling).
+        num_return_sequences: Sequences returned per prompt.
+        length_penalty: Exponent of the length normalisation of beam scores.
+        early_stopping: Beam search stopping: False (heuristic), True, or "never".
+        eos_token_id: An id or a list of ids that end a sequence.
+        pad_token_id: Filler after EOS (defaults to the first EOS id).
+        bos_token_id: Beginning-of-sequence id (informational for decoder-only models).
+        decoder_start_token_id: First decoder token of encoder-decoder models.
+        repetition_penalty: CTRL-style penalty of already present tokens (1.0 = off).
+        no_repeat_ngram_size: Forbid repeating any n-gram of this size (0 = off).
+        output_scores: Return the processed scores of every step.
+        return_dict_in_generate: Return a `GenerateOutput` rather than the token tensor.
+    """
+
+    max_length: int = 20
+    max_new_tokens: int | None = None
+    min_length: int = 0
+    min_new_tokens: int | None = None
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    num_beams: int = 1
+    num_return_sequences: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    decoder_start_token_id: int | None = None
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    output_scores: bool = False
+    return_dict_in_generate: bool = False
+
+    def __post_init__(self):
+        if self.num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
+        if self.num_return_sequences < 1:
+            raise ValueError(f"num_return_sequences must be >= 1, got {self.num_return_sequences}")
+        if self.num_beams == 1 and not self.do_sample and self.num_return_sequences > 1:
+            raise ValueError("greedy decoding returns one sequence per prompt: use num_beams >= "
+                             f"num_return_sequences ({self.num_return_sequences}) or do_sample=True")
+        if self.num_beams > 1 and self.num_return_sequences > self.num_beams:
+            raise ValueError(f"num_return_sequences ({self.num_return_sequences}) must be <= num_beams "
+                             f"({self.num_beams}) in beam search")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.do_sample and not self.temperature > 0.0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.no_repeat_ngram_size < 0:
+            raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        if self.num_beams > 1 and self.do_sample:
+            raise ValueError("beam sampling (num_beams > 1 with do_sample=True) is not supported; "
+                             "use num_beams=1 to sample or do_sample=False for beam search")
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The EOS ids as a tuple (empty when there is none)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(int(i) for i in self.eos_token_id)
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "GenerationConfig":
+        """Builds a config from a dict, ignoring keys xlagen does not use (e.g. `transformers_version`)."""
+        names = cls.field_names()
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path) -> "GenerationConfig":
+        """Reads `generation_config.json` from a local folder."""
+        path = Path(folder) / "generation_config.json"
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except FileNotFoundError as e:
+            raise OSError(f"no generation_config.json in {folder}") from e
+
+    @classmethod
+    def from_model_config(cls, model_config) -> "GenerationConfig":
+        """The special ids of a model config as a generation config (transformers' fallback)."""
+        return cls(eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id,
+                   bos_token_id=model_config.bos_token_id,
+                   decoder_start_token_id=getattr(model_config, "decoder_start_token_id", None))
+
+    def update(self, **changes) -> "GenerationConfig":
+        """Returns a copy with `changes` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Writes `generation_config.json` (only values that differ from the defaults, as transformers)."""
+        defaults = GenerationConfig().to_dict()
+        values = {k: v for k, v in self.to_dict().items() if v != defaults[k]}
+        Path(folder, "generation_config.json").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,90 @@
+"""The public, transformers-compatible model classes: architecture + loading + `generate()`.
+
+This module sits above `models/` (architectures), `weights/` + `hub.py` (files) and `generation/`
+(decoding) and joins them; none of those imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from xlagen.generation.api import GenerationMixin
+from xlagen.generation.config import GenerationConfig
+from xlagen.hub import resolve_model_dir
+from xlagen.models import gpt2, registry
+from xlagen.weights.checkpoint import read_checkpoint, read_json
+from xlagen.weights.loader import convert, normalize_prefix
+
+logger = logging.getLogger(__name__)
+
+
+def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype):
+    config = architecture.config_class.from_hf_config(hf_config)
+    model = cls(config, dtype=dtype) if dtype else cls(config)
+    tensors = normalize_prefix(read_checkpoint(folder), architecture.weights.PREFIX)
+    variables = {v.path: v for v in model.weights}
+    values = convert(architecture.weights.rules(config), tensors,
+                     {path: tuple(v.shape) for path, v in variables.items()},
+                     ignore=architecture.weights.ignore(config))
+    for path, value in values.items():
+        variables[path].assign(value.astype(np.dtype(variables[path].dtype)))
+    if (folder / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    else:
+        model.generation_config = GenerationConfig.from_model_config(config)
+    model.name_or_path = str(folder)
+    return model
+
+
+class PreTrainedModel(GenerationMixin):
+    """`from_pretrained` for the public model classes."""
+
+    architectures: dict[str, registry.Architecture] = {}
+    task = "causal language modelling"
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | Path, *, revision: str | None = None,
+                        cache_dir: str | Path | None = None, local_files_only: bool = False, dtype=None):
+        """Loads a Hugging Face checkpoint (config.json + safetensors).
+
+        Args:
+            name_or_path: A local folder, or a Hub repo id (read from the HF cache, or downloaded).
+            revision: Hub branch, tag or commit.
+            cache_dir: HF cache folder (default: huggingface_hub's).
+            local_files_only: Never touch the network.
+            dtype: Keras dtype policy for the weights and compute, e.g. "float32" (default).
+
+        Returns:
+            The model, weights loaded, with `generation_config` from generation_config.json.
+
+        Raises:
+            OSError: missing folder/files, or a pickle-only checkpoint.
+            ValueError: unsupported model_type or config values, or tensors that do not match.
+        """
+        folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
+                                   local_files_only=local_files_only)
+        hf_config = read_json(folder, "config.json")
+        architecture = registry.lookup(hf_config.get("model_type"), cls.architectures, cls.task)
+        target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
+        return _load(architecture, target, folder, hf_config, dtype)
+
+
+class TFGPT2LMHeadModel(PreTrainedModel, gpt2.GPT2LMHead):
+    """GPT-2 with its LM head: a Keras 3 model with transformers' TF API (`generate`, `from_pretrained`)."""
+
+    architectures = {"gpt2": registry.CAUSAL_LM["gpt2"]}
+
+
+_PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel}
+
+
+class TFAutoModelForCausalLM(PreTrainedModel):
+    """Picks the causal LM class from config.json's model_type."""
+
+    architectures = registry.CAUSAL_LM
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("use TFAutoModelForCausalLM.from_pretrained(name_or_path)")

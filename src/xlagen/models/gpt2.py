@@ -1,0 +1,239 @@
+"""GPT-2 (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners").
+
+Must match transformers' `models/gpt2/modeling_gpt2.py` (GPT2LMHeadModel) on the same checkpoint.
+Known divergences: `reorder_and_upcast_attn` only changes float16 numerics in the reference; here all
+attention scores are computed in float32 anyway, so both settings give the reference's float32 result.
+Dropout is not applied (inference only for now).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import keras
+from keras import ops
+
+from xlagen import cache as cache_lib
+from xlagen.layers.attention import Attention, causal_mask
+from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
+from xlagen.layers.feedforward import FeedForward, get_activation
+from xlagen.layers.norms import layer_norm
+from xlagen.models.base import CausalDecoding, CausalLMOutput, positions_at
+
+logger = logging.getLogger(__name__)
+
+# HF config keys that do not change inference math (training-only, bookkeeping, or task heads).
+_IGNORED_HF_KEYS = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
+    "initializer_range", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj",
+    "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "task_specific_params",
+    "n_ctx", "gradient_checkpointing", "id2label", "label2id", "output_past", "model_type",
+    "reorder_and_upcast_attn", "return_dict", "output_hidden_states", "output_attentions",
+    "torchscript", "pruned_heads", "problem_type", "tokenizer_class", "prefix", "chunk_size_feed_forward",
+    "is_decoder", "is_encoder_decoder", "cross_attention_hidden_size", "tie_encoder_decoder",
+    "sep_token_id", "decoder_start_token_id", "finetuning_task", "max_length", "min_length",
+    "do_sample", "early_stopping", "num_beams", "temperature", "top_k", "top_p", "repetition_penalty",
+    "length_penalty", "no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+})
+
+
+@dataclass(frozen=True)
+class GPT2Config:
+    """GPT-2 architecture; defaults are GPT-2 small (124M).
+
+    Attributes:
+        vocab_size: V.
+        hidden_size: Model width (HF `n_embd`).
+        num_layers: L (HF `n_layer`).
+        num_heads: H (HF `n_head`).
+        intermediate_size: MLP width (HF `n_inner`, None -> 4 * hidden_size).
+        max_positions: Learned positions (HF `n_positions`).
+        layer_norm_eps: HF `layer_norm_epsilon`.
+        activation: HF `activation_function`.
+        scale_attn_weights: Divide scores by sqrt(head_dim).
+        scale_attn_by_inverse_layer_idx: Also divide scores of layer i by i + 1.
+        tie_word_embeddings: The LM head reuses the token embedding.
+        bos_token_id, eos_token_id, pad_token_id: Special ids from config.json.
+    """
+
+    vocab_size: int = 50257
+    hidden_size: int = 768
+    num_layers: int = 12
+    num_heads: int = 12
+    intermediate_size: int | None = None
+    max_positions: int = 1024
+    layer_norm_eps: float = 1e-5
+    activation: str = "gelu_new"
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = 50256
+    eos_token_id: int | list[int] | None = 50256
+    pad_token_id: int | None = None
+
+    model_type = "gpt2"
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
+        if min(self.vocab_size, self.hidden_size, self.num_layers, self.max_positions) < 1:
+            raise ValueError(f"GPT2Config sizes must be positive: {self}")
+        get_activation(self.activation)
+        if self.intermediate_size is None:
+            object.__setattr__(self, "intermediate_size", 4 * self.hidden_size)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "GPT2Config":
+        """Maps a transformers `config.json` dict; raises on values that change the math unsupported."""
+        if hf.get("add_cross_attention"):
+            raise ValueError("config.json: add_cross_attention=True (GPT-2 as a decoder with cross-attention) "
+                             "is not supported by xlagen")
+        names = {"vocab_size": "vocab_size", "n_embd": "hidden_size", "n_layer": "num_layers",
+                 "n_head": "num_heads", "n_inner": "intermediate_size", "n_positions": "max_positions",
+                 "layer_norm_epsilon": "layer_norm_eps", "activation_function": "activation",
+                 "scale_attn_weights": "scale_attn_weights",
+                 "scale_attn_by_inverse_layer_idx": "scale_attn_by_inverse_layer_idx",
+                 "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id",
+                 "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"}
+        unknown = sorted(set(hf) - set(names) - _IGNORED_HF_KEYS - {"add_cross_attention"})
+        if unknown:
+            logger.warning("config.json keys ignored by xlagen's GPT-2: %s", unknown)
+        return cls(**{ours: hf[theirs] for theirs, ours in names.items() if theirs in hf})
+
+    def to_hf_config(self) -> dict:
+        """The transformers `config.json` dict for this configuration."""
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": self.vocab_size,
+                "n_embd": self.hidden_size, "n_layer": self.num_layers, "n_head": self.num_heads,
+                "n_inner": self.intermediate_size, "n_positions": self.max_positions,
+                "layer_norm_epsilon": self.layer_norm_eps, "activation_function": self.activation,
+                "scale_attn_weights": self.scale_attn_weights,
+                "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
+                "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
+                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
+
+    def replace(self, **changes) -> "GPT2Config":
+        return dataclasses.replace(self, **changes)
+
+
+class GPT2Block(keras.layers.Layer):
+    """Pre-norm transformer block: `x + attention(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, config: GPT2Config, layer_index: int, **kwargs):
+        super().__init__(**kwargs)
+        scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+        if config.scale_attn_by_inverse_layer_idx:
+            scale /= layer_index + 1
+        self.hidden_size = config.hidden_size
+        self.attention_norm = layer_norm(config.layer_norm_eps, "attention_norm", self.dtype_policy)
+        self.attention = Attention(config.hidden_size, config.num_heads, config.head_dim, scale,
+                                   name="attention", dtype=self.dtype_policy)
+        self.mlp_norm = layer_norm(config.layer_norm_eps, "mlp_norm", self.dtype_policy)
+        self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, name="mlp",
+                               dtype=self.dtype_policy)
+
+    def build(self, input_shape):
+        for layer in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
+            layer.build((None, None, self.hidden_size))
+        self.built = True
+
+    def call(self, x, mask, layer_cache=None, cache_index=None):
+        attended, layer_cache = self.attention(self.attention_norm(x), mask, layer_cache, cache_index)
+        x = x + attended
+        return x + self.mlp(self.mlp_norm(x)), layer_cache
+
+
+class GPT2LMHead(CausalDecoding, keras.Model):
+    """GPT-2 with its language-modelling head, as a Keras 3 model.
+
+    Args:
+        config: The architecture.
+    """
+
+    def __init__(self, config: GPT2Config, **kwargs):
+        kwargs.setdefault("name", "gpt2")
+        super().__init__(**kwargs)
+        self.config = config
+        self.token_embedding = TokenEmbedding(config.vocab_size, config.hidden_size, name="token_embedding",
+                                              dtype=self.dtype_policy)
+        self.position_embedding = PositionEmbedding(config.max_positions, config.hidden_size,
+                                                    name="position_embedding", dtype=self.dtype_policy)
+        self.blocks = [GPT2Block(config, i, name=f"block_{i}", dtype=self.dtype_policy)
+                       for i in range(config.num_layers)]
+        self.final_norm = layer_norm(config.layer_norm_eps, "final_norm", self.dtype_policy)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = keras.layers.Dense(config.vocab_size, use_bias=False, name="lm_head",
+                                              dtype=self.dtype_policy)
+        self.build_all()
+
+    def build_all(self):
+        """Creates every variable (so weights can be assigned before the first call)."""
+        self.token_embedding.build((None, None))
+        self.position_embedding.build((None, None))
+        for block in self.blocks:
+            block.build((None, None, self.config.hidden_size))
+        self.final_norm.build((None, None, self.config.hidden_size))
+        if self.lm_head is not None:
+            self.lm_head.build((None, self.config.hidden_size))
+        self.built = True
+
+    def _forward(self, token_ids, positions, mask, cache=None, cache_index=None, last_only=False):
+        x = self.token_embedding(token_ids) + self.position_embedding(positions)
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, layer_cache = block(x, mask, None if cache is None else cache[i], cache_index)
+            new_cache.append(layer_cache)
+        x = self.final_norm(x[:, -1:] if last_only else x)
+        logits = self.token_embedding.attend(x) if self.lm_head is None else self.lm_head(x)
+        return ops.cast(logits, "float32"), (None if cache is None else tuple(new_cache))
+
+    def call(self, input_ids, attention_mask=None, position_ids=None, training=False):
+        """Full forward pass (training, scoring, parity).
+
+        Args:
+            input_ids: int `[B, T]`.
+            attention_mask: Optional `[B, T]` 1/0.
+            position_ids: Optional int `[B, T]`; default `0..T-1` as in transformers.
+            training: Unused (no dropout yet).
+
+        Returns:
+            `CausalLMOutput` with float32 logits `[B, T, V]`.
+        """
+        input_ids = ops.convert_to_tensor(input_ids)
+        length = ops.shape(input_ids)[1]
+        if attention_mask is None:
+            attention_mask = ops.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = ops.broadcast_to(ops.arange(length, dtype="int32")[None, :], ops.shape(input_ids))
+        mask = causal_mask(attention_mask, 0, input_ids.shape[1])
+        logits, _ = self._forward(input_ids, position_ids, mask)
+        return CausalLMOutput(logits)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None):
+        """Zero cache `L x (k, v) [B, H, S, D]`."""
+        return cache_lib.init_cache(self.config.num_layers, batch_size, self.config.num_heads, max_length,
+                                    self.config.head_dim, dtype or self.compute_dtype)
+
+    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False):
+        """Runs `token_ids` written at `cache_index` against the static cache.
+
+        Args:
+            token_ids: int32 `[B, T]` (the prompt on the first call, one token per step after).
+            cache: From `init_cache`, `[B, H, S, D]` per layer.
+            cache_index: int32 scalar tensor, the write offset.
+            attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
+            last_only: Compute logits for the last token only (`T` becomes 1 in the output).
+
+        Returns:
+            `(logits float32 [B, T, V], updated cache)`.
+        """
+        num_tokens = token_ids.shape[1]
+        positions = positions_at(attention_mask, cache_index, num_tokens)
+        mask = causal_mask(attention_mask, cache_index, num_tokens)
+        return self._forward(token_ids, positions, mask, cache, cache_index, last_only)

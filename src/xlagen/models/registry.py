@@ -1,0 +1,27 @@
+"""model_type (from config.json) -> the architecture classes and their weight table."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from xlagen.models import gpt2
+from xlagen.weights import gpt2 as gpt2_weights
+
+
+class Architecture(NamedTuple):
+    """Everything xlagen needs to build and load one model_type."""
+
+    config_class: type
+    model_class: type
+    weights: object  # module with rules(config), ignore(config), PREFIX
+
+
+CAUSAL_LM = {"gpt2": Architecture(gpt2.GPT2Config, gpt2.GPT2LMHead, gpt2_weights)}
+
+
+def lookup(model_type: str | None, table: dict[str, Architecture], task: str) -> Architecture:
+    """The architecture for `model_type`, or a ValueError naming the supported ones."""
+    if model_type not in table:
+        raise ValueError(f"model_type {model_type!r} is not supported for {task}; xlagen supports: "
+                         f"{', '.join(sorted(table))}")
+    return table[model_type]

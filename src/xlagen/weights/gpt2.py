@@ -1,0 +1,42 @@
+"""GPT-2: transformers tensor names -> xlagen variable paths.
+
+GPT-2 stores its projections as Conv1D weights `[in, out]`, which is already Keras' Dense layout, so
+no transposes are needed; the fused `c_attn` maps onto our fused `qkv` kernel unchanged.
+"""
+
+from __future__ import annotations
+
+from xlagen.weights.loader import Rule, transpose
+
+# GPT2LMHeadModel prefixes the trunk with "transformer."; a bare GPT2Model checkpoint does not.
+PREFIX = "transformer."
+
+# Non-persistent buffers older checkpoints still carry.
+IGNORE = (r"h\.\d+\.attn\.(masked_)?bias",)
+
+
+def rules(config) -> list[Rule]:
+    """The conversion table for a `GPT2Config`."""
+    table = [Rule("token_embedding/embeddings", ("wte.weight",)),
+             Rule("position_embedding/embeddings", ("wpe.weight",)),
+             Rule("final_norm/gamma", ("ln_f.weight",)),
+             Rule("final_norm/beta", ("ln_f.bias",))]
+    for i in range(config.num_layers):
+        ours, theirs = f"block_{i}/", f"h.{i}."
+        pairs = {"attention_norm/gamma": "ln_1.weight", "attention_norm/beta": "ln_1.bias",
+                 "attention/qkv/kernel": "attn.c_attn.weight", "attention/qkv/bias": "attn.c_attn.bias",
+                 "attention/output_projection/kernel": "attn.c_proj.weight",
+                 "attention/output_projection/bias": "attn.c_proj.bias",
+                 "mlp_norm/gamma": "ln_2.weight", "mlp_norm/beta": "ln_2.bias",
+                 "mlp/input_projection/kernel": "mlp.c_fc.weight", "mlp/input_projection/bias": "mlp.c_fc.bias",
+                 "mlp/output_projection/kernel": "mlp.c_proj.weight",
+                 "mlp/output_projection/bias": "mlp.c_proj.bias"}
+        table += [Rule(ours + target, (theirs + source,)) for target, source in pairs.items()]
+    if not config.tie_word_embeddings:
+        table.append(Rule("lm_head/kernel", ("lm_head.weight",), transpose))
+    return table
+
+
+def ignore(config) -> tuple[str, ...]:
+    """HF tensors to skip: buffers, and the LM head when it is tied to the embedding."""
+    return IGNORE + ((r"lm_head\.weight",) if config.tie_word_embeddings else ())
