@@ -11,7 +11,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from xlagen import cache as cache_lib
-from xlagen.generation.loop import Plan, is_eos, write_column
+from xlagen.generation.loop import Plan, is_eos, model_ids, write_column
 from xlagen.generation.sampling import Context, apply_processors
 
 BIG_NEGATIVE = -1.0e9
@@ -62,7 +62,7 @@ def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptio
     batch = tf.shape(input_ids)[0]
     total = prompt_length + plan.max_new_tokens
     keep = max(2, 1 + len(plan.eos_ids)) * num_beams
-    logits, decoder_state = model.prefill(input_ids, attention_mask, total)
+    logits, decoder_state = model.prefill(model_ids(input_ids, attention_mask), attention_mask, total)
     vocab = logits.shape[-1]
     # Every beam starts from the same prompt: run it once, then repeat rows K times.
     repeat = tf.repeat(tf.range(batch), num_beams)

@@ -10,7 +10,7 @@ from typing import Callable, NamedTuple
 import tensorflow as tf
 from keras import ops
 
-from xlagen.generation.sampling import Context, Processor, apply_processors
+from xlagen.generation.sampling import Context, Processor, apply_processors, fold_seed
 
 
 class Plan(NamedTuple):
@@ -54,9 +54,13 @@ def is_eos(ids: tf.Tensor, eos_ids: tuple[int, ...]) -> tf.Tensor:
     return tf.reduce_any(tf.equal(ids[..., None], tf.constant(eos_ids, ids.dtype)), axis=-1)
 
 
-def step_seed(seed: tf.Tensor, index) -> tf.Tensor:
-    """A distinct stateless seed `[2]` for each step."""
-    return tf.random.experimental.stateless_fold_in(seed, tf.cast(index, tf.int32))
+def model_ids(ids: tf.Tensor, real: tf.Tensor) -> tf.Tensor:
+    """Ids to feed the model: positions that are not `real` (padding, rows already finished) become 0.
+
+    Their outputs are never used, and this keeps pad ids outside the vocabulary (e.g. a `</s>` pad
+    token added to GPT-2's tokenizer) from indexing past the embedding.
+    """
+    return tf.where(tf.cast(real, tf.bool), ids, tf.zeros_like(ids))
 
 
 def decode(model, input_ids, attention_mask, plan: Plan, seed):
@@ -74,7 +78,7 @@ def decode(model, input_ids, attention_mask, plan: Plan, seed):
     """
     batch, prompt_length = tf.shape(input_ids)[0], input_ids.shape[1]
     total = prompt_length + plan.max_new_tokens
-    logits, decoder_state = model.prefill(input_ids, attention_mask, total)
+    logits, decoder_state = model.prefill(model_ids(input_ids, attention_mask), attention_mask, total)
     vocab = logits.shape[-1]
     tokens = tf.concat([input_ids, tf.fill([batch, plan.max_new_tokens], tf.constant(plan.pad_id, tf.int32))], 1)
     score_steps = plan.max_new_tokens if plan.output_scores else 0
@@ -83,7 +87,7 @@ def decode(model, input_ids, attention_mask, plan: Plan, seed):
 
     def choose(state: LoopState, logits) -> LoopState:
         scores = apply_processors(plan.processors, logits, Context(state.tokens, state.index))
-        ids = plan.select(scores, step_seed(seed, state.index))
+        ids = plan.select(scores, fold_seed(seed, state.index))
         ids = tf.where(state.done, tf.constant(plan.pad_id, tf.int32), ids)
         kept = state.scores
         if plan.output_scores:
@@ -95,7 +99,7 @@ def decode(model, input_ids, attention_mask, plan: Plan, seed):
         return (state.index < total) & tf.logical_not(tf.reduce_all(state.done))
 
     def body(state: LoopState):
-        last = tf.gather(state.tokens, [state.index - 1], axis=1)  # [B, 1]
+        last = model_ids(tf.gather(state.tokens, [state.index - 1], axis=1), ~state.done[:, None])  # [B, 1]
         logits, decoder_state = model.decode_step(last, state.index - 1, state.decoder_state)
         return (choose(state._replace(decoder_state=decoder_state), logits),)
 

@@ -161,6 +161,34 @@ def select_greedy(scores: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
     return tf.argmax(scores, axis=-1, output_type=tf.int32)
 
 
+def _mix(h: tf.Tensor) -> tf.Tensor:
+    """MurmurHash3's 32-bit finaliser: a bijective avalanche of uint32 values."""
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 16)) * tf.constant(0x85EBCA6B, tf.uint32)
+    h = tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 13)) * tf.constant(0xC2B2AE35, tf.uint32)
+    return tf.bitwise.bitwise_xor(h, tf.bitwise.right_shift(h, 16))
+
+
+def fold_seed(seed: tf.Tensor, value) -> tf.Tensor:
+    """A new int32 seed `[2]` derived from `seed` `[2]` and an int32 `value` (e.g. the step)."""
+    words = tf.bitcast(tf.cast(seed, tf.int32), tf.uint32)
+    folded = _mix(words[1] ^ _mix(tf.bitcast(tf.cast(value, tf.int32), tf.uint32) + words[0]))
+    return tf.bitcast(tf.stack([_mix(words[0]), folded]), tf.int32)
+
+
+def counter_uniform(shape, seed: tf.Tensor) -> tf.Tensor:
+    """float32 uniforms in (0, 1) from a counter-based hash of `seed` `[2]`.
+
+    TensorFlow's stateless random ops give different numbers under XLA than eagerly even with the same
+    algorithm; integer hashing is exact in both, so a seed gives the same tokens eager and compiled.
+    """
+    words = tf.bitcast(tf.cast(seed, tf.int32), tf.uint32)
+    counter = tf.cast(tf.range(tf.reduce_prod(shape)), tf.uint32)
+    bits = _mix(counter * tf.constant(0x9E3779B1, tf.uint32) + _mix(words[0] + _mix(words[1])))
+    uniform = (tf.cast(tf.bitwise.right_shift(bits, 8), tf.float32) + 0.5) * (1.0 / 2**24)
+    return tf.reshape(uniform, shape)
+
+
 def select_sample(scores: tf.Tensor, seed: tf.Tensor) -> tf.Tensor:
-    """One id per row drawn from softmax(scores) with a stateless RNG seeded by `seed` `[2]`."""
-    return tf.reshape(tf.random.stateless_categorical(scores, 1, seed, dtype=tf.int32), [-1])
+    """One id per row drawn from softmax(scores) (Gumbel-max), reproducible for a seed `[2]`."""
+    gumbel = -tf.math.log(-tf.math.log(counter_uniform(tf.shape(scores), seed)))
+    return tf.argmax(scores + gumbel, axis=-1, output_type=tf.int32)

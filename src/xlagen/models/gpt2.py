@@ -3,6 +3,8 @@
 Must match transformers' `models/gpt2/modeling_gpt2.py` (GPT2LMHeadModel) on the same checkpoint.
 Known divergences: `reorder_and_upcast_attn` only changes float16 numerics in the reference; here all
 attention scores are computed in float32 anyway, so both settings give the reference's float32 result.
+transformers' default SDPA attention path ignores `scale_attn_weights=False` and
+`scale_attn_by_inverse_layer_idx=True`; xlagen follows its "eager" attention, which honours both.
 Dropout is not applied (inference only for now).
 """
 

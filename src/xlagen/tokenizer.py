@@ -1,0 +1,499 @@
+"""Fast tokenizers with the transformers 4.x API, as a thin layer over the `tokenizers` library.
+
+Reference: transformers' `PreTrainedTokenizerFast` / `GPT2TokenizerFast` (4.57). A checkpoint folder
+is read from `tokenizer.json`, or else from GPT-2-style `vocab.json` + `merges.txt`, with the special
+tokens and settings of `tokenizer_config.json` and `special_tokens_map.json`.
+
+Known divergences from transformers:
+  * Tensors (`return_tensors="np"` or `"tf"`) are int32; transformers gives int64 for "np".
+  * Tensors of unequal lengths raise a ValueError for "np" too (transformers builds an object array).
+  * Only `input_ids` and `attention_mask` are returned (never `token_type_ids`); text pairs and
+    `return_tensors="pt"` are not supported.
+  * Setting a special token missing from the vocabulary (`tok.pad_token = "<pad>"`) adds it, as
+    `from_pretrained(pad_token=...)` does; transformers' setter does not (its id becomes unk's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+logger = logging.getLogger(__name__)
+
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_NO_MAX_LENGTH = int(1e30)  # transformers' VERY_LARGE_INTEGER: the checkpoint sets no limit.
+_LARGE_LENGTH = int(1e20)  # transformers' LARGE_INTEGER: above this, model_max_length counts as unset.
+# Special tokens that transformers' tokenizer classes supply when a checkpoint leaves them out
+# (openai-community/gpt2's tokenizer_config.json holds nothing but model_max_length).
+_ENDOFTEXT = {name: "<|endoftext|>" for name in ("bos_token", "eos_token", "unk_token")}
+_CLASS_DEFAULTS = {"GPT2Tokenizer": _ENDOFTEXT, "WhisperTokenizer": _ENDOFTEXT,
+                   "T5Tokenizer": {"eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>"}}
+# The tokenizer class of a checkpoint whose tokenizer_config.json names none, by config.json model_type.
+_MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "opt": "GPT2Tokenizer", "t5": "T5Tokenizer",
+                       "whisper": "WhisperTokenizer"}
+# tokenizer_config.json keys that change the output in ways this module does not implement.
+_UNSUPPORTED_FLAGS = ("add_eos_token", "split_special_tokens")
+# Keys not copied to a saved tokenizer_config.json: stored in tokenizer.json, or stale once saved.
+_NOT_PASSED_THROUGH = frozenset({"added_tokens_decoder", "tokenizer_file", "vocab_file", "merges_file",
+                                 "name_or_path", "special_tokens_map_file"})
+# transformers' `clean_up_tokenization` (decode, when the checkpoint asks for it).
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
+             (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """Special tokens and settings of a tokenizer (tokenizer_config.json + special_tokens_map.json).
+
+    Special tokens are strings, or None when the checkpoint has none. `model_max_length` 1e30 means
+    no limit. `tokenizer_class` is transformers' class name, saved so that transformers can load the
+    folder; `passthrough` holds the other tokenizer_config.json keys, saved back unchanged.
+    """
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    unk_token: str | None = None
+    sep_token: str | None = None
+    pad_token: str | None = None
+    cls_token: str | None = None
+    mask_token: str | None = None
+    additional_special_tokens: tuple[str, ...] = ()
+    padding_side: str = "right"
+    truncation_side: str = "right"
+    model_max_length: int = _NO_MAX_LENGTH
+    clean_up_tokenization_spaces: bool = False
+    tokenizer_class: str = "PreTrainedTokenizerFast"
+    passthrough: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("padding_side", "truncation_side"):
+            if getattr(self, name) not in ("left", "right"):
+                raise ValueError(f"{name} must be 'left' or 'right', got {getattr(self, name)!r}.")
+
+    @classmethod
+    def from_hf_config(cls, values: dict[str, Any]) -> TokenizerConfig:
+        """Builds the config from merged tokenizer files; raises ValueError on unsupported settings."""
+        for key in _UNSUPPORTED_FLAGS:
+            if values.get(key):
+                raise ValueError(f"tokenizer_config.json sets {key}=true, which xlagen does not support.")
+        fields = {field.name for field in dataclasses.fields(cls)}
+        return cls(
+            **{name: _content(values.get(name)) for name in SPECIAL_TOKEN_NAMES},
+            additional_special_tokens=tuple(_content(t) for t in values.get("additional_special_tokens") or ()),
+            padding_side=values.get("padding_side") or "right",
+            truncation_side=values.get("truncation_side") or "right",
+            model_max_length=int(values.get("model_max_length") or _NO_MAX_LENGTH),
+            clean_up_tokenization_spaces=bool(values.get("clean_up_tokenization_spaces", False)),
+            tokenizer_class=values.get("tokenizer_class") or "PreTrainedTokenizerFast",
+            passthrough={k: v for k, v in values.items() if k not in fields and k not in _NOT_PASSED_THROUGH},
+        )
+
+
+class BatchEncoding(dict):
+    """The output of a tokenizer call: a dict that also allows `enc.input_ids` (`model.generate(**enc)`)."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _special_properties(name: str) -> tuple[property, property]:
+    """The `<name>` attribute (settable; a new token is registered as special) and `<name>_id` (read-only)."""
+    def get_id(self):
+        token = getattr(self.config, name)
+        return None if token is None else self.convert_tokens_to_ids(token)
+    words = name.replace("_", " ")
+    return (property(lambda self: getattr(self.config, name), lambda self, value: self._set_special(name, value),
+                     doc=f"The {words} (None if there is none)."),
+            property(get_id, doc=f"The id of the {words} (None if there is none)."))
+
+
+class PreTrainedTokenizerFast:
+    """A `tokenizers.Tokenizer` with transformers' fast-tokenizer API for generation.
+
+    Args:
+        backend: The tokenizer doing the work. Its own padding and truncation are switched off (this
+            class does both) and the special tokens are registered on it.
+        config: Special tokens and settings.
+        added_tokens: Tokens to register first, in order (e.g. with the checkpoint's lstrip/rstrip).
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, config: TokenizerConfig,
+                 added_tokens: Sequence[tokenizers.AddedToken] = ()):
+        self._backend = backend
+        self._backend.no_padding()
+        self._backend.no_truncation()
+        self.config = config
+        self._register(list(added_tokens) + self.all_special_tokens)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike[str], *, padding_side: str | None = None,
+                        pad_token: str | None = None, revision: str | None = None,
+                        cache_dir: str | os.PathLike[str] | None = None, local_files_only: bool = False,
+                        **special_token_overrides: str) -> PreTrainedTokenizerFast:
+        """Loads the tokenizer of a local folder or Hub repo.
+
+        Args:
+            name_or_path: A local folder, or a Hub repo id such as "gpt2".
+            padding_side: "left" (for batched generation) or "right"; default: the checkpoint's.
+            pad_token: Padding token, e.g. "</s>"; if missing from the vocabulary it is added as a
+                special token with the next free id (so its id is >= `vocab_size`).
+            revision: Branch, tag or commit of a Hub repo.
+            cache_dir: Hugging Face cache folder.
+            local_files_only: Never touch the network.
+            **special_token_overrides: Any of `bos_token`, `eos_token`, `unk_token`, `sep_token`,
+                `cls_token`, `mask_token`, `additional_special_tokens`.
+
+        Raises:
+            OSError: If the folder cannot be resolved or holds no tokenizer files.
+            TypeError: If an unknown keyword argument is given.
+            ValueError: If `padding_side` is invalid, or the checkpoint needs something unsupported.
+        """
+        from xlagen.hub import resolve_model_dir  # Lazy: it imports huggingface_hub.
+
+        unknown = set(special_token_overrides) - {*SPECIAL_TOKEN_NAMES, "additional_special_tokens"}
+        if unknown:
+            raise TypeError(f"Unexpected keyword arguments {sorted(unknown)}; the special tokens accepted are "
+                            f"{[*SPECIAL_TOKEN_NAMES, 'additional_special_tokens']}.")
+        folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
+                                   local_files_only=local_files_only)
+        hf_config = _read_json(folder / "tokenizer_config.json")
+        overrides = dict(special_token_overrides, pad_token=pad_token, padding_side=padding_side)
+        values = _merge_settings(hf_config, _read_json(folder / "special_tokens_map.json"),
+                                 _read_json(folder / "config.json").get("model_type"),
+                                 {key: value for key, value in overrides.items() if value is not None})
+        backend = _load_backend(folder, hf_config, _content(values.get("bos_token")))
+        decoder = sorted(hf_config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0]))
+        tokens = [values.get(name) for name in SPECIAL_TOKEN_NAMES] + values["additional_special_tokens"]
+        added = [_added_token(entry) for _, entry in decoder]
+        added += [_added_token(token) for token in tokens if isinstance(token, dict)]
+        return cls(backend, TokenizerConfig.from_hf_config(values), added)
+
+    bos_token, bos_token_id = _special_properties("bos_token")
+    eos_token, eos_token_id = _special_properties("eos_token")
+    unk_token, unk_token_id = _special_properties("unk_token")
+    sep_token, sep_token_id = _special_properties("sep_token")
+    pad_token, pad_token_id = _special_properties("pad_token")
+    cls_token, cls_token_id = _special_properties("cls_token")
+    mask_token, mask_token_id = _special_properties("mask_token")
+
+    @property
+    def padding_side(self) -> str:
+        """Where padding goes: "left" or "right" (settable)."""
+        return self.config.padding_side
+
+    @padding_side.setter
+    def padding_side(self, value: str) -> None:
+        self.config = dataclasses.replace(self.config, padding_side=value)
+
+    @property
+    def model_max_length(self) -> int:
+        """Longest input the model accepts; 1e30 when the checkpoint sets no limit."""
+        return self.config.model_max_length
+
+    @property
+    def vocab_size(self) -> int:
+        """Size of the base vocabulary, without added tokens (as in transformers)."""
+        return self._backend.get_vocab_size(with_added_tokens=False)
+
+    def __len__(self) -> int:
+        """Size of the full vocabulary, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def all_special_tokens(self) -> list[str]:
+        """The special tokens without repeats: bos, eos, unk, sep, pad, cls, mask, then the additional ones."""
+        tokens = [getattr(self.config, name) for name in SPECIAL_TOKEN_NAMES]
+        tokens += self.config.additional_special_tokens
+        return list(dict.fromkeys(token for token in tokens if token is not None))
+
+    @property
+    def all_special_ids(self) -> list[int]:
+        """The ids of `all_special_tokens`."""
+        return self.convert_tokens_to_ids(self.all_special_tokens)
+
+    def get_vocab(self) -> dict[str, int]:
+        """Returns the token -> id mapping, added tokens included."""
+        return self._backend.get_vocab(with_added_tokens=True)
+
+    def convert_tokens_to_ids(self, tokens: str | Iterable[str]) -> int | None | list[int | None]:
+        """Maps a token (or a list of tokens) to ids; unknown tokens map to `unk_token_id`."""
+        if isinstance(tokens, str):
+            token_id = self._backend.token_to_id(tokens)
+            if token_id is None and self.config.unk_token is not None:
+                return self._backend.token_to_id(self.config.unk_token)
+            return token_id
+        return [self.convert_tokens_to_ids(token) for token in tokens]
+
+    def convert_ids_to_tokens(self, ids: int | Iterable[int],
+                              skip_special_tokens: bool = False) -> str | None | list[str | None]:
+        """Maps an id (or a sequence of ids) to tokens, optionally dropping special tokens from a sequence."""
+        if isinstance(ids, (int, np.integer)):
+            return self._backend.id_to_token(int(ids))
+        skip = set(self.all_special_ids) if skip_special_tokens else set()
+        return [self._backend.id_to_token(i) for i in _to_id_list(ids) if i not in skip]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Returns the ids of one text, without padding or truncation."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def __call__(self, text: str | Sequence[str], *, padding: bool | str = False,
+                 truncation: bool | str | None = None, max_length: int | None = None,
+                 pad_to_multiple_of: int | None = None, return_tensors: str | None = None,
+                 return_attention_mask: bool = True, add_special_tokens: bool = True) -> BatchEncoding:
+        """Tokenizes one text or a batch (the keyword arguments are transformers').
+
+        Args:
+            text: A string, or a list of strings (a batch).
+            padding: True or "longest" pads to the longest sequence of the batch, "max_length" to
+                `max_length` (or `model_max_length`); False or "do_not_pad" does not pad.
+            truncation: True, "longest_first" or "only_first" cuts sequences (special tokens
+                included) to `max_length` or `model_max_length`. None (the default) truncates only
+                when `max_length` is given and `padding` is False, as in transformers.
+            max_length: Length to pad and/or truncate to.
+            pad_to_multiple_of: Round the padded length up to a multiple of this.
+            return_tensors: None for Python lists, "np" for numpy arrays, "tf" for `tf.Tensor`s.
+            return_attention_mask: Whether to return `attention_mask` (1 for tokens, 0 for padding).
+            add_special_tokens: Whether to add the checkpoint's special tokens (e.g. OPT's bos).
+
+        Returns:
+            A `BatchEncoding` with `input_ids` and `attention_mask`: a list of ints for a single
+            string, a list of lists for a batch, or int32 tensors [B, T] ([1, T] for a string).
+
+        Raises:
+            ValueError: On padding without a pad token, tensors of unequal lengths, or bad values.
+            TypeError: If `text` is not a string or a list of strings.
+        """
+        if return_tensors not in (None, "np", "tf"):
+            raise ValueError(f"return_tensors must be None, 'np' or 'tf', got {return_tensors!r}.")
+        texts = [text] if isinstance(text, str) else list(text)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("text must be a string or a list of strings (text pairs are not supported).")
+        pad_mode, truncate, max_length = self._strategies(padding, truncation, max_length, pad_to_multiple_of)
+        rows = self._encode_batch(texts, add_special_tokens, max_length if truncate else None)
+        masks = [[1] * len(row) for row in rows]
+        if pad_mode is not None:
+            target = max(map(len, rows), default=0) if pad_mode == "longest" else max_length
+            if pad_to_multiple_of:
+                target = -(-target // pad_to_multiple_of) * pad_to_multiple_of
+            left = self.config.padding_side == "left"
+            rows = [_pad(row, target, self.pad_token_id, left) for row in rows]
+            masks = [_pad(mask, target, 0, left) for mask in masks]
+        outputs = {"input_ids": rows, "attention_mask": masks} if return_attention_mask else {"input_ids": rows}
+        return BatchEncoding({key: _format(value, return_tensors, unbatched=isinstance(text, str))
+                              for key, value in outputs.items()})
+
+    def decode(self, token_ids: Any, skip_special_tokens: bool = False,
+               clean_up_tokenization_spaces: bool | None = None) -> str:
+        """Turns one sequence of ids back into text.
+
+        Args:
+            token_ids: An int, a list, a numpy array or a `tf.Tensor` of shape [T].
+            skip_special_tokens: Drop special tokens (padding, eos, ...) from the text.
+            clean_up_tokenization_spaces: Remove spaces before punctuation; defaults to the checkpoint's.
+
+        Returns:
+            The text.
+        """
+        return self.batch_decode([token_ids], skip_special_tokens, clean_up_tokenization_spaces)[0]
+
+    def batch_decode(self, sequences: Any, skip_special_tokens: bool = False,
+                     clean_up_tokenization_spaces: bool | None = None) -> list[str]:
+        """Turns a batch of sequences ([B, T] array or tensor, or a list of lists) into texts; see `decode`."""
+        if hasattr(sequences, "numpy"):
+            sequences = sequences.numpy()
+        texts = self._backend.decode_batch([_to_id_list(sequence) for sequence in sequences],
+                                           skip_special_tokens=skip_special_tokens)
+        if clean_up_tokenization_spaces is None:
+            clean_up_tokenization_spaces = self.config.clean_up_tokenization_spaces
+        for before, after in _CLEANUPS if clean_up_tokenization_spaces else ():
+            texts = [text.replace(before, after) for text in texts]
+        return texts
+
+    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> tuple[str, ...]:
+        """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (transformers' format).
+
+        Args:
+            save_directory: Folder to write to; created if needed.
+
+        Returns:
+            The paths of the written files.
+        """
+        folder = pathlib.Path(save_directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        special = {name: getattr(self.config, name) for name in SPECIAL_TOKEN_NAMES
+                   if getattr(self.config, name) is not None}
+        if self.config.additional_special_tokens:
+            special["additional_special_tokens"] = list(self.config.additional_special_tokens)
+        settings = {name: getattr(self.config, name) for name in (
+            "padding_side", "truncation_side", "model_max_length", "clean_up_tokenization_spaces", "tokenizer_class")}
+        paths = [folder / "tokenizer.json", folder / "tokenizer_config.json", folder / "special_tokens_map.json"]
+        self._backend.save(str(paths[0]))
+        for path, content in zip(paths[1:], ({**self.config.passthrough, **special, **settings}, special)):
+            path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return tuple(str(path) for path in paths)
+
+    def _set_special(self, name: str, value: str | None) -> None:
+        """Sets a special token, adding it to the backend if it is new."""
+        self.config = dataclasses.replace(self.config, **{name: _content(value)})
+        self._register([getattr(self.config, name)] if value is not None else [])
+
+    def _register(self, tokens: Iterable[str | tokenizers.AddedToken]) -> None:
+        """Adds tokens that are not added tokens of the backend yet as special tokens (new ones get the next ids)."""
+        known = {token.content for token in self._backend.get_added_tokens_decoder().values()}
+        for token in tokens:
+            token = tokenizers.AddedToken(token, special=True) if isinstance(token, str) else token
+            if token.content not in known:
+                self._backend.add_special_tokens([token])
+                known.add(token.content)
+
+    def _strategies(self, padding, truncation, max_length, pad_to_multiple_of):
+        """Resolves `__call__` arguments as transformers does: (pad mode or None, truncate?, max_length)."""
+        if padding not in (False, None, True, "do_not_pad", "longest", "max_length"):
+            raise ValueError(f"padding must be True, False, 'longest', 'max_length' or 'do_not_pad', got {padding!r}.")
+        if truncation not in (None, False, True, "do_not_truncate", "longest_first", "only_first"):
+            raise ValueError(f"truncation must be True, False or 'longest_first', got {truncation!r}.")
+        if max_length is not None and padding is False and truncation is None:
+            logger.warning("max_length is given without truncation=True: truncating, as transformers does.")
+            truncation = True
+        pad_mode = {True: "longest", "longest": "longest", "max_length": "max_length"}.get(padding)
+        truncate = truncation in (True, "longest_first", "only_first")
+        if max_length is None and (pad_mode == "max_length" or truncate):
+            if self.config.model_max_length > _LARGE_LENGTH:
+                logger.warning("No max_length given and the checkpoint sets no model_max_length: "
+                               "not padding to a maximum length and not truncating.")
+                pad_mode, truncate = (None if pad_mode == "max_length" else pad_mode), False
+            else:
+                max_length = self.config.model_max_length
+        if pad_mode is not None and self.pad_token is None:
+            raise ValueError("Asking to pad, but the tokenizer has no pad token. Load it with "
+                             "AutoTokenizer.from_pretrained(..., pad_token=...) (e.g. pad_token=\"</s>\"), "
+                             "or set tokenizer.pad_token = tokenizer.eos_token.")
+        if truncate and pad_mode and pad_to_multiple_of and max_length % pad_to_multiple_of:
+            raise ValueError(f"Truncation and padding are both on, but the truncation length ({max_length}) "
+                             f"is not a multiple of pad_to_multiple_of ({pad_to_multiple_of}).")
+        return pad_mode, truncate, max_length
+
+    def _encode_batch(self, texts: list[str], add_special_tokens: bool, length: int | None) -> list[list[int]]:
+        """Encodes texts, each cut to `length` ids special tokens included (on the truncation side)."""
+        if length is None:
+            return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        budget = length - (self._backend.num_special_tokens_to_add(False) if add_special_tokens else 0)
+        if budget < 0:
+            raise ValueError(f"max_length={length} leaves no room for the special tokens.")
+        encodings = self._backend.encode_batch(texts, add_special_tokens=False)
+        for encoding in encodings:
+            encoding.truncate(budget, direction=self.config.truncation_side)
+        return [self._backend.post_process(e, None, add_special_tokens).ids for e in encodings]
+
+
+GPT2TokenizerFast = PreTrainedTokenizerFast
+
+
+class AutoTokenizer:
+    """transformers' entry point: `AutoTokenizer.from_pretrained(...)` returns a `PreTrainedTokenizerFast`."""
+
+    from_pretrained = PreTrainedTokenizerFast.from_pretrained
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    """Reads a JSON file, or returns {} when it does not exist."""
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _content(value: Any) -> Any:
+    """The string of a special-token value, which checkpoints store as a string or {"content": ...}."""
+    return value["content"] if isinstance(value, dict) else value
+
+
+def _added_token(entry: str | dict[str, Any]) -> tokenizers.AddedToken:
+    """Builds a special AddedToken from a string or a transformers added-token dict."""
+    if isinstance(entry, str):
+        return tokenizers.AddedToken(entry, special=True)
+    flags = {key: entry[key] for key in ("single_word", "lstrip", "rstrip", "normalized") if key in entry}
+    return tokenizers.AddedToken(entry["content"], special=entry.get("special", True), **flags)
+
+
+def _merge_settings(hf_config: dict, special_map: dict, model_type: str | None, overrides: dict) -> dict:
+    """Layers settings as transformers does: class defaults < tokenizer_config < special_tokens_map < arguments."""
+    tokenizer_class = hf_config.get("tokenizer_class") or _MODEL_TYPE_CLASSES.get(model_type) or ""
+    tokenizer_class = tokenizer_class.removesuffix("Fast")
+    values = {**_CLASS_DEFAULTS.get(tokenizer_class, {}), **hf_config, "tokenizer_class": tokenizer_class}
+    additional = list(values.get("additional_special_tokens") or ())
+    contents = {_content(token) for token in additional}
+    additional += [t for t in special_map.get("additional_special_tokens") or () if _content(t) not in contents]
+    values.update(special_map, additional_special_tokens=additional)
+    values.update(overrides)
+    return values
+
+
+def _load_backend(folder: pathlib.Path, hf_config: dict[str, Any], bos_token: str | None) -> tokenizers.Tokenizer:
+    """Reads tokenizer.json, or builds GPT-2's byte-level BPE tokenizer from vocab.json + merges.txt."""
+    add_prefix_space = bool(hf_config.get("add_prefix_space", False))
+    if (folder / "tokenizer.json").is_file():
+        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        # transformers makes a pre-tokenizer that has this flag (ByteLevel; not Metaspace, whose
+        # legacy flag is re-serialized as prepend_scheme) follow tokenizer_config.json, default False.
+        state = json.loads(backend.to_str())
+        if (state.get("pre_tokenizer") or {}).get("add_prefix_space", add_prefix_space) != add_prefix_space:
+            state["pre_tokenizer"]["add_prefix_space"] = add_prefix_space
+            backend = tokenizers.Tokenizer.from_str(json.dumps(state))
+        return backend
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    if not (vocab.is_file() and merges.is_file()):
+        raise OSError(f"No tokenizer files in '{folder}': looked for tokenizer.json, or for vocab.json "
+                      "together with merges.txt.")
+    backend = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
+    backend.decoder = decoders.ByteLevel()
+    if hf_config.get("add_bos_token") and bos_token is not None:  # OPT prepends its bos, "</s>".
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos_token}:0 $A:0", pair=f"{bos_token}:0 $A:0 $B:1",
+            special_tokens=[(bos_token, backend.token_to_id(bos_token))])
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return backend
+
+
+def _pad(row: list[int], length: int, value: int, left: bool) -> list[int]:
+    """Pads `row` with `value` up to `length` on the left or the right."""
+    padding = [value] * max(length - len(row), 0)
+    return padding + row if left else row + padding
+
+
+def _to_id_list(token_ids: Any) -> list[int]:
+    """Converts one id sequence (int, list, numpy array, tf.Tensor) to a list of Python ints."""
+    if hasattr(token_ids, "numpy"):
+        token_ids = token_ids.numpy()
+    array = np.asarray(token_ids)
+    if array.size == 0:
+        return []
+    if array.ndim > 1 or not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"Expected one sequence of integer ids, got shape {array.shape} and dtype {array.dtype}.")
+    return array.reshape(-1).tolist()
+
+
+def _format(rows: list[list[int]], return_tensors: str | None, unbatched: bool) -> Any:
+    """Packs rows as lists (one list for a single string) or as an int32 [B, T] tensor."""
+    if return_tensors is None:
+        return rows[0] if unbatched else rows
+    if len({len(row) for row in rows}) > 1:
+        raise ValueError("Unable to create tensors from sequences of different lengths; pass padding=True "
+                         "(and/or truncation=True) to make them the same length.")
+    array = np.array(rows, dtype=np.int32).reshape(len(rows), len(rows[0]) if rows else 0)
+    if return_tensors == "np":
+        return array
+    import tensorflow as tf  # Lazy: this module must stay importable (and testable) without TensorFlow.
+
+    return tf.constant(array)

@@ -1,0 +1,285 @@
+"""Generic, checked conversion of Hugging Face tensors to our variables (numpy only).
+
+A model's weights module (`weights/gpt2.py`, ...) is a pure table of `Rule`s: which HF tensors make
+which of our variables, through which named transform. `convert` applies the table and refuses a
+checkpoint that does not match the model exactly: every missing, unused or misshaped tensor is
+reported together in one `CheckpointMismatchError`, instead of failing on the first one (or,
+worse, leaving a variable at its random initial value).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+Transform = Callable[[list[np.ndarray]], np.ndarray]
+
+_MAX_NAMES_SHOWN = 20
+
+
+def identity(xs: list[np.ndarray]) -> np.ndarray:
+    """Returns the single source unchanged."""
+    (x,) = xs
+    return x
+
+
+def transpose(xs: list[np.ndarray]) -> np.ndarray:
+    """Returns the transpose of the single 2-D source (PyTorch Linear [out, in] -> Keras [in, out])."""
+    (x,) = xs
+    if x.ndim != 2:
+        raise ValueError(f"transpose expects a 2-D tensor, got shape {x.shape}")
+    return x.T
+
+
+def concat_last(xs: list[np.ndarray]) -> np.ndarray:
+    """Concatenates the sources on their last axis (e.g. separate q, k, v kernels -> fused)."""
+    return np.concatenate(xs, axis=-1)
+
+
+def concat_first(xs: list[np.ndarray]) -> np.ndarray:
+    """Concatenates the sources on their first axis."""
+    return np.concatenate(xs, axis=0)
+
+
+def split_last(index: int, parts: int) -> Transform:
+    """Makes a transform taking piece `index` of the single source split in `parts` on its last axis.
+
+    GPT-2 fuses q, k, v in one `c_attn` of shape [in, 3 * out]: `split_last(1, 3)` is the key.
+
+    Args:
+        index: Which piece to return, in `[0, parts)`.
+        parts: Number of equal pieces; must divide the last dimension.
+
+    Returns:
+        A named transform.
+
+    Raises:
+        ValueError: If `index` is out of range.
+    """
+    if not 0 <= index < parts:
+        raise ValueError(f"split_last: index {index} is not in [0, {parts})")
+
+    def transform(xs: list[np.ndarray]) -> np.ndarray:
+        (x,) = xs
+        return np.split(x, parts, axis=-1)[index]
+
+    transform.__name__ = f"split_last({index}, {parts})"
+    return transform
+
+
+def chain(*transforms: Transform) -> Transform:
+    """Makes a transform applying `transforms` in order; the later ones get one source each."""
+    if not transforms:
+        raise ValueError("chain needs at least one transform")
+
+    def transform(xs: list[np.ndarray]) -> np.ndarray:
+        out = transforms[0](xs)
+        for t in transforms[1:]:
+            out = t([out])
+        return out
+
+    transform.__name__ = " -> ".join(_name(t) for t in transforms)
+    return transform
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """How one of our variables is made from HF tensors.
+
+    Attributes:
+        target: Variable path in our model, e.g. "blocks.0.attention.query.kernel".
+        sources: One or more HF tensor names, passed to `transform` in this order.
+        transform: Function from the list of source arrays to the target array.
+    """
+
+    target: str
+    sources: tuple[str, ...]
+    transform: Transform = identity
+
+    def __post_init__(self):
+        if isinstance(self.sources, str):  # Rule("x", "y") would otherwise mean sources 'y'.
+            object.__setattr__(self, "sources", (self.sources,))
+        if not self.sources:
+            raise ValueError(f"Rule for '{self.target}' has no sources")
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's tensors do not match the model's variables.
+
+    Attributes:
+        missing: HF tensor names required by a rule but absent from the checkpoint.
+        unexpected: HF tensor names present but used by no rule and not ignored.
+        mismatched: (target, expected shape, got shape, sources) for each wrong shape.
+        failed: (target, sources, error text) for each transform that raised.
+        unassigned: Expected targets that no rule produces.
+        unknown_targets: Rule targets that are not in `expected`.
+        duplicate_targets: Targets produced by more than one rule.
+    """
+
+    def __init__(self, **problems: list):
+        self.missing = problems.get("missing", [])
+        self.unexpected = problems.get("unexpected", [])
+        self.mismatched = problems.get("mismatched", [])
+        self.failed = problems.get("failed", [])
+        self.unassigned = problems.get("unassigned", [])
+        self.unknown_targets = problems.get("unknown_targets", [])
+        self.duplicate_targets = problems.get("duplicate_targets", [])
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        """Builds the grouped, truncated message."""
+        groups = [
+            ("HF tensors missing from the checkpoint", self.missing),
+            ("unexpected HF tensors (used by no rule; pass ignore= regexes if intended)", self.unexpected),
+            (
+                "shape mismatches",
+                [f"{t}: expected {e}, got {g} from {', '.join(s)}" for t, e, g, s in self.mismatched],
+            ),
+            ("transforms that failed", [f"{t} from {', '.join(s)}: {err}" for t, s, err in self.failed]),
+            ("model variables that no rule produces", self.unassigned),
+            ("rules whose target is not a model variable", self.unknown_targets),
+            ("targets produced by more than one rule", self.duplicate_targets),
+        ]
+        total = sum(len(items) for _, items in groups)
+        lines = [f"checkpoint does not match the model ({total} problems):"]
+        for title, items in groups:
+            if not items:
+                continue
+            items = sorted(items)
+            lines.append(f"  {title} ({len(items)}):")
+            lines.extend(f"    {item}" for item in items[:_MAX_NAMES_SHOWN])
+            if len(items) > _MAX_NAMES_SHOWN:
+                lines.append(f"    ... and {len(items) - _MAX_NAMES_SHOWN} more")
+        return "\n".join(lines)
+
+
+def convert(
+    rules: Iterable[Rule],
+    tensors: Mapping[str, np.ndarray],
+    expected: Mapping[str, Sequence[int]],
+    *,
+    ignore: Sequence[str] = (),
+    dtype: np.dtype | type | None = np.float32,
+) -> dict[str, np.ndarray]:
+    """Builds our variables from HF tensors, checking that the two match exactly.
+
+    Args:
+        rules: The model's conversion table.
+        tensors: HF tensor name -> array, as read by `read_checkpoint`.
+        expected: Our variable path -> shape; every one must be produced by exactly one rule.
+        ignore: Regexes (full match) of HF tensor names that may be present and unused, e.g.
+            `r"h\\.\\d+\\.attn\\.bias"` for GPT-2's saved causal-mask buffers.
+        dtype: Floating-point results are cast to it; None keeps the checkpoint's dtype.
+            Integer and boolean tensors are never cast.
+
+    Returns:
+        Target path -> C-contiguous array of the expected shape.
+
+    Raises:
+        CheckpointMismatchError: (a ValueError) listing every problem at once: missing,
+            unexpected and misshaped tensors, failed transforms, variables with no rule, rules
+            with unknown or duplicate targets.
+        re.error: If an `ignore` pattern is not a valid regex.
+    """
+    rules = list(rules)
+    ignore_res = [re.compile(p) for p in ignore]
+    expected_shapes = {k: tuple(int(d) for d in v) for k, v in expected.items()}
+    targets = [r.target for r in rules]
+    used = {s for r in rules for s in r.sources}
+    problems: dict[str, list] = {
+        "missing": [],
+        "unexpected": [n for n in tensors if n not in used and not any(p.fullmatch(n) for p in ignore_res)],
+        "mismatched": [],
+        "failed": [],
+        "unassigned": sorted(set(expected_shapes) - set(targets)),
+        "unknown_targets": [],
+        "duplicate_targets": sorted(t for t, n in collections.Counter(targets).items() if n > 1),
+    }
+
+    out: dict[str, np.ndarray] = {}
+    for rule in rules:
+        absent = [s for s in rule.sources if s not in tensors]
+        problems["missing"].extend(absent)
+        if rule.target not in expected_shapes:
+            problems["unknown_targets"].append(rule.target)
+            continue
+        if absent:
+            continue
+        try:
+            value = np.asarray(rule.transform([tensors[s] for s in rule.sources]))
+        except Exception as e:  # Reported with all other problems rather than stopping at the first.
+            shapes = ", ".join(f"{s}{tuple(tensors[s].shape)}" for s in rule.sources)
+            text = f"{_name(rule.transform)} on {shapes}: {e}"
+            problems["failed"].append((rule.target, rule.sources, text))
+            continue
+        want = expected_shapes[rule.target]
+        if value.shape != want:
+            problems["mismatched"].append((rule.target, want, value.shape, rule.sources))
+            continue
+        out[rule.target] = _cast(value, dtype)
+
+    problems["missing"] = sorted(set(problems["missing"]))
+    if any(problems.values()):
+        raise CheckpointMismatchError(**problems)
+    return out
+
+
+def normalize_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """Removes `prefix` from the names that carry it and keeps the other names unchanged.
+
+    transformers saves a `GPT2LMHeadModel` as "transformer.h.0...." but a `GPT2Model` as
+    "h.0....": normalizing with prefix "transformer." lets one rule table read both.
+
+    Args:
+        tensors: HF tensor name -> array.
+        prefix: Prefix to remove, including its trailing dot.
+
+    Returns:
+        A new dict; the arrays are not copied.
+
+    Raises:
+        ValueError: If removing the prefix makes two names collide.
+    """
+    out: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        short = name[len(prefix):] if name.startswith(prefix) else name
+        if short in out:
+            raise ValueError(f"both '{short}' and '{prefix}{short}' are in the checkpoint")
+        out[short] = value
+    return out
+
+
+def strip_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
+    """Removes `prefix` from every name, which must all carry it.
+
+    Args:
+        tensors: HF tensor name -> array.
+        prefix: Prefix to remove, including its trailing dot.
+
+    Returns:
+        A new dict; the arrays are not copied.
+
+    Raises:
+        ValueError: If some names lack the prefix.
+    """
+    lacking = sorted(n for n in tensors if not n.startswith(prefix))
+    if lacking:
+        shown = ", ".join(lacking[:_MAX_NAMES_SHOWN])
+        raise ValueError(f"{len(lacking)} tensor names do not start with '{prefix}': {shown}")
+    return {name[len(prefix):]: value for name, value in tensors.items()}
+
+
+def _cast(value: np.ndarray, dtype: np.dtype | type | None) -> np.ndarray:
+    """Casts floating-point arrays to `dtype`; leaves integer and boolean arrays alone."""
+    if dtype is not None and np.issubdtype(value.dtype, np.floating):
+        value = value.astype(dtype, copy=False)
+    return np.ascontiguousarray(value)
+
+
+def _name(transform: Transform) -> str:
+    """The readable name of a transform."""
+    return getattr(transform, "__name__", repr(transform))

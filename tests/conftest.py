@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny Hugging Face checkpoints built here (no downloads), and the PyTorch reference."""
+
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np
+import pytest
+
+CORPUS = [
+    "TensorFlow is an open source platform for machine learning.",
+    "XLA compiles the whole generation loop into one program.",
+    "The quick brown fox jumps over the lazy dog.",
+    "In the beginning God created the heaven and the earth.",
+    "Hello world, hello tokens, hello language models.",
+] * 4
+
+GPT2_BASE = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)
+
+
+def build_bpe_tokenizer(folder, vocab_size: int = 120) -> int:
+    """Trains a byte-level BPE on CORPUS, writes tokenizer.json + tokenizer_config.json; returns its size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    os.makedirs(folder, exist_ok=True)
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    special = "<|endoftext|>"
+    config = {"tokenizer_class": "GPT2Tokenizer", "bos_token": special, "eos_token": special,
+              "unk_token": special, "model_max_length": GPT2_BASE["n_positions"], "add_prefix_space": False}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return tokenizer.get_vocab_size()
+
+
+def save_tiny_gpt2(folder, seed: int = 0, **overrides):
+    """A random transformers GPT2LMHeadModel saved as safetensors; returns the torch model (eval mode)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    # The "eager" attention is transformers' reference math: its SDPA path silently ignores
+    # scale_attn_weights=False and scale_attn_by_inverse_layer_idx.
+    values = {"vocab_size": 64, "bos_token_id": 0, "eos_token_id": 0, **GPT2_BASE, **overrides}
+    config = transformers.GPT2Config(attn_implementation="eager", **values)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    # Larger-than-default weights make the random model's distributions peaked, so greedy and beam
+    # choices are far from ties and EOS and repetitions actually happen.
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() == 2:
+                parameter.mul_(6.0)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def gpt2_checkpoint(tmp_path_factory):
+    """(folder, torch model) of a tiny GPT-2 with a matching BPE tokenizer in the same folder."""
+    folder = tmp_path_factory.mktemp("gpt2")
+    vocab = build_bpe_tokenizer(folder)
+    torch_model = save_tiny_gpt2(folder, vocab_size=vocab, bos_token_id=0, eos_token_id=0)
+    return str(folder), torch_model
+
+
+@pytest.fixture(scope="session")
+def gpt2_model(gpt2_checkpoint):
+    """The xlagen model loaded from `gpt2_checkpoint`."""
+    from xlagen import TFAutoModelForCausalLM
+
+    return TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0])
+
+
+def random_ids(shape, vocab: int, seed: int = 0) -> np.ndarray:
+    # Ids >= 2: a prompt never contains the tiny models' EOS id 0 or the tests' pad id 1 by accident.
+    return np.random.RandomState(seed).randint(2, vocab, shape).astype(np.int32)

@@ -1,0 +1,29 @@
+"""Reference runs of transformers' PyTorch generate and token comparisons."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def hf_generate(model, ids, mask=None, **options):
+    """transformers' generate on numpy inputs; returns numpy tokens (or the output dict)."""
+    mask = np.ones_like(ids) if mask is None else mask
+    with torch.no_grad():
+        out = model.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask), **options)
+    return out if options.get("return_dict_in_generate") else out.numpy()
+
+
+def assert_same_tokens(ours, theirs, pad_id: int):
+    """Equal on transformers' (possibly shorter) output, and only padding after it."""
+    ours = np.asarray(ours)
+    length = theirs.shape[1]
+    assert ours.shape[0] == theirs.shape[0]
+    np.testing.assert_array_equal(ours[:, :length], theirs)
+    assert (ours[:, length:] == pad_id).all(), ours[:, length:]
+
+
+def eos_that_occurs(model, ids, step: int = 3) -> int:
+    """An id the model generates greedily at `step` for row 0, so using it as EOS ends rows early."""
+    out = np.asarray(model.generate(ids, max_new_tokens=step + 1, eos_token_id=None))
+    return int(out[0, ids.shape[1] + step])
