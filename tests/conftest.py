@@ -21,8 +21,9 @@ CORPUS = [
 GPT2_BASE = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)
 
 
-def build_bpe_tokenizer(folder, vocab_size: int = 120) -> int:
-    """Trains a byte-level BPE on CORPUS, writes tokenizer.json + tokenizer_config.json; returns its size."""
+def build_bpe_tokenizer(folder, vocab_size: int = 320) -> int:
+    """Trains a byte-level BPE on CORPUS (256 byte symbols + merges), writes tokenizer.json +
+    tokenizer_config.json; returns its size."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())

@@ -267,16 +267,3 @@ def test_save_pretrained_round_trip(folders, kind, tmp_path):
         assert (loaded.eos_token_id, loaded.bos_token_id, len(loaded)) == (tok.eos_token_id, tok.bos_token_id, len(tok))
         enc = loaded(TEXTS, padding=True, truncation=True, max_length=16)
         assert enc["input_ids"] == tok(TEXTS, padding=True, truncation=True, max_length=16).input_ids
-
-
-def test_module_imports_without_tensorflow():
-    path = pathlib.Path(xtok.__file__)
-    code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('isolated_tokenizer', {str(path)!r})\n"
-        "module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(module)\n"
-        "assert 'tensorflow' not in sys.modules, 'tensorflow imported'\n"
-        "assert 'keras' not in sys.modules, 'keras imported'\n"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,12 +1,35 @@
-"""xlagen: XLA-compiled text generation for TensorFlow with the transformers 4.x TF API."""
+"""xlagen: XLA-compiled text generation for TensorFlow with the transformers 4.x TF API.
 
-from xlagen.generation.api import GenerateOutput
-from xlagen.generation.config import GenerationConfig
-from xlagen.modeling import TFAutoModelForCausalLM, TFGPT2LMHeadModel
-from xlagen.models.gpt2 import GPT2Config
-from xlagen.tokenizer import AutoTokenizer, GPT2TokenizerFast, PreTrainedTokenizerFast
+Names are imported lazily (PEP 562), so `from xlagen import AutoTokenizer` does not load TensorFlow.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoTokenizer", "GPT2Config", "GPT2TokenizerFast", "GenerateOutput", "GenerationConfig",
-           "PreTrainedTokenizerFast", "TFAutoModelForCausalLM", "TFGPT2LMHeadModel", "__version__"]
+_EXPORTS = {
+    "AutoTokenizer": "xlagen.tokenizer",
+    "GPT2TokenizerFast": "xlagen.tokenizer",
+    "PreTrainedTokenizerFast": "xlagen.tokenizer",
+    "GenerationConfig": "xlagen.generation.config",
+    "GenerateOutput": "xlagen.generation.api",
+    "GPT2Config": "xlagen.models.gpt2",
+    "TFAutoModelForCausalLM": "xlagen.modeling",
+    "TFGPT2LMHeadModel": "xlagen.modeling",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'xlagen' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -27,6 +27,8 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from xlagen.weights.checkpoint import read_json
+
 logger = logging.getLogger(__name__)
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -141,7 +143,7 @@ class PreTrainedTokenizerFast:
     def from_pretrained(cls, name_or_path: str | os.PathLike[str], *, padding_side: str | None = None,
                         pad_token: str | None = None, revision: str | None = None,
                         cache_dir: str | os.PathLike[str] | None = None, local_files_only: bool = False,
-                        **special_token_overrides: str) -> PreTrainedTokenizerFast:
+                        use_fast: bool = True, **special_token_overrides: str) -> PreTrainedTokenizerFast:
         """Loads the tokenizer of a local folder or Hub repo.
 
         Args:
@@ -152,6 +154,8 @@ class PreTrainedTokenizerFast:
             revision: Branch, tag or commit of a Hub repo.
             cache_dir: Hugging Face cache folder.
             local_files_only: Never touch the network.
+            use_fast: Accepted for transformers compatibility; only the fast (`tokenizers`) path exists,
+                so `use_fast=False` raises.
             **special_token_overrides: Any of `bos_token`, `eos_token`, `unk_token`, `sep_token`,
                 `cls_token`, `mask_token`, `additional_special_tokens`.
 
@@ -162,6 +166,8 @@ class PreTrainedTokenizerFast:
         """
         from xlagen.hub import resolve_model_dir  # Lazy: it imports huggingface_hub.
 
+        if not use_fast:
+            raise ValueError("xlagen only has fast tokenizers (the `tokenizers` library): drop use_fast=False")
         unknown = set(special_token_overrides) - {*SPECIAL_TOKEN_NAMES, "additional_special_tokens"}
         if unknown:
             raise TypeError(f"Unexpected keyword arguments {sorted(unknown)}; the special tokens accepted are "
@@ -408,8 +414,8 @@ class AutoTokenizer:
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
-    """Reads a JSON file, or returns {} when it does not exist."""
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    """Reads a JSON object file, or returns {} when it does not exist."""
+    return read_json(path.parent, path.name, required=False) or {}
 
 
 def _content(value: Any) -> Any:

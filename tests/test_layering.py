@@ -1,0 +1,68 @@
+"""The import rules of STYLE.md: numpy-only modules stay numpy-only; imports point down the layers."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "xlagen"
+NUMPY_ONLY = ["xlagen.tokenizer", "xlagen.hub", "xlagen.weights.checkpoint", "xlagen.weights.loader",
+              "xlagen.weights.gpt2"]
+# Packages (relative to src/xlagen) allowed to import tensorflow / keras.
+TF_ALLOWED = ("layers", "models", "generation", "cli", "cache.py", "modeling.py", "export.py")
+# module prefix -> xlagen modules it must not import (they sit above it).
+UPWARD = {
+    "layers": ("xlagen.models", "xlagen.generation", "xlagen.modeling", "xlagen.cli"),
+    "models": ("xlagen.generation", "xlagen.modeling", "xlagen.cli"),
+    "generation": ("xlagen.modeling", "xlagen.cli"),
+    "weights": ("xlagen.models", "xlagen.layers", "xlagen.generation", "xlagen.modeling", "xlagen.cli"),
+}
+
+
+def _imports(path: pathlib.Path, module_level_only: bool = False) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in (tree.body if module_level_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("module", NUMPY_ONLY)
+def test_numpy_only_modules_do_not_load_tensorflow(module):
+    code = f"import sys, {module}; assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_public_tokenizer_import_does_not_load_tensorflow():
+    code = "import sys; from xlagen import AutoTokenizer; assert 'tensorflow' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tensorflow_only_where_allowed():
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        relative = path.relative_to(SRC).as_posix()
+        if relative.startswith(TF_ALLOWED):
+            continue
+        # A function-level import (the tokenizer's return_tensors="tf") loads TensorFlow only on demand.
+        if any(name.split(".")[0] in ("tensorflow", "keras") for name in _imports(path, module_level_only=True)):
+            offenders.append(relative)
+    assert not offenders
+
+
+def test_imports_point_down():
+    offenders = []
+    for path in SRC.rglob("*.py"):
+        relative = path.relative_to(SRC).as_posix()
+        forbidden = UPWARD.get(relative.split("/")[0], ())
+        bad = [name for name in _imports(path) if name.startswith(forbidden)]
+        if bad:
+            offenders.append((relative, bad))
+    assert not offenders
