@@ -11,7 +11,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from xlagen import cache as cache_lib
-from xlagen.generation.loop import Plan, is_eos, model_ids, write_column
+from xlagen.generation.loop import Plan, batch_size, is_eos, model_ids, write_column
 from xlagen.generation.sampling import Context, apply_processors
 
 BIG_NEGATIVE = -1.0e9
@@ -59,7 +59,7 @@ def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptio
         with R = num_return_sequences.
     """
     num_beams, prompt_length = options.num_beams, input_ids.shape[1]
-    batch = tf.shape(input_ids)[0]
+    batch = batch_size(input_ids)
     total = prompt_length + plan.max_new_tokens
     keep = max(2, 1 + len(plan.eos_ids)) * num_beams
     logits, decoder_state = model.prefill(model_ids(input_ids, attention_mask), attention_mask, total)
@@ -93,7 +93,8 @@ def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptio
         # Continue with the best K candidates that did not stop.
         continuing = top_scores + tf.cast(hit_stop, tf.float32) * BIG_NEGATIVE
         next_running_scores, chosen = tf.math.top_k(continuing, k=num_beams)
-        parents = tf.reshape(_gather_beams(source_beams, chosen) + tf.range(batch)[:, None] * num_beams, [-1])
+        parents = tf.reshape(_gather_beams(source_beams, chosen) + tf.range(batch)[:, None] * num_beams,
+                             [batch * num_beams])
 
         # Candidates that stopped among the top K become finished hypotheses if they beat the kept ones.
         just_finished = hit_stop & is_top_beam[None, :]

@@ -41,6 +41,11 @@ class LoopState(NamedTuple):
     scores: tf.Tensor  # float32 [B, N, V] when output_scores, else [B, 0, V]
 
 
+def batch_size(tensor: tf.Tensor):
+    """The static batch size when known (so loop state keeps static shapes), else the dynamic one."""
+    return tensor.shape[0] if tensor.shape[0] is not None else tf.shape(tensor)[0]
+
+
 def write_column(buffer: tf.Tensor, column: tf.Tensor, index) -> tf.Tensor:
     """`buffer[:, index] = column` as a dynamic-update-slice (in place under XLA)."""
     start = [tf.zeros((), tf.int32), tf.cast(index, tf.int32)] + [tf.zeros((), tf.int32)] * (buffer.shape.rank - 2)
@@ -76,7 +81,7 @@ def decode(model, input_ids, attention_mask, plan: Plan, seed):
     Returns:
         `(tokens int32 [B, T_max], scores float32 [B, N, V] or None)`.
     """
-    batch, prompt_length = tf.shape(input_ids)[0], input_ids.shape[1]
+    batch, prompt_length = batch_size(input_ids), input_ids.shape[1]
     total = prompt_length + plan.max_new_tokens
     logits, decoder_state = model.prefill(model_ids(input_ids, attention_mask), attention_mask, total)
     vocab = logits.shape[-1]
