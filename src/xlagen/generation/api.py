@@ -15,7 +15,7 @@ import tensorflow as tf
 from xlagen.generation.beam_search import BeamOptions, beam_search
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Plan, decode
-from xlagen.generation.sampling import build_processors, select_greedy, select_sample
+from xlagen.generation.sampling import Runtime, build_processors, select_greedy, select_sample
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +87,84 @@ def _check_lengths(model, prompt_length: int, config: GenerationConfig) -> int:
     return new_tokens
 
 
+class Request(NamedTuple):
+    """One validated `generate` call: inputs as tensors and the resolved options."""
+
+    input_ids: tf.Tensor  # int32 [B, P]
+    attention_mask: tf.Tensor  # int32 [B, P]
+    config: GenerationConfig
+    max_new_tokens: int
+    seed: object
+
+
+def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
+    """Validates a `generate` call (before any tracing) and resolves its options."""
+    model_inputs, options = _split_kwargs(kwargs)
+    if inputs is None:
+        inputs = model_inputs.pop("input_ids", None)
+    elif "input_ids" in model_inputs:
+        raise ValueError("pass the prompt either positionally or as input_ids=, not both")
+    if inputs is None:
+        raise ValueError("generate() needs input_ids")
+    config = resolve_config(model, generation_config, options)
+    input_ids = _as_int32(inputs)
+    if input_ids.shape.rank != 2:
+        raise ValueError(f"input_ids must be [batch, length], got shape {input_ids.shape}")
+    new_tokens = _check_lengths(model, input_ids.shape[1], config)
+    mask = model_inputs.get("attention_mask")
+    mask = _default_attention_mask(input_ids, config) if mask is None else _as_int32(mask)
+    if mask.shape.rank != 2 or mask.shape[1] != input_ids.shape[1]:
+        raise ValueError(f"attention_mask shape {mask.shape} does not match input_ids {input_ids.shape}")
+    return Request(input_ids, mask, config, new_tokens, seed)
+
+
+def make_plan(config: GenerationConfig, capacity: int, vocab_size: int, always: bool = False) -> Plan:
+    """The static part of a run; `always` keeps runtime-only options in the program (see build_processors)."""
+    return Plan(capacity, build_processors(config, vocab_size, always),
+                select_sample if config.do_sample else select_greedy, config.output_scores)
+
+
+def make_runtime(config: GenerationConfig, max_new_tokens: int, prompt_length: int, seed,
+                 prompt_start=0) -> Runtime:
+    """The tensor part of a run (transformers' min_length counts the padded prompt)."""
+    min_new = max(config.min_length - prompt_length, config.min_new_tokens or 0, 0)
+    return Runtime(
+        max_new_tokens=tf.constant(max_new_tokens, tf.int32), min_new_tokens=tf.constant(min_new, tf.int32),
+        eos_ids=tf.constant(config.eos_token_ids, tf.int32, shape=[len(config.eos_token_ids)]),
+        pad_id=tf.constant(config.pad_token_id if config.pad_token_id is not None else 0, tf.int32),
+        seed=seed_tensor(seed, config.do_sample), temperature=tf.constant(config.temperature, tf.float32),
+        top_k=tf.constant(config.top_k, tf.int32), top_p=tf.constant(config.top_p, tf.float32),
+        repetition_penalty=tf.constant(config.repetition_penalty, tf.float32),
+        length_penalty=tf.constant(float(config.length_penalty), tf.float32),
+        prompt_start=tf.cast(prompt_start, tf.int32))
+
+
+def run(model, input_ids, attention_mask, plan: Plan, runtime: Runtime, config: GenerationConfig):
+    """Dispatches to greedy/sampling or beam search.
+
+    Returns:
+        `(sequences [B * R, P + N], sequence scores [B * R] or None, step scores [rows, N, V] or None)`.
+    """
+    if config.num_beams > 1:
+        options = BeamOptions(config.num_beams, config.early_stopping, config.num_return_sequences,
+                              len(config.eos_token_ids))
+        return beam_search(model, input_ids, attention_mask, plan, options, runtime)
+    if config.num_return_sequences > 1:
+        input_ids = tf.repeat(input_ids, config.num_return_sequences, axis=0)
+        attention_mask = tf.repeat(attention_mask, config.num_return_sequences, axis=0)
+    sequences, scores = decode(model, input_ids, attention_mask, plan, runtime)
+    return sequences, None, scores
+
+
+def format_output(sequences, sequence_scores, scores, config: GenerationConfig):
+    """The token tensor, or a `GenerateOutput` with `return_dict_in_generate`."""
+    if not config.return_dict_in_generate:
+        return sequences
+    if scores is not None:
+        scores = tuple(tf.unstack(scores, axis=1))
+    return GenerateOutput(sequences, scores, sequence_scores if config.output_scores else None)
+
+
 class GenerationMixin:
     """Adds transformers-style `generate()` to a model offering `prefill` / `decode_step`."""
 
@@ -109,44 +187,14 @@ class GenerationMixin:
         Raises:
             ValueError: for invalid options or lengths, before anything is traced.
         """
-        model_inputs, options = _split_kwargs(kwargs)
-        if inputs is None:
-            inputs = model_inputs.pop("input_ids", None)
-        elif "input_ids" in model_inputs:
-            raise ValueError("pass the prompt either positionally or as input_ids=, not both")
-        if inputs is None:
-            raise ValueError("generate() needs input_ids")
-        config = resolve_config(self, generation_config, options)
-        input_ids = _as_int32(inputs)
-        if input_ids.shape.rank != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {input_ids.shape}")
-        prompt_length = input_ids.shape[1]
-        new_tokens = _check_lengths(self, prompt_length, config)
-        mask = model_inputs.get("attention_mask")
-        mask = _default_attention_mask(input_ids, config) if mask is None else _as_int32(mask)
-        if mask.shape.rank != 2 or mask.shape[1] != prompt_length:
-            raise ValueError(f"attention_mask shape {mask.shape} does not match input_ids {input_ids.shape}")
-        plan = Plan(new_tokens, build_processors(config, prompt_length),
-                    select_sample if config.do_sample else select_greedy, config.eos_token_ids,
-                    config.pad_token_id if config.pad_token_id is not None else 0, config.output_scores)
-        if config.num_beams > 1:
-            options = BeamOptions(config.num_beams, float(config.length_penalty), config.early_stopping,
-                                  config.num_return_sequences)
-            sequences, sequence_scores, scores = beam_search(self, input_ids, mask, plan, options)
-        else:
-            if config.num_return_sequences > 1:
-                input_ids = tf.repeat(input_ids, config.num_return_sequences, axis=0)
-                mask = tf.repeat(mask, config.num_return_sequences, axis=0)
-            sequences, scores = decode(self, input_ids, mask, plan, _seed_tensor(seed, config.do_sample))
-            sequence_scores = None
-        if not config.return_dict_in_generate:
-            return sequences
-        if scores is not None:
-            scores = tuple(tf.unstack(scores, axis=1))
-        return GenerateOutput(sequences, scores, sequence_scores if config.output_scores else None)
+        request = parse_request(self, inputs, generation_config, seed, kwargs)
+        config, prompt_length = request.config, request.input_ids.shape[1]
+        plan = make_plan(config, request.max_new_tokens, self.config.vocab_size)
+        runtime = make_runtime(config, request.max_new_tokens, prompt_length, seed)
+        return format_output(*run(self, request.input_ids, request.attention_mask, plan, runtime, config), config)
 
 
-def _seed_tensor(seed, needed: bool) -> tf.Tensor:
+def seed_tensor(seed, needed: bool) -> tf.Tensor:
     """A `[2]` int32 seed; a fresh random one per call when `seed` is None and sampling needs one."""
     if seed is None and not needed:
         return tf.zeros([2], tf.int32)

@@ -11,19 +11,19 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from xlagen import cache as cache_lib
-from xlagen.generation.loop import Plan, batch_size, is_eos, model_ids, write_column
-from xlagen.generation.sampling import Context, apply_processors
+from xlagen.generation.loop import Plan, batch_size, is_eos, model_ids, prompt_buffer, write_column
+from xlagen.generation.sampling import Context, Runtime, apply_processors
 
 BIG_NEGATIVE = -1.0e9
 
 
 class BeamOptions(NamedTuple):
-    """Beam-search-only static options."""
+    """Beam-search-only static options (the length penalty is a runtime tensor)."""
 
     num_beams: int
-    length_penalty: float
     early_stopping: bool | str
     num_return_sequences: int
+    num_eos: int
 
 
 class BeamState(NamedTuple):
@@ -44,7 +44,7 @@ def _gather_beams(tensor: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
     return tf.gather(tensor, indices, axis=1, batch_dims=1)
 
 
-def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptions):
+def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptions, runtime: Runtime):
     """Beam search over a left-padded batch.
 
     Args:
@@ -53,6 +53,7 @@ def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptio
         attention_mask: int32 `[B, P]`.
         plan: Static options shared with greedy decoding (`select` is unused).
         options: Beam options.
+        runtime: Tensor options.
 
     Returns:
         `(sequences int32 [B * R, T_max], sequence scores float32 [B * R], step scores [B * K, N, V] or None)`
@@ -61,14 +62,14 @@ def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptio
     num_beams, prompt_length = options.num_beams, input_ids.shape[1]
     batch = batch_size(input_ids)
     total = prompt_length + plan.max_new_tokens
-    keep = max(2, 1 + len(plan.eos_ids)) * num_beams
+    end = prompt_length + tf.minimum(runtime.max_new_tokens, plan.max_new_tokens)
+    keep = max(2, 1 + options.num_eos) * num_beams
     logits, decoder_state = model.prefill(model_ids(input_ids, attention_mask), attention_mask, total)
     vocab = logits.shape[-1]
     # Every beam starts from the same prompt: run it once, then repeat rows K times.
     repeat = tf.repeat(tf.range(batch), num_beams)
     logits, decoder_state = tf.gather(logits, repeat), cache_lib.batch_gather(decoder_state, repeat)
-    prompt = tf.concat([input_ids, tf.fill([batch, plan.max_new_tokens], tf.constant(plan.pad_id, tf.int32))], 1)
-    running = tf.repeat(prompt[:, None, :], num_beams, axis=1)
+    running = tf.repeat(prompt_buffer(input_ids, plan.max_new_tokens, runtime.pad_id)[:, None, :], num_beams, axis=1)
     first_only = tf.concat([tf.zeros([batch, 1]), tf.fill([batch, num_beams - 1], BIG_NEGATIVE)], axis=1)
     score_steps = plan.max_new_tokens if plan.output_scores else 0
     state = BeamState(running, first_only, running, tf.fill([batch, num_beams], BIG_NEGATIVE),
@@ -76,19 +77,20 @@ def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptio
                       tf.range(batch * num_beams), tf.constant(prompt_length, tf.int32), decoder_state,
                       tf.zeros([batch * num_beams, score_steps, vocab]))
     is_top_beam = tf.range(keep) < num_beams  # only the first K candidates may become finished hypotheses
-    early_stopping, length_penalty = options.early_stopping, options.length_penalty
+    early_stopping, length_penalty = options.early_stopping, runtime.length_penalty
 
     def choose(state: BeamState, logits) -> BeamState:
         cur = state.index
         flat_running = tf.reshape(state.running, [batch * num_beams, total])
-        log_probs = apply_processors(plan.processors, tf.nn.log_softmax(logits, axis=-1), Context(flat_running, cur))
+        log_probs = apply_processors(plan.processors, tf.nn.log_softmax(logits, axis=-1),
+                                     Context(flat_running, cur, prompt_length, runtime))
         kept_scores = write_column(state.scores, log_probs, cur - prompt_length) if plan.output_scores else state.scores
         totals = tf.reshape(log_probs, [batch, num_beams, vocab]) + state.running_scores[:, :, None]
         top_scores, top_indices = tf.math.top_k(tf.reshape(totals, [batch, num_beams * vocab]), k=keep)
         source_beams, ids = top_indices // vocab, top_indices % vocab  # [B, C]
         candidates = _gather_beams(state.running, source_beams)
         candidates = tf.transpose(write_column(tf.transpose(candidates, [0, 2, 1]), ids, cur), [0, 2, 1])
-        hit_stop = is_eos(ids, plan.eos_ids) | (cur + 1 >= total)  # [B, C]
+        hit_stop = is_eos(ids, runtime.eos_ids) | (cur + 1 >= end)  # [B, C]
 
         # Continue with the best K candidates that did not stop.
         continuing = top_scores + tf.cast(hit_stop, tf.float32) * BIG_NEGATIVE
@@ -111,10 +113,9 @@ def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptio
 
         # transformers' early-stop heuristic: can a running beam still beat the worst finished one?
         cur = cur + 1
-        if early_stopping == "never" and length_penalty > 0.0:
-            best_length = tf.cast(total - prompt_length, tf.float32)
-        else:
-            best_length = tf.cast(cur - prompt_length, tf.float32)
+        best_length = tf.cast(cur - prompt_length, tf.float32)
+        if early_stopping == "never":  # a positive length penalty favours the longest possible hypothesis
+            best_length = tf.where(length_penalty > 0.0, tf.cast(end - prompt_length, tf.float32), best_length)
         best_running = next_running_scores[:, :1] / best_length ** length_penalty
         worst_finished = tf.where(is_finished, tf.reduce_min(best_scores, axis=1, keepdims=True), BIG_NEGATIVE)
         improvable = state.improvable & tf.reduce_any(best_running > worst_finished, axis=-1, keepdims=True)

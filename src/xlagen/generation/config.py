@@ -128,8 +128,9 @@ class GenerationConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def save_pretrained(self, folder: str | Path) -> None:
-        """Writes `generation_config.json` (only values that differ from the defaults, as transformers)."""
+    def save_pretrained(self, folder: str | Path, file_name: str = "generation_config.json") -> None:
+        """Writes `generation_config.json` (values that differ from the defaults, and the special ids)."""
         defaults = GenerationConfig().to_dict()
-        values = {k: v for k, v in self.to_dict().items() if v != defaults[k]}
-        Path(folder, "generation_config.json").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
+        special = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"}
+        values = {k: v for k, v in self.to_dict().items() if v != defaults[k] or (k in special and v is not None)}
+        Path(folder, file_name).write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")

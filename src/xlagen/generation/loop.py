@@ -1,6 +1,6 @@
 """Greedy and sampling decoding as one `tf.while_loop` with fixed-shape state.
 
-Shapes: B rows, P prompt length, N new tokens, T_max = P + N, V vocab.
+Shapes: B rows, P prompt length (static), N the static new-token capacity, T_max = P + N, V vocab.
 """
 
 from __future__ import annotations
@@ -10,26 +10,22 @@ from typing import Callable, NamedTuple
 import tensorflow as tf
 from keras import ops
 
-from xlagen.generation.sampling import Context, Processor, apply_processors, fold_seed
+from xlagen.generation.sampling import Context, Runtime, apply_processors, fold_seed
 
 
 class Plan(NamedTuple):
-    """The static choices of one decoding run (a new plan means a new trace).
+    """The static choices of one decoding run (a different plan means a new trace).
 
     Attributes:
-        max_new_tokens: N.
+        max_new_tokens: N, the capacity of the token buffer; `Runtime.max_new_tokens` <= N.
         processors: Logits processors, in order.
         select: `(scores [B, V], seed [2]) -> ids [B]`.
-        eos_ids: Ids that finish a row.
-        pad_id: Filler written after a row finished.
         output_scores: Keep the processed scores of every step.
     """
 
     max_new_tokens: int
-    processors: list[Processor]
+    processors: tuple
     select: Callable
-    eos_ids: tuple[int, ...]
-    pad_id: int
     output_scores: bool
 
 
@@ -52,11 +48,9 @@ def write_column(buffer: tf.Tensor, column: tf.Tensor, index) -> tf.Tensor:
     return ops.slice_update(buffer, start, tf.expand_dims(column, 1))
 
 
-def is_eos(ids: tf.Tensor, eos_ids: tuple[int, ...]) -> tf.Tensor:
-    """bool, same shape as `ids`: whether each id is one of `eos_ids`."""
-    if not eos_ids:
-        return tf.zeros_like(ids, tf.bool)
-    return tf.reduce_any(tf.equal(ids[..., None], tf.constant(eos_ids, ids.dtype)), axis=-1)
+def is_eos(ids: tf.Tensor, eos_ids: tf.Tensor) -> tf.Tensor:
+    """bool, same shape as `ids`: whether each id is one of `eos_ids` `[E]`."""
+    return tf.reduce_any(tf.equal(ids[..., None], eos_ids), axis=-1)
 
 
 def model_ids(ids: tf.Tensor, real: tf.Tensor) -> tf.Tensor:
@@ -68,7 +62,13 @@ def model_ids(ids: tf.Tensor, real: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.cast(real, tf.bool), ids, tf.zeros_like(ids))
 
 
-def decode(model, input_ids, attention_mask, plan: Plan, seed):
+def prompt_buffer(input_ids: tf.Tensor, capacity: int, pad_id: tf.Tensor) -> tf.Tensor:
+    """The token buffer `[B, P + capacity]`: the prompt, then `pad_id`."""
+    filler = tf.fill([batch_size(input_ids), capacity], tf.cast(pad_id, tf.int32))
+    return tf.concat([input_ids, filler], axis=1)
+
+
+def decode(model, input_ids, attention_mask, plan: Plan, runtime: Runtime):
     """Greedy or sampled decoding of a left-padded batch.
 
     Args:
@@ -76,32 +76,34 @@ def decode(model, input_ids, attention_mask, plan: Plan, seed):
         input_ids: int32 `[B, P]`.
         attention_mask: int32 `[B, P]`.
         plan: Static options.
-        seed: int32 `[2]` (used only by sampling strategies).
+        runtime: Tensor options.
 
     Returns:
         `(tokens int32 [B, T_max], scores float32 [B, N, V] or None)`.
     """
     batch, prompt_length = batch_size(input_ids), input_ids.shape[1]
     total = prompt_length + plan.max_new_tokens
+    end = prompt_length + tf.minimum(runtime.max_new_tokens, plan.max_new_tokens)
     logits, decoder_state = model.prefill(model_ids(input_ids, attention_mask), attention_mask, total)
     vocab = logits.shape[-1]
-    tokens = tf.concat([input_ids, tf.fill([batch, plan.max_new_tokens], tf.constant(plan.pad_id, tf.int32))], 1)
     score_steps = plan.max_new_tokens if plan.output_scores else 0
-    state = LoopState(tokens, tf.constant(prompt_length, tf.int32), tf.zeros([batch], tf.bool), decoder_state,
+    state = LoopState(prompt_buffer(input_ids, plan.max_new_tokens, runtime.pad_id),
+                      tf.constant(prompt_length, tf.int32), tf.zeros([batch], tf.bool), decoder_state,
                       tf.zeros([batch, score_steps, vocab], tf.float32))
 
     def choose(state: LoopState, logits) -> LoopState:
-        scores = apply_processors(plan.processors, logits, Context(state.tokens, state.index))
-        ids = plan.select(scores, fold_seed(seed, state.index))
-        ids = tf.where(state.done, tf.constant(plan.pad_id, tf.int32), ids)
+        ctx = Context(state.tokens, state.index, prompt_length, runtime)
+        scores = apply_processors(plan.processors, logits, ctx)
+        ids = plan.select(scores, fold_seed(runtime.seed, state.index - prompt_length))  # per step, not column
+        ids = tf.where(state.done, runtime.pad_id, ids)
         kept = state.scores
         if plan.output_scores:
             kept = write_column(kept, scores, state.index - prompt_length)
         return state._replace(tokens=write_column(state.tokens, ids, state.index), index=state.index + 1,
-                              done=state.done | is_eos(ids, plan.eos_ids), scores=kept)
+                              done=state.done | is_eos(ids, runtime.eos_ids), scores=kept)
 
     def running(state: LoopState):
-        return (state.index < total) & tf.logical_not(tf.reduce_all(state.done))
+        return (state.index < end) & tf.logical_not(tf.reduce_all(state.done))
 
     def body(state: LoopState):
         last = model_ids(tf.gather(state.tokens, [state.index - 1], axis=1), ~state.done[:, None])  # [B, 1]

@@ -13,23 +13,56 @@ import tensorflow as tf
 NEG_INF = float("-inf")
 
 
+class Runtime(NamedTuple):
+    """Options that are numbers, as tensors: changing them never retraces or recompiles.
+
+    Attributes:
+        max_new_tokens: int32 scalar, tokens to generate (<= the static buffer's N).
+        min_new_tokens: int32 scalar, EOS is banned until this many tokens were generated.
+        eos_ids: int32 `[E]`.
+        pad_id: int32 scalar, written after EOS.
+        seed: int32 `[2]`.
+        temperature, top_p, repetition_penalty, length_penalty: float32 scalars.
+        top_k: int32 scalar (0 = off; at most the plan's top-k capacity).
+        prompt_start: int32 scalar, the first buffer column of the caller's prompt (columns before
+            it are bucket padding that processors must not see).
+    """
+
+    max_new_tokens: tf.Tensor
+    min_new_tokens: tf.Tensor
+    eos_ids: tf.Tensor
+    pad_id: tf.Tensor
+    seed: tf.Tensor
+    temperature: tf.Tensor
+    top_k: tf.Tensor
+    top_p: tf.Tensor
+    repetition_penalty: tf.Tensor
+    length_penalty: tf.Tensor
+    prompt_start: tf.Tensor
+
+
 class Context(NamedTuple):
     """What processors may look at besides the logits.
 
     Attributes:
         tokens: int32 `[B, T_max]`, the token buffer (prompt, generated tokens, then filler).
         length: int32 scalar, how many leading positions of `tokens` are valid.
+        prompt_length: int, the (padded) prompt's static length in the buffer.
+        runtime: The `Runtime` tensors.
     """
 
     tokens: tf.Tensor
     length: tf.Tensor
+    prompt_length: int
+    runtime: Runtime
 
 
 Processor = Callable[[tf.Tensor, Context], tf.Tensor]
 
 
 def _valid_positions(ctx: Context) -> tf.Tensor:
-    return tf.range(tf.shape(ctx.tokens)[1]) < ctx.length  # [T_max]
+    columns = tf.range(tf.shape(ctx.tokens)[1])
+    return (columns >= ctx.runtime.prompt_start) & (columns < ctx.length)  # [T_max]
 
 
 def _ban(logits: tf.Tensor, banned: tf.Tensor) -> tf.Tensor:
@@ -50,15 +83,11 @@ def presence(ctx: Context, vocab_size: int) -> tf.Tensor:
     return _scatter_flags(ctx.tokens, flags, vocab_size)
 
 
-def repetition_penalty(penalty: float) -> Processor:
+def repetition_penalty(logits, ctx):
     """CTRL's penalty: present tokens' scores are divided (positive) or multiplied (negative) by it."""
-
-    def apply(logits, ctx):
-        seen = presence(ctx, logits.shape[-1])
-        penalized = tf.where(logits < 0, logits * penalty, logits / penalty)
-        return tf.where(seen, penalized, logits)
-
-    return apply
+    penalty = ctx.runtime.repetition_penalty
+    penalized = tf.where(logits < 0, logits * penalty, logits / penalty)
+    return tf.where(presence(ctx, logits.shape[-1]), penalized, logits)
 
 
 def no_repeat_ngram(size: int) -> Processor:
@@ -66,90 +95,108 @@ def no_repeat_ngram(size: int) -> Processor:
 
     def apply(logits, ctx):
         tokens, length = ctx.tokens, ctx.length
-        total = tokens.shape[1]
-        starts = total - size + 1  # candidate n-gram starts i: tokens[i : i + size]
+        starts = tokens.shape[1] - size + 1  # candidate n-gram starts i: tokens[i : i + size]
         if starts <= 0:
             return logits
-        # The (size-1)-gram that ends the sequence, compared against every earlier window.
-        match = tf.range(starts) + size - 1 < length  # the n-gram lies inside the valid tokens
+        # Windows inside the valid tokens, compared with the (size-1)-gram that ends the sequence.
+        window = tf.range(starts)
+        match = (window + size - 1 < length) & (window >= ctx.runtime.prompt_start)
         match = tf.broadcast_to(match[None, :], [tf.shape(tokens)[0], starts])
         for k in range(size - 1):
             tail = tf.gather(tokens, tf.maximum(length - size + 1 + k, 0), axis=1)  # [B]
             match = match & tf.equal(tokens[:, k:k + starts], tail[:, None])
-        match = match & (length + 1 >= size)
-        banned_ids = tokens[:, size - 1:size - 1 + starts]  # [B, starts]
-        return _ban(logits, _scatter_flags(banned_ids, match, logits.shape[-1]))
+        match = match & (length - ctx.runtime.prompt_start + 1 >= size)
+        return _ban(logits, _scatter_flags(tokens[:, size - 1:size - 1 + starts], match, logits.shape[-1]))
 
     return apply
 
 
-def suppress_eos_until(min_length: int, eos_ids: tuple[int, ...], offset: int = 0) -> Processor:
-    """Bans the EOS ids while `length - offset < min_length` (min_length / min_new_tokens)."""
-    def apply(logits, ctx):
-        is_eos = tf.reduce_any(tf.equal(tf.range(logits.shape[-1])[:, None], list(eos_ids)), axis=-1)
-        return _ban(logits, is_eos[None, :] & (ctx.length - offset < min_length))
-
-    return apply
+def suppress_eos_early(logits, ctx):
+    """Bans the EOS ids until `min_new_tokens` tokens were generated (min_length / min_new_tokens)."""
+    is_eos = tf.reduce_any(tf.equal(tf.range(logits.shape[-1])[:, None], ctx.runtime.eos_ids[None, :]), axis=-1)
+    return _ban(logits, is_eos[None, :] & (ctx.length - ctx.prompt_length < ctx.runtime.min_new_tokens))
 
 
-def temperature(value: float) -> Processor:
+def temperature(logits, ctx):
     """Divides the logits by the temperature."""
-    return lambda logits, ctx: logits / value
+    return logits / ctx.runtime.temperature
 
 
-def top_k(k: int) -> Processor:
-    """Keeps the k highest logits (ties with the k-th kept), as transformers' TopKLogitsWarper."""
+def top_k_capacity(top_k: int, vocab_size: int) -> int:
+    """The static top-k width a runtime `top_k` fits in (powers of two from 64), so that changing
+    `top_k` within it does not recompile."""
+    capacity = 64
+    while capacity < top_k:
+        capacity *= 2
+    return min(capacity, vocab_size)
+
+
+def top_k(capacity: int) -> Processor:
+    """Keeps the `runtime.top_k` highest logits (ties with the k-th kept), as transformers; 0 = off."""
 
     def apply(logits, ctx):
-        kth = tf.math.top_k(logits, k=min(k, logits.shape[-1])).values[:, -1:]
-        return _ban(logits, logits < kth)
+        best = tf.math.top_k(logits, k=min(capacity, logits.shape[-1])).values
+        k = tf.clip_by_value(ctx.runtime.top_k, 1, best.shape[-1])
+        kth = tf.gather(best, [k - 1], axis=-1)
+        return tf.where(ctx.runtime.top_k > 0, _ban(logits, logits < kth), logits)
 
     return apply
 
 
-def top_p(p: float) -> Processor:
-    """Nucleus filtering: keeps the smallest set of top tokens whose probability reaches `p`."""
+def top_p(capacity: int | None) -> Processor:
+    """Nucleus filtering: keeps the smallest set of top tokens whose probability reaches `runtime.top_p`.
+
+    Args:
+        capacity: With top-k before it, only its `capacity` best logits can be finite, so sorting
+            those suffices; None sorts the whole vocabulary.
+    """
 
     def apply(logits, ctx):
-        ordered = tf.sort(logits, axis=-1, direction="DESCENDING")
+        p = ctx.runtime.top_p
+        if capacity is None:
+            ordered = tf.sort(logits, axis=-1, direction="DESCENDING")
+        else:
+            ordered = tf.math.top_k(logits, k=min(capacity, logits.shape[-1])).values
         probs = tf.nn.softmax(ordered, axis=-1)
         before = tf.cumsum(probs, axis=-1, exclusive=True)  # mass strictly above each token
         # A token is dropped when the tokens above it already hold >= p (the first is always kept).
         keep = tf.concat([tf.ones_like(before[:, :1], tf.bool), before[:, 1:] < p], axis=-1)
         threshold = tf.reduce_min(tf.where(keep, ordered, tf.constant(float("inf"), ordered.dtype)), axis=-1,
                                   keepdims=True)
-        return _ban(logits, logits < threshold)
+        return tf.where(p < 1.0, _ban(logits, logits < threshold), logits)
 
     return apply
 
 
-def build_processors(config, prompt_length: int) -> list[Processor]:
-    """The processor list transformers builds for `config`, in the same order.
+def build_processors(config, vocab_size: int, always: bool = False) -> tuple[Processor, ...]:
+    """The processors transformers applies for `config`, in its order.
 
     Args:
         config: A `GenerationConfig`.
-        prompt_length: The (padded) prompt length, for `min_new_tokens`.
+        vocab_size: V (sizes the top-k capacity).
+        always: Include every processor whose effect depends only on runtime values, even when the
+            current values make it a no-op, so that a later call with other values reuses the
+            program (the compiled generator). Results are identical either way.
     """
-    processors = []
-    if config.repetition_penalty != 1.0:
-        processors.append(repetition_penalty(config.repetition_penalty))
+    processors: list[Processor] = []
+    if always or config.repetition_penalty != 1.0:
+        processors.append(repetition_penalty)
     if config.no_repeat_ngram_size > 0:
         processors.append(no_repeat_ngram(config.no_repeat_ngram_size))
-    if config.eos_token_ids and config.min_length > 0:
-        processors.append(suppress_eos_until(config.min_length, config.eos_token_ids))
-    if config.eos_token_ids and config.min_new_tokens:
-        processors.append(suppress_eos_until(config.min_new_tokens, config.eos_token_ids, prompt_length))
+    if config.eos_token_ids and (always or config.min_length > 0 or config.min_new_tokens):
+        processors.append(suppress_eos_early)
     if config.do_sample:
-        if config.temperature != 1.0:
-            processors.append(temperature(config.temperature))
-        if config.top_k:
-            processors.append(top_k(config.top_k))
-        if config.top_p < 1.0:
-            processors.append(top_p(config.top_p))
-    return processors
+        if always or config.temperature != 1.0:
+            processors.append(temperature)
+        capacity = top_k_capacity(config.top_k, vocab_size) if config.top_k else None
+        if capacity:
+            processors.append(top_k(capacity))
+        if always or config.top_p < 1.0:
+            processors.append(top_p(capacity))
+    return tuple(processors)
 
 
-def apply_processors(processors: list[Processor], logits: tf.Tensor, ctx: Context) -> tf.Tensor:
+def apply_processors(processors, logits: tf.Tensor, ctx: Context) -> tf.Tensor:
     """Runs the processors in order."""
     for processor in processors:
         logits = processor(logits, ctx)

@@ -1,0 +1,233 @@
+"""`CompiledGenerator`: the fast path as the default path.
+
+An XLA program is specialised to its input shapes and to the Python-level options it was traced
+with. `CompiledGenerator.generate` pads the batch and the prompt up to buckets, rounds the number of
+new tokens up to a bucket (and trims the result), passes every numeric option as a tensor, and keeps
+one compiled program per (buckets, static options). It returns exactly what `model.generate`
+returns for the same inputs.
+
+What still compiles a new program: a new batch / prompt / new-token bucket, and a change of
+do_sample, num_beams, num_return_sequences, early_stopping, no_repeat_ngram_size, output_scores,
+the number of EOS ids, or top_k moving past its capacity (64, 128, 256, ...) or to / from 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from xlagen.generation.api import format_output, make_plan, make_runtime, parse_request, run
+from xlagen.generation.config import GenerationConfig
+from xlagen.generation.sampling import top_k_capacity
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Sizes that inputs are padded up to. Each tuple is sorted ascending.
+
+    Attributes:
+        batch_sizes: A batch larger than the largest is split into chunks of the largest.
+        prompt_lengths: Prompt lengths (tokens, padding included).
+        new_tokens: Capacities for `max_new_tokens` (the result is trimmed to what was asked).
+    """
+
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prompt_lengths: tuple[int, ...] = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+    new_tokens: tuple[int, ...] = (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+    def __post_init__(self):
+        for name in ("batch_sizes", "prompt_lengths", "new_tokens"):
+            values = tuple(int(v) for v in getattr(self, name))
+            if not values or min(values) < 1 or list(values) != sorted(set(values)):
+                raise ValueError(f"Buckets.{name} must be positive, distinct and ascending, got {values}")
+            object.__setattr__(self, name, values)
+
+
+def _bucket(value: int, sizes: tuple[int, ...], what: str) -> int:
+    index = bisect.bisect_left(sizes, value)
+    if index == len(sizes):
+        raise ValueError(f"{what} {value} exceeds the largest bucket {sizes[-1]}: add a larger size to "
+                         f"Buckets ({what} buckets are {sizes})")
+    return sizes[index]
+
+
+class ProgramKey(NamedTuple):
+    """Everything a compiled program is specialised to."""
+
+    batch_bucket: int
+    prompt_bucket: int
+    new_tokens_bucket: int
+    do_sample: bool
+    num_beams: int
+    num_return_sequences: int
+    early_stopping: bool | str
+    no_repeat_ngram_size: int
+    num_eos: int
+    top_k_capacity: int
+    output_scores: bool
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One traced and compiled program, and why it was needed."""
+
+    key: ProgramKey
+    reason: str
+    seconds: float
+
+
+def _reason(key: ProgramKey, previous: list[ProgramKey]) -> str:
+    if not previous:
+        return "first call"
+    closest = min(previous, key=lambda old: sum(a != b for a, b in zip(old, key)))
+    changes = [f"{field.replace('_', ' ')} {old} -> {new}"
+               for field, old, new in zip(ProgramKey._fields, closest, key) if old != new]
+    return ", ".join(changes)
+
+
+class CompiledGenerator:
+    """Bucketed, cached XLA generation for one model; safe to call from several threads.
+
+    Args:
+        model: A model with `generate` semantics (`GenerationMixin`).
+        buckets: Padding sizes.
+        warn_after: Log a warning when more than this many programs were compiled (a workload
+            that keeps recompiling should widen its buckets or fix its options).
+
+    Example:
+        >>> generator = CompiledGenerator(model)
+        >>> tokens = generator.generate(**tokenizer(prompts, padding=True, return_tensors="tf"),
+        ...                             max_new_tokens=40, do_sample=True, temperature=0.7)
+    """
+
+    def __init__(self, model, buckets: Buckets | None = None, warn_after: int = 8):
+        self.model = model
+        self.buckets = buckets or Buckets()
+        self.warn_after = warn_after
+        self.trace_log: list[TraceEvent] = []
+        self._programs: dict[ProgramKey, tf.types.experimental.GenericFunction] = {}
+        self._compiled: set[ProgramKey] = set()
+        self._lock = threading.Lock()  # guards the dicts and the log
+        self._first_call = threading.Lock()  # one thread traces and compiles a new program at a time
+
+    @property
+    def compile_count(self) -> int:
+        """How many programs were traced and compiled."""
+        return len(self.trace_log)
+
+    def _program(self, key: ProgramKey, config: GenerationConfig, capacity: int):
+        with self._lock:
+            if key not in self._programs:
+                plan = make_plan(config, capacity, self.model.config.vocab_size, always=True)
+                # Only static fields of `config` are read inside the program.
+                self._programs[key] = tf.function(
+                    lambda ids, mask, runtime: run(self.model, ids, mask, plan, runtime, config), jit_compile=True)
+            return self._programs[key]
+
+    def _key(self, config: GenerationConfig, batch: int, prompt: int, new: int) -> ProgramKey:
+        capacity = top_k_capacity(config.top_k, self.model.config.vocab_size) if config.do_sample and config.top_k else 0
+        return ProgramKey(batch, prompt, new, config.do_sample, config.num_beams, config.num_return_sequences,
+                          config.early_stopping, config.no_repeat_ngram_size, len(config.eos_token_ids), capacity,
+                          config.output_scores)
+
+    def _buckets_for(self, prompt_length: int, new_tokens: int) -> tuple[int, int]:
+        prompt_bucket = _bucket(prompt_length, self.buckets.prompt_lengths, "prompt length")
+        new_bucket = _bucket(new_tokens, self.buckets.new_tokens, "max_new_tokens")
+        limit = self.model.config.max_positions
+        if prompt_bucket + new_bucket > limit:  # near the model's limit: use the room that is left
+            new_bucket = max(new_tokens, limit - prompt_bucket)
+            prompt_bucket = min(prompt_bucket, limit - new_bucket)
+        return prompt_bucket, new_bucket
+
+    def generate(self, inputs=None, generation_config: GenerationConfig | None = None, seed=None, **kwargs):
+        """Same arguments and result as `model.generate`, through cached bucketed XLA programs.
+
+        Raises:
+            ValueError: for invalid options, or a prompt / max_new_tokens beyond the largest bucket.
+        """
+        request = parse_request(self.model, inputs, generation_config, seed, kwargs)
+        config = request.config
+        batch, prompt_length = request.input_ids.shape
+        prompt_bucket, new_bucket = self._buckets_for(prompt_length, request.max_new_tokens)
+        largest = self.buckets.batch_sizes[-1]
+        chunks = [self._generate_chunk(request, start, min(start + largest, batch), prompt_bucket, new_bucket)
+                  for start in range(0, batch, largest)]
+        sequences = tf.concat([c[0] for c in chunks], 0)
+        sequence_scores = None if chunks[0][1] is None else tf.concat([c[1] for c in chunks], 0)
+        scores = None if chunks[0][2] is None else tf.concat([c[2] for c in chunks], 0)
+        return format_output(sequences, sequence_scores, scores, config)
+
+    def _generate_chunk(self, request, start: int, stop: int, prompt_bucket: int, new_bucket: int):
+        config = request.config
+        rows, prompt_length = stop - start, request.input_ids.shape[1]
+        batch_bucket = _bucket(rows, self.buckets.batch_sizes, "batch size")
+        # Extra rows repeat the first one; extra columns are left padding (masked, and hidden from
+        # the processors through `prompt_start`).
+        take = tf.concat([tf.range(start, stop), tf.fill([batch_bucket - rows], start)], 0)
+        shift = prompt_bucket - prompt_length
+        pad = config.pad_token_id if config.pad_token_id is not None else 0
+        ids = tf.pad(tf.gather(request.input_ids, take), [[0, 0], [shift, 0]], constant_values=pad)
+        mask = tf.pad(tf.gather(request.attention_mask, take), [[0, 0], [shift, 0]])
+        runtime = make_runtime(config, request.max_new_tokens, prompt_length, request.seed, prompt_start=shift)
+        key = self._key(config, batch_bucket, prompt_bucket, new_bucket)
+        program = self._program(key, config, new_bucket)
+        if key in self._compiled:
+            sequences, sequence_scores, scores = program(ids, mask, runtime)
+        else:
+            with self._first_call:
+                traces = program.experimental_get_tracing_count()
+                started = time.perf_counter()
+                sequences, sequence_scores, scores = program(ids, mask, runtime)
+                if program.experimental_get_tracing_count() > traces:
+                    self._log_trace(key, time.perf_counter() - started)
+                self._compiled.add(key)
+        kept = rows * config.num_return_sequences
+        end = prompt_bucket + request.max_new_tokens
+        sequences = sequences[:kept, shift:end]
+        if sequence_scores is not None:
+            sequence_scores = sequence_scores[:kept]
+        if scores is not None:  # one row per beam in beam search, per returned sequence otherwise
+            score_rows = rows * (config.num_beams if config.num_beams > 1 else config.num_return_sequences)
+            scores = scores[:score_rows, :request.max_new_tokens]
+        return sequences, sequence_scores, scores
+
+    def _log_trace(self, key: ProgramKey, seconds: float) -> None:
+        with self._lock:
+            reason = _reason(key, [event.key for event in self.trace_log])
+            self.trace_log.append(TraceEvent(key, reason, seconds))
+            count = len(self.trace_log)
+        logger.info("compiled program %d in %.1f s: %s", count, seconds, reason)
+        if count == self.warn_after + 1:
+            logger.warning("%d XLA programs compiled so far (latest: %s); widen the buckets or keep options "
+                           "such as num_beams fixed to avoid recompiling", count, reason)
+
+    def warmup(self, batch_sizes=(1,), prompt_lengths=(8,), max_new_tokens=(16,), **options) -> None:
+        """Compiles the programs for these shapes ahead of time, with the given static options.
+
+        Args:
+            batch_sizes, prompt_lengths, max_new_tokens: Shapes to compile for (each rounded up to its
+                bucket, as real calls will be).
+            **options: `generate` options (e.g. num_beams=2); numeric values do not matter.
+        """
+        options = {"eos_token_id": self.model.generation_config.eos_token_id if self.model.generation_config
+                   else None, **options}
+        for batch in batch_sizes:
+            for length in prompt_lengths:
+                for new in max_new_tokens:
+                    ids = tf.ones([batch, length], tf.int32)
+                    self.generate(ids, attention_mask=tf.ones_like(ids), max_new_tokens=new, **options)
+
+
+def compile_generate(model, buckets: Buckets | None = None) -> CompiledGenerator:
+    """`CompiledGenerator(model, buckets)`."""
+    return CompiledGenerator(model, buckets)
+
+
