@@ -138,3 +138,15 @@ def test_module_entry_point_reads_stdin(gpt2_checkpoint):
     lines = result.stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith(PROMPTS[0]) and lines[1].startswith(PROMPTS[1])
     assert "Traceback" not in result.stderr
+
+
+def test_warmup_compiles_before_the_first_batch_and_logs_reasons(gpt2_checkpoint, capsys, caplog):
+    args = ("generate", "--model", gpt2_checkpoint[0], *PROMPTS[:2], "--max-new-tokens", "4", "--verbose",
+            "--warmup", "8,30")
+    with caplog.at_level(logging.INFO, logger="xlagen"):
+        code, out, err = run_cli(capsys, *args)
+    assert code == 0, err
+    assert "warm-up: 2 program(s) compiled" in caplog.text
+    assert "program 1" in caplog.text and "first call" in caplog.text
+    assert "prompt bucket 8 -> 32" in caplog.text
+    assert "traced and compiled" not in caplog.text  # the batches reused the warmed-up program

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 PROG = "xlagen"
-SUBCOMMANDS = ("generate",)  # Later: "transcribe", "bench", "export".
+SUBCOMMANDS = ("generate", "hlo")  # Later: "transcribe", "export".
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

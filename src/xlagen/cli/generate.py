@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -101,8 +102,34 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     run_options.add_argument("--batch-size", type=_positive_int, default=8, metavar="N",
                              help="prompts per batch (default: 8)")
     run_options.add_argument("--eager", action="store_true", help="run eagerly instead of compiling with XLA")
+    run_options.add_argument("--warmup", type=_int_list, metavar="LENGTHS",
+                             help="compile for these prompt lengths (comma-separated, e.g. 16,32,64) before "
+                                  "generating; lengths are rounded up to the prompt buckets")
+    run_options.add_argument("--compile-cache", metavar="DIR",
+                             help="keep compiled XLA programs in DIR across runs (TensorFlow's persistent "
+                                  "compilation cache; sets TF_XLA_FLAGS before TensorFlow starts)")
     parser.set_defaults(run=run)
     return parser
+
+
+def _int_list(value: str) -> tuple[int, ...]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        numbers = tuple(int(part) for part in value.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
+    if not numbers or min(numbers) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
+    return numbers
+
+
+def use_compile_cache(directory: str) -> None:
+    """Points TensorFlow's persistent XLA compilation cache at `directory` (before TensorFlow starts)."""
+    if "tensorflow" in sys.modules:
+        logger.warning("TensorFlow is already loaded: --compile-cache may not take effect")
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    flag = f"--tf_xla_persistent_cache_directory={Path(directory).resolve()}"
+    os.environ["TF_XLA_FLAGS"] = f"{os.environ.get('TF_XLA_FLAGS', '')} {flag}".strip()
 
 
 def _decoding_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -174,24 +201,35 @@ class Generator:
         tokenizer: An xlagen tokenizer with a pad token, padding on the left.
         model: A causal LM with `generate`.
         options: `generate` keyword options (GenerationConfig fields).
-        use_xla: Wrap `model.generate` once in `tf.function(jit_compile=True)`; else run eagerly.
+        use_xla: Generate through a `CompiledGenerator` (shape buckets, one XLA program per bucket);
+            else run eagerly.
         seed: Base seed; batch i samples with seed `[seed, i]`. None for a fresh seed per batch.
     """
 
     def __init__(self, tokenizer, model, options: dict[str, Any], use_xla: bool, seed: int | None):
         import tensorflow as tf
 
+        from xlagen.generation.compiled import CompiledGenerator
+
         self._tf = tf
         self.tokenizer = tokenizer
         self.model = model
         self.options = options
         self.seed = seed
-        self.function = tf.function(model.generate, jit_compile=True) if use_xla else model.generate
+        self.compiler = CompiledGenerator(model) if use_xla else None
+        self.function = self.compiler.generate if use_xla else model.generate
         self.compiled = use_xla
 
     def tracing_count(self) -> int:
         """How many programs have been traced (and compiled) so far; 0 when running eagerly."""
-        return self.function.experimental_get_tracing_count() if self.compiled else 0
+        return self.compiler.compile_count if self.compiled else 0
+
+    def warmup(self, batch_size: int, prompt_lengths: tuple[int, ...]) -> None:
+        """Compiles the programs for these prompt lengths before the first batch."""
+        if self.compiler is not None:
+            self.compiler.warmup(batch_sizes=(batch_size,), prompt_lengths=prompt_lengths,
+                                 max_new_tokens=(self.options.get("max_new_tokens", 50),),
+                                 **{k: v for k, v in self.options.items() if k != "max_new_tokens"})
 
     def __call__(self, texts: list[str], batch_index: int) -> tuple[list[list[str]], Any]:
         """Generates for one batch.
@@ -284,6 +322,8 @@ def run(args: argparse.Namespace) -> int:
     if model_name is None:
         raise UsageError(_NO_MODEL)
     prompts = read_prompts(args)
+    if args.compile_cache:
+        use_compile_cache(args.compile_cache)
     tokenizer, model = _load(model_name, args)
     options = _decoding_options(args)
     try:
@@ -291,6 +331,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     generator = Generator(tokenizer, model, options, use_xla=not args.eager, seed=args.seed)
+    if args.warmup:
+        started = time.perf_counter()
+        generator.warmup(min(args.batch_size, len(prompts)), args.warmup)
+        logger.info("warm-up: %d program(s) compiled in %.1f s", generator.tracing_count(),
+                    time.perf_counter() - started)
     to_file = args.output not in (None, "-")
     stream = open(args.output, "w", encoding="utf-8") if to_file else sys.stdout  # noqa: SIM115
     try:
@@ -323,3 +368,5 @@ def _generate_all(generator: Generator, prompts: list[Prompt], args: argparse.Na
         _write(chunk, results, stream, as_jsonl=args.output is not None)
     if generator.compiled:
         logger.info("XLA programs compiled: %d", generator.tracing_count())
+        for number, event in enumerate(generator.compiler.trace_log, 1):
+            logger.info("  program %d (%.1f s): %s", number, event.seconds, event.reason)

@@ -129,7 +129,8 @@ class CompiledGenerator:
                 plan = make_plan(config, capacity, self.model.config.vocab_size, always=True)
                 # Only static fields of `config` are read inside the program.
                 self._programs[key] = tf.function(
-                    lambda ids, mask, runtime: run(self.model, ids, mask, plan, runtime, config), jit_compile=True)
+                    lambda ids, mask, runtime: run(self.model, ids, mask, plan, runtime, config), jit_compile=True,
+                    autograph=False)
             return self._programs[key]
 
     def _key(self, config: GenerationConfig, batch: int, prompt: int, new: int) -> ProgramKey:
