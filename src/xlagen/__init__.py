@@ -16,8 +16,10 @@ _EXPORTS = {
     "GenerationConfig": "xlagen.generation.config",
     "GenerateOutput": "xlagen.generation.api",
     "GPT2Config": "xlagen.models.gpt2",
+    "OPTConfig": "xlagen.models.opt",
     "TFAutoModelForCausalLM": "xlagen.modeling",
     "TFGPT2LMHeadModel": "xlagen.modeling",
+    "TFOPTForCausalLM": "xlagen.modeling",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

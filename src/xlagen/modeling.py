@@ -6,17 +6,19 @@ This module sits above `models/` (architectures), `weights/` + `hub.py` (files) 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
-from xlagen.models import gpt2, registry
-from xlagen.weights.checkpoint import read_checkpoint, read_json
-from xlagen.weights.loader import convert, normalize_prefix
+from xlagen.models import gpt2, opt, registry
+from xlagen.weights.checkpoint import read_checkpoint, read_json, write_files
+from xlagen.weights.loader import convert, export, normalize_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,33 @@ class PreTrainedModel(GenerationMixin):
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
         return _load(architecture, target, folder, hf_config, dtype)
 
+    def save_pretrained(self, save_directory: str | Path, overwrite: bool = False) -> tuple[str, ...]:
+        """Writes config.json, generation_config.json and model.safetensors in Hugging Face format.
+
+        transformers (PyTorch) and xlagen load the folder back with identical logits.
+
+        Args:
+            save_directory: Folder to write to; created if needed. It may hold tokenizer files.
+            overwrite: Replace existing model files.
+
+        Returns:
+            The written paths.
+
+        Raises:
+            FileExistsError: if model files exist and `overwrite` is False (nothing is written).
+        """
+        weights = registry.lookup(self.config.model_type, self.architectures, self.task).weights
+        values = {v.path: np.asarray(v.numpy(), np.float32) for v in self.weights}
+        tensors = {weights.saved_name(name): value
+                   for name, value in export(weights.rules(self.config), values).items()}
+        hf_config = {**self.config.to_hf_config(), "torch_dtype": "float32"}
+        generation_config = self.generation_config or GenerationConfig.from_model_config(self.config)
+        return write_files(save_directory, {
+            "config.json": lambda path: path.write_text(json.dumps(hf_config, indent=2) + "\n"),
+            "generation_config.json": lambda path: generation_config.save_pretrained(path.parent, path.name),
+            "model.safetensors": lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
+        }, overwrite)
+
 
 class TFGPT2LMHeadModel(PreTrainedModel, gpt2.GPT2LMHead):
     """GPT-2 with its LM head: a Keras 3 model with transformers' TF API (`generate`, `from_pretrained`)."""
@@ -78,7 +107,13 @@ class TFGPT2LMHeadModel(PreTrainedModel, gpt2.GPT2LMHead):
     architectures = {"gpt2": registry.CAUSAL_LM["gpt2"]}
 
 
-_PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel}
+class TFOPTForCausalLM(PreTrainedModel, opt.OPTLM):
+    """OPT with its LM head: a Keras 3 model with transformers' TF API (`generate`, `from_pretrained`)."""
+
+    architectures = {"opt": registry.CAUSAL_LM["opt"]}
+
+
+_PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel, opt.OPTLM: TFOPTForCausalLM}
 
 
 class TFAutoModelForCausalLM(PreTrainedModel):

@@ -27,7 +27,7 @@ import numpy as np
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
-from xlagen.weights.checkpoint import read_json
+from xlagen.weights.checkpoint import read_json, write_files
 
 logger = logging.getLogger(__name__)
 
@@ -327,28 +327,33 @@ class PreTrainedTokenizerFast:
             texts = [text.replace(before, after) for text in texts]
         return texts
 
-    def save_pretrained(self, save_directory: str | os.PathLike[str]) -> tuple[str, ...]:
+    def save_pretrained(self, save_directory: str | os.PathLike[str], overwrite: bool = False) -> tuple[str, ...]:
         """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json (transformers' format).
 
         Args:
-            save_directory: Folder to write to; created if needed.
+            save_directory: Folder to write to; created if needed. It may hold the model's files.
+            overwrite: Replace existing tokenizer files.
 
         Returns:
             The paths of the written files.
+
+        Raises:
+            FileExistsError: if tokenizer files exist and `overwrite` is False (nothing is written).
         """
-        folder = pathlib.Path(save_directory)
-        folder.mkdir(parents=True, exist_ok=True)
         special = {name: getattr(self.config, name) for name in SPECIAL_TOKEN_NAMES
                    if getattr(self.config, name) is not None}
         if self.config.additional_special_tokens:
             special["additional_special_tokens"] = list(self.config.additional_special_tokens)
         settings = {name: getattr(self.config, name) for name in (
             "padding_side", "truncation_side", "model_max_length", "clean_up_tokenization_spaces", "tokenizer_class")}
-        paths = [folder / "tokenizer.json", folder / "tokenizer_config.json", folder / "special_tokens_map.json"]
-        self._backend.save(str(paths[0]))
-        for path, content in zip(paths[1:], ({**self.config.passthrough, **special, **settings}, special)):
-            path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-        return tuple(str(path) for path in paths)
+        def json_writer(content):
+            return lambda path: path.write_text(json.dumps(content, indent=2, ensure_ascii=False) + "\n",
+                                                encoding="utf-8")
+
+        return write_files(save_directory, {
+            "tokenizer.json": lambda path: self._backend.save(str(path)),
+            "tokenizer_config.json": json_writer({**self.config.passthrough, **special, **settings}),
+            "special_tokens_map.json": json_writer(special)}, overwrite)
 
     def _set_special(self, name: str, value: str | None) -> None:
         """Sets a special token, adding it to the backend if it is new."""

@@ -23,7 +23,18 @@ def assert_same_tokens(ours, theirs, pad_id: int):
     assert (ours[:, length:] == pad_id).all(), ours[:, length:]
 
 
-def eos_that_occurs(model, ids, step: int = 3) -> int:
+def eos_that_occurs(model, ids, step: int = 3, mask=None) -> int:
     """An id the model generates greedily at `step` for row 0, so using it as EOS ends rows early."""
-    out = np.asarray(model.generate(ids, max_new_tokens=step + 1, eos_token_id=None))
+    out = np.asarray(model.generate(ids, attention_mask=mask, max_new_tokens=step + 1, eos_token_id=None))
     return int(out[0, ids.shape[1] + step])
+
+
+def left_pad(rows, pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Left-pads 1-D id rows to one width; returns int32 (ids, attention_mask)."""
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = row
+        mask[i, width - len(row):] = 1
+    return ids, mask

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import random_ids
-from generation.helpers import assert_same_tokens, eos_that_occurs, hf_generate
+from generation.helpers import assert_same_tokens, eos_that_occurs, hf_generate, left_pad
 
 PAD = 1  # a pad id different from EOS and from 0 (transformers treats pad id 0 as "no pad" in beam search)
 
@@ -81,21 +81,11 @@ def test_max_length_default_counts_the_prompt(gpt2_checkpoint, gpt2_model, promp
                                          eos_token_id=None, max_length=20), PAD)
 
 
-def _left_pad(rows, pad):
-    width = max(len(r) for r in rows)
-    ids = np.full((len(rows), width), pad, np.int32)
-    mask = np.zeros((len(rows), width), np.int32)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = row
-        mask[i, width - len(row):] = 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("num_beams", [1, 2])
 def test_left_padded_rows_equal_rows_alone_and_transformers(gpt2_checkpoint, gpt2_model, num_beams):
     _, reference = gpt2_checkpoint
     rows = [random_ids((1, n), 64, seed=20 + n)[0] for n in (3, 7, 5)]
-    ids, mask = _left_pad(rows, PAD)
+    ids, mask = left_pad(rows, PAD)
     options = dict(max_new_tokens=8, pad_token_id=PAD, eos_token_id=None, num_beams=num_beams)
     batch = np.asarray(gpt2_model.generate(ids, attention_mask=mask, **options))
     assert_same_tokens(batch, hf_generate(reference, ids, mask, do_sample=False, **options), PAD)
@@ -108,7 +98,7 @@ def test_left_padded_rows_equal_rows_alone_and_transformers(gpt2_checkpoint, gpt
                                      dict(repetition_penalty=1.3, no_repeat_ngram_size=2, min_new_tokens=4)],
                          ids=["greedy", "beam", "processors"])
 def test_xla_equals_eager(gpt2_model, eos, options):
-    ids, mask = _left_pad([random_ids((1, n), 64, seed=30 + n)[0] for n in (4, 8)], PAD)
+    ids, mask = left_pad([random_ids((1, n), 64, seed=30 + n)[0] for n in (4, 8)], PAD)
     options = dict(max_new_tokens=9, eos_token_id=eos, pad_token_id=PAD, **options)
     eager = gpt2_model.generate(ids, attention_mask=mask, **options)
     xla_generate = tf.function(gpt2_model.generate, jit_compile=True)

@@ -43,10 +43,11 @@ class Attention(keras.layers.Layer):
         head_dim: D.
         scale: Multiplier of the query-key scores (e.g. 1/sqrt(D)).
         use_bias: Whether the projections have biases.
+        dropout: Dropout rate of the attention probabilities (training only).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, scale: float, use_bias: bool = True,
-                 **kwargs):
+                 dropout: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self.hidden_size = hidden_size
         self.num_heads = num_heads
@@ -56,6 +57,7 @@ class Attention(keras.layers.Layer):
         self.qkv = keras.layers.Dense(3 * inner, use_bias=use_bias, name="qkv", dtype=self.dtype_policy)
         self.output_projection = keras.layers.Dense(hidden_size, use_bias=use_bias, name="output_projection",
                                                     dtype=self.dtype_policy)
+        self.dropout = keras.layers.Dropout(dropout)
 
     def build(self, input_shape):
         self.qkv.build((None, self.hidden_size))
@@ -67,7 +69,7 @@ class Attention(keras.layers.Layer):
         x = ops.reshape(x, (batch, length, self.num_heads, self.head_dim))
         return ops.transpose(x, (0, 2, 1, 3))  # [B, H, T, D]
 
-    def call(self, x, mask, layer_cache=None, cache_index=None):
+    def call(self, x, mask, layer_cache=None, cache_index=None, training=False):
         """Attends from `x` over the cache (or over `x` itself when there is no cache).
 
         Args:
@@ -75,6 +77,7 @@ class Attention(keras.layers.Layer):
             mask: bool `[B, 1, T, S]` (S = T without a cache), see `causal_mask`.
             layer_cache: Optional `LayerCache` `[B, H, S, D]`; the new keys/values are written into it.
             cache_index: int32 scalar write offset, required with a cache.
+            training: Applies dropout to the attention probabilities.
 
         Returns:
             `(output [B, T, hidden], layer_cache or None)`.
@@ -86,7 +89,7 @@ class Attention(keras.layers.Layer):
             key, value = layer_cache.key, layer_cache.value
         scores = ops.matmul(query, ops.transpose(key, (0, 1, 3, 2))) * self.scale  # [B, H, T, S]
         scores = ops.where(mask, ops.cast(scores, "float32"), MASK_VALUE)
-        weights = ops.cast(ops.softmax(scores, axis=-1), value.dtype)
+        weights = self.dropout(ops.cast(ops.softmax(scores, axis=-1), value.dtype), training=training)
         context = ops.transpose(ops.matmul(weights, value), (0, 2, 1, 3))  # [B, T, H, D]
         batch, length = ops.shape(context)[0], ops.shape(context)[1]
         context = ops.reshape(context, (batch, length, self.num_heads * self.head_dim))

@@ -1,6 +1,6 @@
 """What every causal language model shares: output type, position ids, the cached forward.
 
-Shapes: B batch, T tokens in this call, S cache length (static), V vocab.
+Shapes: B batch, T tokens in this call, S cache length (static), H heads, D head dim, V vocab.
 """
 
 from __future__ import annotations
@@ -8,6 +8,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from keras import ops
+
+from xlagen import cache as cache_lib
+from xlagen.layers.attention import causal_mask
+from xlagen.models.training import unpack_inputs
 
 
 class CausalLMOutput(NamedTuple):
@@ -98,3 +102,85 @@ class CausalDecoding:
         """
         logits, cache = self.call_with_cache(token_ids, state.cache, index, state.attention_mask)
         return logits[:, -1], state._replace(cache=cache)
+
+
+class DecoderOnlyLM(CausalDecoding):
+    """Embeddings, a stack of `DecoderBlock`s and an LM head: the forward passes of GPT-2 and OPT.
+
+    A subclass (also a `keras.Model`) builds `token_embedding` (a `TokenEmbedding`), `blocks` and
+    `lm_head` (None when tied to the token embedding), has a `config` with `num_layers`, `num_heads`
+    and `head_dim`, and defines what is its own: `_embed`, `_finish` and `_default_positions`.
+    """
+
+    def _embed(self, token_ids, positions, training=False):
+        """token ids and position ids `[B, T]` -> hidden states `[B, T, hidden]`."""
+        raise NotImplementedError
+
+    def _finish(self, hidden):
+        """Last hidden states `[B, T, hidden]` -> the LM head's input (final norm, projection)."""
+        raise NotImplementedError
+
+    def _default_positions(self, attention_mask):
+        """Position ids `[B, T]` of `call` when none are given, as the HF model computes them."""
+        raise NotImplementedError
+
+    def _forward(self, token_ids, positions, mask, cache=None, cache_index=None, last_only=False, training=False):
+        x = self._embed(token_ids, positions, training)
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, layer_cache = block(x, mask, None if cache is None else cache[i], cache_index, training=training)
+            new_cache.append(layer_cache)
+        x = self._finish(x[:, -1:] if last_only else x)
+        logits = self.token_embedding.attend(x) if self.lm_head is None else self.lm_head(x)
+        return ops.cast(logits, "float32"), (None if cache is None else tuple(new_cache))
+
+    def call(self, input_ids, attention_mask=None, position_ids=None, training=False):
+        """Full forward pass (training, scoring, parity).
+
+        Args:
+            input_ids: int `[B, T]`, or Keras' dict `{"input_ids", "attention_mask"}`.
+            attention_mask: Optional `[B, T]` 1/0.
+            position_ids: Optional int `[B, T]`; by default what the transformers model uses.
+            training: Applies the model's dropout.
+
+        Returns:
+            `CausalLMOutput` with float32 logits `[B, T, V]`.
+
+        Raises:
+            ValueError: If T exceeds the model's positions.
+        """
+        input_ids, attention_mask = unpack_inputs(input_ids, attention_mask)
+        input_ids = ops.convert_to_tensor(input_ids)
+        length = input_ids.shape[1]
+        if length is not None and length > self.config.max_positions:
+            raise ValueError(f"input length {length} exceeds the model's {self.config.max_positions} positions")
+        if attention_mask is None:
+            attention_mask = ops.ones_like(input_ids)
+        if position_ids is None:
+            position_ids = self._default_positions(attention_mask)
+        mask = causal_mask(attention_mask, 0, input_ids.shape[1])
+        logits, _ = self._forward(input_ids, position_ids, mask, training=training)
+        return CausalLMOutput(logits)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None):
+        """Zero cache `L x (k, v) [B, H, S, D]`."""
+        return cache_lib.init_cache(self.config.num_layers, batch_size, self.config.num_heads, max_length,
+                                    self.config.head_dim, dtype or self.compute_dtype)
+
+    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False):
+        """Runs `token_ids` written at `cache_index` against the static cache.
+
+        Args:
+            token_ids: int32 `[B, T]` (the prompt on the first call, one token per step after).
+            cache: From `init_cache`, `[B, H, S, D]` per layer.
+            cache_index: int32 scalar tensor, the write offset.
+            attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
+            last_only: Compute logits for the last token only (`T` becomes 1 in the output).
+
+        Returns:
+            `(logits float32 [B, T, V], updated cache)`.
+        """
+        num_tokens = token_ids.shape[1]
+        positions = positions_at(attention_mask, cache_index, num_tokens)
+        mask = causal_mask(attention_mask, cache_index, num_tokens)
+        return self._forward(token_ids, positions, mask, cache, cache_index, last_only)

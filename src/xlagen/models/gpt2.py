@@ -5,7 +5,7 @@ Known divergences: `reorder_and_upcast_attn` only changes float16 numerics in th
 attention scores are computed in float32 anyway, so both settings give the reference's float32 result.
 transformers' default SDPA attention path ignores `scale_attn_weights=False` and
 `scale_attn_by_inverse_layer_idx=True`; xlagen follows its "eager" attention, which honours both.
-Dropout is not applied (inference only for now).
+Dropout (embedding, residual, attention probabilities) applies only with `training=True`.
 """
 
 from __future__ import annotations
@@ -17,19 +17,19 @@ from dataclasses import dataclass
 import keras
 from keras import ops
 
-from xlagen import cache as cache_lib
-from xlagen.layers.attention import Attention, causal_mask
+from xlagen.layers.block import BlockSpec, DecoderBlock
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
-from xlagen.layers.feedforward import FeedForward, get_activation
+from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
-from xlagen.models.base import CausalDecoding, CausalLMOutput, positions_at
+from xlagen.models.base import DecoderOnlyLM
+from xlagen.models.training import CausalLMTraining
 
 logger = logging.getLogger(__name__)
 
 # HF config keys that do not change inference math (training-only, bookkeeping, or task heads).
 _IGNORED_HF_KEYS = frozenset({
     "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache",
-    "initializer_range", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type", "summary_use_proj",
+    "initializer_range", "summary_type", "summary_use_proj",
     "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "task_specific_params",
     "n_ctx", "gradient_checkpointing", "id2label", "label2id", "output_past", "model_type",
     "reorder_and_upcast_attn", "return_dict", "output_hidden_states", "output_attentions",
@@ -58,6 +58,8 @@ class GPT2Config:
         scale_attn_by_inverse_layer_idx: Also divide scores of layer i by i + 1.
         tie_word_embeddings: The LM head reuses the token embedding.
         bos_token_id, eos_token_id, pad_token_id: Special ids from config.json.
+        embedding_dropout, residual_dropout, attention_dropout: Training-time dropout rates (HF
+            `embd_pdrop`, `resid_pdrop`, `attn_pdrop`).
     """
 
     vocab_size: int = 50257
@@ -74,6 +76,9 @@ class GPT2Config:
     bos_token_id: int | None = 50256
     eos_token_id: int | list[int] | None = 50256
     pad_token_id: int | None = None
+    embedding_dropout: float = 0.1
+    residual_dropout: float = 0.1
+    attention_dropout: float = 0.1
 
     model_type = "gpt2"
 
@@ -102,7 +107,9 @@ class GPT2Config:
                  "scale_attn_weights": "scale_attn_weights",
                  "scale_attn_by_inverse_layer_idx": "scale_attn_by_inverse_layer_idx",
                  "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id",
-                 "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"}
+                 "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
+                 "embd_pdrop": "embedding_dropout", "resid_pdrop": "residual_dropout",
+                 "attn_pdrop": "attention_dropout"}
         unknown = sorted(set(hf) - set(names) - _IGNORED_HF_KEYS - {"add_cross_attention"})
         if unknown:
             logger.warning("config.json keys ignored by xlagen's GPT-2: %s", unknown)
@@ -117,40 +124,25 @@ class GPT2Config:
                 "scale_attn_weights": self.scale_attn_weights,
                 "scale_attn_by_inverse_layer_idx": self.scale_attn_by_inverse_layer_idx,
                 "tie_word_embeddings": self.tie_word_embeddings, "bos_token_id": self.bos_token_id,
-                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id}
+                "eos_token_id": self.eos_token_id, "pad_token_id": self.pad_token_id,
+                "embd_pdrop": self.embedding_dropout, "resid_pdrop": self.residual_dropout,
+                "attn_pdrop": self.attention_dropout}
 
     def replace(self, **changes) -> "GPT2Config":
         return dataclasses.replace(self, **changes)
 
 
-class GPT2Block(keras.layers.Layer):
-    """Pre-norm transformer block: `x + attention(norm(x))`, then `x + mlp(norm(x))`."""
-
-    def __init__(self, config: GPT2Config, layer_index: int, **kwargs):
-        super().__init__(**kwargs)
-        scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
-        if config.scale_attn_by_inverse_layer_idx:
-            scale /= layer_index + 1
-        self.hidden_size = config.hidden_size
-        self.attention_norm = layer_norm(config.layer_norm_eps, "attention_norm", self.dtype_policy)
-        self.attention = Attention(config.hidden_size, config.num_heads, config.head_dim, scale,
-                                   name="attention", dtype=self.dtype_policy)
-        self.mlp_norm = layer_norm(config.layer_norm_eps, "mlp_norm", self.dtype_policy)
-        self.mlp = FeedForward(config.hidden_size, config.intermediate_size, config.activation, name="mlp",
-                               dtype=self.dtype_policy)
-
-    def build(self, input_shape):
-        for layer in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
-            layer.build((None, None, self.hidden_size))
-        self.built = True
-
-    def call(self, x, mask, layer_cache=None, cache_index=None):
-        attended, layer_cache = self.attention(self.attention_norm(x), mask, layer_cache, cache_index)
-        x = x + attended
-        return x + self.mlp(self.mlp_norm(x)), layer_cache
+def block_spec(config: GPT2Config, layer_index: int) -> BlockSpec:
+    """The shared pre-norm block, with GPT-2's optional per-layer attention scaling."""
+    scale = config.head_dim ** -0.5 if config.scale_attn_weights else 1.0
+    if config.scale_attn_by_inverse_layer_idx:
+        scale /= layer_index + 1
+    return BlockSpec(config.hidden_size, config.num_heads, config.head_dim, config.intermediate_size,
+                     config.activation, scale, config.layer_norm_eps, attention_dropout=config.attention_dropout,
+                     residual_dropout=config.residual_dropout)
 
 
-class GPT2LMHead(CausalDecoding, keras.Model):
+class GPT2LMHead(CausalLMTraining, DecoderOnlyLM, keras.Model):
     """GPT-2 with its language-modelling head, as a Keras 3 model.
 
     Args:
@@ -165,7 +157,8 @@ class GPT2LMHead(CausalDecoding, keras.Model):
                                               dtype=self.dtype_policy)
         self.position_embedding = PositionEmbedding(config.max_positions, config.hidden_size,
                                                     name="position_embedding", dtype=self.dtype_policy)
-        self.blocks = [GPT2Block(config, i, name=f"block_{i}", dtype=self.dtype_policy)
+        self.embedding_dropout = keras.layers.Dropout(config.embedding_dropout)
+        self.blocks = [DecoderBlock(block_spec(config, i), name=f"block_{i}", dtype=self.dtype_policy)
                        for i in range(config.num_layers)]
         self.final_norm = layer_norm(config.layer_norm_eps, "final_norm", self.dtype_policy)
         self.lm_head = None
@@ -185,57 +178,15 @@ class GPT2LMHead(CausalDecoding, keras.Model):
             self.lm_head.build((None, self.config.hidden_size))
         self.built = True
 
-    def _forward(self, token_ids, positions, mask, cache=None, cache_index=None, last_only=False):
+    def _embed(self, token_ids, positions, training=False):
         x = self.token_embedding(token_ids) + self.position_embedding(positions)
-        new_cache = []
-        for i, block in enumerate(self.blocks):
-            x, layer_cache = block(x, mask, None if cache is None else cache[i], cache_index)
-            new_cache.append(layer_cache)
-        x = self.final_norm(x[:, -1:] if last_only else x)
-        logits = self.token_embedding.attend(x) if self.lm_head is None else self.lm_head(x)
-        return ops.cast(logits, "float32"), (None if cache is None else tuple(new_cache))
+        return self.embedding_dropout(x, training=training)
 
-    def call(self, input_ids, attention_mask=None, position_ids=None, training=False):
-        """Full forward pass (training, scoring, parity).
+    def _finish(self, hidden):
+        return self.final_norm(hidden)
 
-        Args:
-            input_ids: int `[B, T]`.
-            attention_mask: Optional `[B, T]` 1/0.
-            position_ids: Optional int `[B, T]`; default `0..T-1` as in transformers.
-            training: Unused (no dropout yet).
-
-        Returns:
-            `CausalLMOutput` with float32 logits `[B, T, V]`.
-        """
-        input_ids = ops.convert_to_tensor(input_ids)
-        length = ops.shape(input_ids)[1]
-        if attention_mask is None:
-            attention_mask = ops.ones_like(input_ids)
-        if position_ids is None:
-            position_ids = ops.broadcast_to(ops.arange(length, dtype="int32")[None, :], ops.shape(input_ids))
-        mask = causal_mask(attention_mask, 0, input_ids.shape[1])
-        logits, _ = self._forward(input_ids, position_ids, mask)
-        return CausalLMOutput(logits)
-
-    def init_cache(self, batch_size: int, max_length: int, dtype=None):
-        """Zero cache `L x (k, v) [B, H, S, D]`."""
-        return cache_lib.init_cache(self.config.num_layers, batch_size, self.config.num_heads, max_length,
-                                    self.config.head_dim, dtype or self.compute_dtype)
-
-    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False):
-        """Runs `token_ids` written at `cache_index` against the static cache.
-
-        Args:
-            token_ids: int32 `[B, T]` (the prompt on the first call, one token per step after).
-            cache: From `init_cache`, `[B, H, S, D]` per layer.
-            cache_index: int32 scalar tensor, the write offset.
-            attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
-            last_only: Compute logits for the last token only (`T` becomes 1 in the output).
-
-        Returns:
-            `(logits float32 [B, T, V], updated cache)`.
-        """
-        num_tokens = token_ids.shape[1]
-        positions = positions_at(attention_mask, cache_index, num_tokens)
-        mask = causal_mask(attention_mask, cache_index, num_tokens)
-        return self._forward(token_ids, positions, mask, cache, cache_index, last_only)
+    def _default_positions(self, attention_mask):
+        # transformers' GPT-2 counts positions 0..T-1 whatever the mask (it derives them from the mask
+        # only in generate()).
+        length = ops.shape(attention_mask)[1]
+        return ops.broadcast_to(ops.arange(length, dtype="int32")[None, :], ops.shape(attention_mask))

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from xlagen.models import gpt2
+from xlagen.models import gpt2, opt
 from xlagen.weights import gpt2 as gpt2_weights
+from xlagen.weights import opt as opt_weights
 
 
 class Architecture(NamedTuple):
@@ -16,7 +17,8 @@ class Architecture(NamedTuple):
     weights: object  # module with rules(config), ignore(config), PREFIX
 
 
-CAUSAL_LM = {"gpt2": Architecture(gpt2.GPT2Config, gpt2.GPT2LMHead, gpt2_weights)}
+CAUSAL_LM = {"gpt2": Architecture(gpt2.GPT2Config, gpt2.GPT2LMHead, gpt2_weights),
+             "opt": Architecture(opt.OPTConfig, opt.OPTLM, opt_weights)}
 
 
 def lookup(model_type: str | None, table: dict[str, Architecture], task: str) -> Architecture:

@@ -40,3 +40,8 @@ def rules(config) -> list[Rule]:
 def ignore(config) -> tuple[str, ...]:
     """HF tensors to skip: buffers, and the LM head when it is tied to the embedding."""
     return IGNORE + ((r"lm_head\.weight",) if config.tie_word_embeddings else ())
+
+
+def saved_name(name: str) -> str:
+    """The name transformers' GPT2LMHeadModel gives a tensor of the table (the trunk is prefixed)."""
+    return name if name.startswith("lm_head.") else PREFIX + name

@@ -83,6 +83,7 @@ def chain(*transforms: Transform) -> Transform:
         return out
 
     transform.__name__ = " -> ".join(_name(t) for t in transforms)
+    transform.parts = transforms  # for `export`, which inverts each part in reverse order
     return transform
 
 
@@ -283,3 +284,44 @@ def _cast(value: np.ndarray, dtype: np.dtype | type | None) -> np.ndarray:
 def _name(transform: Transform) -> str:
     """The readable name of a transform."""
     return getattr(transform, "__name__", repr(transform))
+
+
+def _split_into_sources(rule: Rule, value: np.ndarray, axis: int) -> list[np.ndarray]:
+    return np.split(value, len(rule.sources), axis=axis)
+
+
+# Inverse of each invertible transform: our array -> the list of HF source arrays.
+_INVERSES: dict[Callable, Callable[[Rule, np.ndarray], list[np.ndarray]]] = {
+    identity: lambda rule, value: [value],
+    transpose: lambda rule, value: [value.T],
+    concat_last: lambda rule, value: _split_into_sources(rule, value, -1),
+    concat_first: lambda rule, value: _split_into_sources(rule, value, 0),
+}
+
+
+def export(rules: Iterable[Rule], values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Turns our variables back into HF tensors (the inverse of `convert`), for `save_pretrained`.
+
+    Args:
+        rules: The model's conversion table.
+        values: Our variable path -> array; every rule's target must be present.
+
+    Returns:
+        HF tensor name -> C-contiguous array.
+
+    Raises:
+        ValueError: If a rule's transform has no inverse or its target is missing.
+    """
+    out: dict[str, np.ndarray] = {}
+    for rule in rules:
+        parts = getattr(rule.transform, "parts", (rule.transform,))
+        if any(part not in _INVERSES for part in parts):
+            raise ValueError(f"cannot save '{rule.target}': transform {_name(rule.transform)} has no inverse")
+        if rule.target not in values:
+            raise ValueError(f"cannot save: no value for '{rule.target}'")
+        value = np.asarray(values[rule.target])
+        for part in reversed(parts[1:]):  # the later parts of a chain map one array to one array
+            (value,) = _INVERSES[part](rule, value)
+        pieces = _INVERSES[parts[0]](rule, value)
+        out.update({name: np.ascontiguousarray(piece) for name, piece in zip(rule.sources, pieces)})
+    return out

@@ -1,0 +1,120 @@
+"""Keras training for language models: the shifted token loss, perplexity, and the `fit` glue.
+
+Labels follow transformers: `labels[b, t]` is the token expected at position t, the model shifts
+them inside (position t predicts t + 1), and -100 marks positions left out of the loss.
+"""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+from keras import ops
+
+IGNORE_INDEX = -100
+
+
+def shifted_token_loss(logits, labels):
+    """Summed cross-entropy of next-token predictions and the number of tokens it covers.
+
+    Args:
+        logits: float `[B, T, V]`.
+        labels: int `[B, T]`; -100 where no loss is wanted.
+
+    Returns:
+        `(loss_sum, count)` float32 scalars.
+    """
+    logits = ops.cast(logits[:, :-1], "float32")
+    labels = ops.cast(labels[:, 1:], "int32")
+    valid = ops.not_equal(labels, IGNORE_INDEX)
+    losses = keras.losses.sparse_categorical_crossentropy(ops.where(valid, labels, 0), logits, from_logits=True)
+    weights = ops.cast(valid, "float32")
+    return ops.sum(losses * weights), ops.sum(weights)
+
+
+class Perplexity(keras.metrics.Metric):
+    """exp(mean token loss) over everything seen since the last reset."""
+
+    def __init__(self, name: str = "perplexity", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.loss_sum = self.add_variable(shape=(), initializer="zeros", name="loss_sum")
+        self.count = self.add_variable(shape=(), initializer="zeros", name="count")
+
+    def update_state(self, loss_sum, count):
+        self.loss_sum.assign_add(ops.cast(loss_sum, "float32"))
+        self.count.assign_add(ops.cast(count, "float32"))
+
+    def result(self):
+        return ops.exp(self.loss_sum / ops.maximum(self.count, 1.0))
+
+
+def unpack_inputs(input_ids, attention_mask):
+    """Accepts `model(ids, attention_mask=...)` and Keras' `model({"input_ids": ..., ...})`."""
+    if isinstance(input_ids, dict):
+        return input_ids["input_ids"], input_ids.get("attention_mask", attention_mask)
+    return input_ids, attention_mask
+
+
+class CausalLMTraining:
+    """Mixin for causal LM Keras models: `compile(optimizer, jit_compile=True)` then `fit`.
+
+    Data: `x` is a dict with `input_ids`, optional `attention_mask` and optional `labels`, or `y`
+    holds the labels; without labels, the inputs are the labels with padding left out of the loss.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.perplexity_tracker = Perplexity()
+        self._replica_gradients = None
+
+    def compile(self, *args, **kwargs):
+        """Keras' compile. With `jit_compile=True` under a multi-replica `tf.distribute` strategy,
+        each replica's forward and backward pass is compiled with XLA and the optimizer update runs
+        outside it: Keras' own whole-step XLA compile fails there (a replica's XLA program is handed
+        the variables of another device)."""
+        super().compile(*args, **kwargs)
+        self._replica_gradients = None
+        if self.jit_compile and self.distribute_strategy.num_replicas_in_sync > 1:
+            self.jit_compile = False
+            self._replica_gradients = tf.function(self._loss_and_gradients, jit_compile=True)
+
+    def _loss_and_gradients(self, x, y):
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True), training=True)
+        return loss, tape.gradient(loss, self.trainable_variables)
+
+    def train_step(self, data):
+        """Keras' train step, or the per-replica XLA step described in `compile`."""
+        if self._replica_gradients is None:
+            return super().train_step(data)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss, gradients = self._replica_gradients(x, y)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        self._loss_tracker.update_state(loss * self.distribute_strategy.num_replicas_in_sync,
+                                        sample_weight=tf.shape(unpack_inputs(x, None)[0])[0])
+        return self.compute_metrics(x, y, None, sample_weight=sample_weight)
+
+    def labels_for(self, x, y):
+        """The labels `[B, T]` for a batch, checked against the inputs' shape."""
+        input_ids, attention_mask = unpack_inputs(x, None)
+        labels = y if y is not None else (x.get("labels") if isinstance(x, dict) else None)
+        if labels is None:
+            labels = input_ids
+            if attention_mask is not None:
+                labels = ops.where(ops.cast(attention_mask, "bool"), labels, IGNORE_INDEX)
+        if tuple(labels.shape) != tuple(input_ids.shape):
+            raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
+                             f"{tuple(input_ids.shape)}: give one label per input token (-100 to skip)")
+        return labels
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        """Mean next-token cross-entropy over labelled tokens (transformers' loss)."""
+        loss_sum, count = shifted_token_loss(y_pred.logits, self.labels_for(x, y))
+        self.perplexity_tracker.update_state(loss_sum, count)
+        loss = loss_sum / ops.maximum(count, 1.0)
+        # Keras sums replica gradients, so each replica's loss carries 1 / replicas.
+        replicas = tf.distribute.get_strategy().num_replicas_in_sync
+        return loss / replicas if replicas > 1 else loss
+
+    @property
+    def metrics(self):
+        return [*super().metrics, self.perplexity_tracker]
