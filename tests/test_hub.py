@@ -1,6 +1,5 @@
 """Tests for xlagen.hub.resolve_model_dir, all offline: local folders and a hand-built HF cache."""
 
-import ast
 import fnmatch
 import os
 import pathlib
@@ -211,15 +210,3 @@ def test_download_asks_only_for_usable_files(monkeypatch, tmp_path):
         assert fetched(name), name
     for name in ["pytorch_model.bin", "tf_model.h5", "flax_model.msgpack", "onnx/model.safetensors", "model.pt"]:
         assert not fetched(name), name
-
-
-def test_hub_module_imports_no_tensorflow():
-    tree = ast.parse(pathlib.Path(hub.__file__).read_text())
-    imported = {
-        (alias.name if isinstance(node, ast.Import) else node.module).split(".")[0]
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Import, ast.ImportFrom))
-        for alias in node.names
-    }
-    allowed = {"numpy", "safetensors", "huggingface_hub", "__future__"} | set(sys.stdlib_module_names)
-    assert imported <= allowed, imported - allowed

@@ -2,8 +2,6 @@
 
 import json
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest

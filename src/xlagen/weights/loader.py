@@ -254,26 +254,6 @@ def normalize_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str
     return out
 
 
-def strip_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
-    """Removes `prefix` from every name, which must all carry it.
-
-    Args:
-        tensors: HF tensor name -> array.
-        prefix: Prefix to remove, including its trailing dot.
-
-    Returns:
-        A new dict; the arrays are not copied.
-
-    Raises:
-        ValueError: If some names lack the prefix.
-    """
-    lacking = sorted(n for n in tensors if not n.startswith(prefix))
-    if lacking:
-        shown = ", ".join(lacking[:_MAX_NAMES_SHOWN])
-        raise ValueError(f"{len(lacking)} tensor names do not start with '{prefix}': {shown}")
-    return {name[len(prefix):]: value for name, value in tensors.items()}
-
-
 def _cast(value: np.ndarray, dtype: np.dtype | type | None) -> np.ndarray:
     """Casts floating-point arrays to `dtype`; leaves integer and boolean arrays alone."""
     if dtype is not None and np.issubdtype(value.dtype, np.floating):
