@@ -43,6 +43,28 @@ def build_bpe_tokenizer(folder, vocab_size: int = 320) -> int:
     return tokenizer.get_vocab_size()
 
 
+def build_t5_tokenizer(folder) -> int:
+    """Trains a T5-style tokenizer on CORPUS (Unigram, Metaspace, "</s>" appended, "<pad>" id 0,
+    "</s>" id 1, "<unk>" id 2), writes tokenizer.json + tokenizer_config.json; returns its size (64)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.Unigram())
+    tokenizer.normalizer = normalizers.Replace(Regex(" {2,}"), " ")
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(vocab_size=64, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
+                                      show_progress=False)
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", pair="$A </s> $B </s>",
+                                                             special_tokens=[("</s>", 1)])
+    os.makedirs(folder, exist_ok=True)
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    config = {"tokenizer_class": "T5Tokenizer", "eos_token": "</s>", "unk_token": "<unk>", "pad_token": "<pad>",
+              "model_max_length": 512, "extra_ids": 0}
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    return tokenizer.get_vocab_size()
+
+
 def save_tiny_gpt2(folder, seed: int = 0, **overrides):
     """A random transformers GPT2LMHeadModel saved as safetensors; returns the torch model (eval mode)."""
     import torch

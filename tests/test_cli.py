@@ -13,8 +13,8 @@ import pytest
 from xlagen.cli.__main__ import main
 
 PROMPTS = ["Hello world", "XLA compiles", "The quick fox"]  # 11-13 tokens: one length bucket.
-NO_MODEL = ("xlagen generate needs --model PATH_OR_ID (a Hugging Face checkpoint folder or Hub id); "
-            "the built-in default model is not available yet")
+NO_MODEL = ("xlagen generate needs --model PATH_OR_ID (a Hugging Face checkpoint folder or Hub id): "
+            "the built-in default model is missing from this installation")
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -95,7 +95,10 @@ def test_sampling_with_a_seed_is_reproducible(gpt2_checkpoint, capsys):
     assert run_cli(capsys, *args) == first
 
 
-def test_missing_model_is_a_usage_error(capsys):
+def test_missing_model_is_a_usage_error(capsys, monkeypatch):
+    from xlagen.cli import generate
+
+    monkeypatch.setattr(generate, "default_model_path", lambda: None)  # an installation without it
     code, out, err = run_cli(capsys, "generate", "Hello")
     assert (code, out, err) == (2, "", f"xlagen: error: {NO_MODEL}\n")
 

@@ -8,6 +8,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from conftest import build_t5_tokenizer
 from xlagen import tokenizer as xtok
 
 transformers = pytest.importorskip("transformers")
@@ -51,7 +52,7 @@ def _write(folder: pathlib.Path, name: str, content: dict) -> None:
 def folders(tmp_path_factory) -> dict[str, pathlib.Path]:
     """Tokenizer folders in the styles of the GPT-2, OPT and T5 checkpoints on the Hub."""
     gpt2, opt = _train(["<|endoftext|>"]), _train(["<s>", "<pad>", "</s>", "<unk>"])
-    names = ("json", "files", "model_type", "opt", "t5", "t5_legacy", "prefix_json", "prefix_files")
+    names = ("json", "files", "model_type", "opt", "t5", "t5_legacy", "t5_unigram", "prefix_json", "prefix_files")
     out = {name: tmp_path_factory.mktemp(name) for name in names}
     gpt2.save(str(out["json"] / "tokenizer.json"))
     gpt2.model.save(str(out["files"]))
@@ -78,6 +79,8 @@ def folders(tmp_path_factory) -> dict[str, pathlib.Path]:
     for name in ("t5", "t5_legacy"):
         _write(out[name], "tokenizer_config.json", {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>",
                                                     "unk_token": "<unk>", "pad_token": "<pad>"})
+    # A T5 checkpoint's tokenizer: Unigram (SentencePiece-style), "</s>" appended, "<pad>" id 0, class T5Tokenizer.
+    build_t5_tokenizer(out["t5_unigram"])
     # ByteLevel add_prefix_space: transformers follows tokenizer_config.json (default False) over tokenizer.json.
     gpt2.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     gpt2.save(str(out["prefix_json"] / "tokenizer.json"))
@@ -127,7 +130,7 @@ CALLS = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["json", "files", "opt", "t5"])
+@pytest.mark.parametrize("kind", ["json", "files", "opt", "t5", "t5_unigram"])
 @pytest.mark.parametrize("padding_side", ["left", "right"])
 @pytest.mark.parametrize("call", CALLS, ids=lambda call: "-".join(f"{k}={v}" for k, v in call.items()) or "plain")
 def test_call_matches_transformers(folders, kind, padding_side, call):
@@ -146,7 +149,7 @@ def test_call_matches_transformers(folders, kind, padding_side, call):
 
 
 @pytest.mark.parametrize(
-    "kind", ["json", "files", "model_type", "opt", "t5", "t5_legacy", "prefix_json", "prefix_files"])
+    "kind", ["json", "files", "model_type", "opt", "t5", "t5_legacy", "t5_unigram", "prefix_json", "prefix_files"])
 def test_attributes_match_transformers(folders, kind):
     ours, theirs = _pair(folders[kind])
     for name in ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id", "unk_token_id",
@@ -179,7 +182,7 @@ def test_guide_call_adds_pad_token(folders):
     assert ours.decode(enc.input_ids[0], skip_special_tokens=True) == "TensorFlow is"
 
 
-@pytest.mark.parametrize("kind", ["json", "files", "opt", "t5"])
+@pytest.mark.parametrize("kind", ["json", "files", "opt", "t5", "t5_unigram"])
 def test_decode_matches_transformers(folders, kind):
     ours, theirs = _pair(folders[kind], padding_side="left", pad_token="<pad>")
     ids = theirs(TEXTS, padding=True, return_tensors="np")["input_ids"]
@@ -253,7 +256,7 @@ def test_single_string_and_empty_prompt(folders):
     assert isinstance(xtok.GPT2TokenizerFast.from_pretrained(folders["json"]), xtok.PreTrainedTokenizerFast)
 
 
-@pytest.mark.parametrize("kind", ["json", "files", "model_type", "opt", "t5", "prefix_files"])
+@pytest.mark.parametrize("kind", ["json", "files", "model_type", "opt", "t5", "t5_unigram", "prefix_files"])
 def test_save_pretrained_round_trip(folders, kind, tmp_path):
     tok = xtok.AutoTokenizer.from_pretrained(folders[kind], padding_side="left", pad_token="[PAD]")
     written = tok.save_pretrained(tmp_path)

@@ -20,9 +20,12 @@ _EXPORTS = {
     "compile_generate": "xlagen.generation.compiled",
     "GPT2Config": "xlagen.models.gpt2",
     "OPTConfig": "xlagen.models.opt",
+    "T5Config": "xlagen.models.t5",
     "TFAutoModelForCausalLM": "xlagen.modeling",
+    "TFAutoModelForSeq2SeqLM": "xlagen.modeling",
     "TFGPT2LMHeadModel": "xlagen.modeling",
     "TFOPTForCausalLM": "xlagen.modeling",
+    "TFT5ForConditionalGeneration": "xlagen.modeling",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

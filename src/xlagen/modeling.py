@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
-from xlagen.models import gpt2, opt, registry
+from xlagen.models import gpt2, opt, registry, t5
 from xlagen.weights.checkpoint import read_checkpoint, read_json, write_files
 from xlagen.weights.loader import convert, export, normalize_prefix
 
@@ -113,13 +113,41 @@ class TFOPTForCausalLM(PreTrainedModel, opt.OPTLM):
     architectures = {"opt": registry.CAUSAL_LM["opt"]}
 
 
-_PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel, opt.OPTLM: TFOPTForCausalLM}
+class TFT5ForConditionalGeneration(PreTrainedModel, t5.T5LM):
+    """T5 with its LM head: a Keras 3 model with transformers' TF API (`generate`, `from_pretrained`).
+
+    `generate(input_ids, attention_mask=...)` encodes once and returns the decoder's sequences.
+    """
+
+    architectures = {"t5": registry.SEQ2SEQ_LM["t5"]}
+    task = "sequence-to-sequence language modelling"
 
 
-class TFAutoModelForCausalLM(PreTrainedModel):
+_PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel, opt.OPTLM: TFOPTForCausalLM, t5.T5LM: TFT5ForConditionalGeneration}
+
+
+class _AutoModel(PreTrainedModel):
+    """An Auto class: only `from_pretrained`, which picks the class from config.json's model_type."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError(f"use {type(self).__name__}.from_pretrained(name_or_path)")
+
+
+class TFAutoModelForCausalLM(_AutoModel):
     """Picks the causal LM class from config.json's model_type."""
 
     architectures = registry.CAUSAL_LM
 
-    def __init__(self, *args, **kwargs):
-        raise TypeError("use TFAutoModelForCausalLM.from_pretrained(name_or_path)")
+
+class TFAutoModelForSeq2SeqLM(_AutoModel):
+    """Picks the encoder-decoder LM class from config.json's model_type."""
+
+    architectures = registry.SEQ2SEQ_LM
+    task = "sequence-to-sequence language modelling"
+
+
+class TFAutoModelForGeneration(_AutoModel):
+    """xlagen's own: any model that `generate`s text, causal or encoder-decoder (used by the CLI)."""
+
+    architectures = {**registry.CAUSAL_LM, **registry.SEQ2SEQ_LM}
+    task = "text generation"

@@ -23,10 +23,13 @@ def assert_same_tokens(ours, theirs, pad_id: int):
     assert (ours[:, length:] == pad_id).all(), ours[:, length:]
 
 
-def eos_that_occurs(model, ids, step: int = 3, mask=None) -> int:
-    """An id the model generates greedily at `step` for row 0, so using it as EOS ends rows early."""
+def eos_that_occurs(model, ids, step: int = 3, mask=None, prompt_length: int | None = None) -> int:
+    """An id the model generates greedily at `step` for row 0, so using it as EOS ends rows early.
+
+    `prompt_length` is where the new tokens start in the output (default: the input's length; an
+    encoder-decoder model's output starts with its 1-token decoder prompt instead)."""
     out = np.asarray(model.generate(ids, attention_mask=mask, max_new_tokens=step + 1, eos_token_id=None))
-    return int(out[0, ids.shape[1] + step])
+    return int(out[0, (ids.shape[1] if prompt_length is None else prompt_length) + step])
 
 
 def left_pad(rows, pad: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,10 +1,12 @@
-"""`xlagen generate`: continue prompts with a causal language model, as one XLA program per shape.
+"""`xlagen generate`: continue prompts with a causal language model (or answer them with an
+encoder-decoder model such as T5), as one XLA program per shape.
 
 Prompts come from the command line or from `--input` (.txt: one prompt per non-empty line; .jsonl:
 objects with a "prompt" key, other keys carried into the output; `-` is stdin). They are batched
 `--batch-size` at a time and left-padded to a multiple of 8 tokens; the last batch is filled up with
 copies of its last prompt, so batches repeat the same few shapes and the compiled program is reused.
-Without `--output` each prompt is printed followed by its continuation(s); with `--output` the
+Without `--output` each prompt is printed followed by its continuation(s) (an encoder-decoder model's
+output is printed alone: it does not continue the prompt); with `--output` the
 results are written as JSONL records `{"prompt": ..., "generated": [...], <carried keys>}`.
 """
 
@@ -24,8 +26,8 @@ from typing import Any, TextIO
 logger = logging.getLogger("xlagen.cli.generate")
 
 _PAD_TO_MULTIPLE_OF = 8
-_NO_MODEL = ("xlagen generate needs --model PATH_OR_ID (a Hugging Face checkpoint folder or Hub id); "
-             "the built-in default model is not available yet")
+_NO_MODEL = ("xlagen generate needs --model PATH_OR_ID (a Hugging Face checkpoint folder or Hub id): "
+             "the built-in default model is missing from this installation")
 
 
 class UsageError(ValueError):
@@ -48,8 +50,10 @@ class Prompt:
 
 
 def default_model_path() -> str | None:
-    """The model used when `--model` is not given: a local folder or Hub id, or None if there is none yet."""
-    return None
+    """The built-in default model (package data, see src/xlagen/default_model/README.md), or None if
+    this installation lacks it."""
+    folder = Path(__file__).resolve().parents[1] / "default_model"
+    return str(folder) if (folder / "model.safetensors").is_file() else None
 
 
 def _positive_int(value: str) -> int:
@@ -199,7 +203,7 @@ class Generator:
 
     Args:
         tokenizer: An xlagen tokenizer with a pad token, padding on the left.
-        model: A causal LM with `generate`.
+        model: A causal or encoder-decoder LM with `generate`.
         options: `generate` keyword options (GenerationConfig fields).
         use_xla: Generate through a `CompiledGenerator` (shape buckets, one XLA program per bucket);
             else run eagerly.
@@ -219,6 +223,8 @@ class Generator:
         self.compiler = CompiledGenerator(model) if use_xla else None
         self.function = self.compiler.generate if use_xla else model.generate
         self.compiled = use_xla
+        # An encoder-decoder model returns the decoder's tokens: its start token, then the new ones.
+        self.continues_prompt = not getattr(model.config, "is_encoder_decoder", False)
 
     def tracing_count(self) -> int:
         """How many programs have been traced (and compiled) so far; 0 when running eagerly."""
@@ -253,7 +259,7 @@ class Generator:
             raise UsageError(f"prompt {texts[int(lengths.argmin())]!r} encodes to no tokens")
         seed = None if self.seed is None else tf.constant([self.seed, batch_index], tf.int32)
         sequences = self.function(**encoding, seed=seed, **self.options)
-        new = sequences[:, encoding["input_ids"].shape[1]:].numpy()
+        new = sequences[:, encoding["input_ids"].shape[1] if self.continues_prompt else 1:].numpy()
         decoded = self.tokenizer.batch_decode(new, skip_special_tokens=True)
         per_prompt = len(decoded) // len(texts)
         return [decoded[i * per_prompt:(i + 1) * per_prompt] for i in range(len(texts))], new
@@ -270,7 +276,8 @@ def _count_new_tokens(new_ids, real_rows: int, eos_ids: tuple[int, ...]) -> int:
 
 def _load(model_name: str, args: argparse.Namespace):
     """Loads the tokenizer (left padding, EOS as pad when there is no pad token) and the model."""
-    from xlagen import AutoTokenizer, TFAutoModelForCausalLM
+    from xlagen import AutoTokenizer
+    from xlagen.modeling import TFAutoModelForGeneration
 
     hub = {"revision": args.revision, "cache_dir": args.cache_dir, "local_files_only": args.local_files_only}
     started = time.perf_counter()
@@ -279,7 +286,7 @@ def _load(model_name: str, args: argparse.Namespace):
         if tokenizer.eos_token is None:
             raise ValueError(f"the tokenizer of {model_name} has neither a pad nor an EOS token to pad batches with")
         tokenizer.pad_token = tokenizer.eos_token  # As transformers users do for GPT-2.
-    model = TFAutoModelForCausalLM.from_pretrained(model_name, **hub)
+    model = TFAutoModelForGeneration.from_pretrained(model_name, **hub)
     logger.info("loaded %s in %.2f s", model_name, time.perf_counter() - started)
     return tokenizer, model
 
@@ -292,15 +299,17 @@ def _batches(prompts: list[Prompt], batch_size: int) -> Iterator[tuple[list[Prom
         yield chunk, [p.text for p in chunk] + [chunk[-1].text] * (size - len(chunk))
 
 
-def _write(chunk: list[Prompt], results: list[list[str]], stream: TextIO, as_jsonl: bool) -> None:
-    """Writes a batch's results: JSONL records, or each prompt followed by each of its continuations."""
+def _write(chunk: list[Prompt], results: list[list[str]], stream: TextIO, as_jsonl: bool,
+           continues_prompt: bool = True) -> None:
+    """Writes a batch's results: JSONL records, or each prompt followed by each of its continuations
+    (each output alone when the outputs do not continue the prompts)."""
     for prompt, generated in zip(chunk, results):
         if as_jsonl:
             record = {"prompt": prompt.text, **prompt.extra, "generated": generated}
             stream.write(json.dumps(record, ensure_ascii=False) + "\n")
         else:
             for text in generated:
-                stream.write(prompt.text + text + "\n")
+                stream.write((prompt.text if continues_prompt else "") + text + "\n")
     stream.flush()
 
 
@@ -365,7 +374,7 @@ def _generate_all(generator: Generator, prompts: list[Prompt], args: argparse.Na
             note = ", traced and compiled" if generator.tracing_count() > traced else ""
             logger.info("batch %d/%d: %d prompt(s), %d new tokens in %.2f s (%.1f tokens/s%s)", index + 1, total,
                         len(chunk), tokens, seconds, tokens / seconds, note)
-        _write(chunk, results, stream, as_jsonl=args.output is not None)
+        _write(chunk, results, stream, as_jsonl=args.output is not None, continues_prompt=generator.continues_prompt)
     if generator.compiled:
         logger.info("XLA programs compiled: %d", generator.tracing_count())
         for number, event in enumerate(generator.compiler.trace_log, 1):

@@ -14,12 +14,12 @@ import tensorflow as tf
 
 from xlagen.generation.beam_search import BeamOptions, beam_search
 from xlagen.generation.config import GenerationConfig
-from xlagen.generation.loop import Plan, decode
+from xlagen.generation.loop import Plan, Prompt, decode, repeat_rows
 from xlagen.generation.sampling import Runtime, build_processors, select_greedy, select_sample
 
 logger = logging.getLogger(__name__)
 
-_MODEL_INPUTS = frozenset({"input_ids", "attention_mask"})
+_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask"})
 
 
 class GenerateOutput(NamedTuple):
@@ -72,33 +72,68 @@ def resolve_config(model, generation_config: GenerationConfig | None, options: d
 
 
 def _check_lengths(model, prompt_length: int, config: GenerationConfig) -> int:
-    if prompt_length == 0:
-        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token) in input_ids")
+    """The number of new tokens; checks that the (decoder) prompt and them fit the model's positions."""
     new_tokens = config.max_new_tokens
     if new_tokens is None:
         new_tokens = config.max_length - prompt_length
         if new_tokens < 1:
             raise ValueError(f"the prompt has {prompt_length} tokens (with padding) but max_length is "
                              f"{config.max_length}: raise max_length or set max_new_tokens")
-    limit = model.config.max_positions
-    if prompt_length + new_tokens > limit:
+    limit = model.config.max_positions  # None: no learned positions (T5), nothing to outgrow
+    if limit is not None and prompt_length + new_tokens > limit:
         raise ValueError(f"prompt length {prompt_length} + {new_tokens} new tokens exceeds the model's "
                          f"{limit} positions: shorten the prompt or lower max_new_tokens/max_length")
     return new_tokens
 
 
-class Request(NamedTuple):
-    """One validated `generate` call: inputs as tensors and the resolved options."""
+def _as_batch(name: str, value) -> tf.Tensor:
+    """`value` as an int32 tensor, checked to be `[B, T]`."""
+    value = _as_int32(value)
+    if value.shape.rank != 2:
+        raise ValueError(f"{name} must be [batch, length], got shape {value.shape}")
+    return value
 
-    input_ids: tf.Tensor  # int32 [B, P]
-    attention_mask: tf.Tensor  # int32 [B, P]
+
+def _decoder_inputs(model_inputs: dict, input_ids: tf.Tensor, config: GenerationConfig):
+    """`decoder_input_ids` / `decoder_attention_mask` as int32 tensors, checked against the batch."""
+    ids, mask = model_inputs.get("decoder_input_ids"), model_inputs.get("decoder_attention_mask")
+    if ids is None:
+        if mask is not None:
+            raise ValueError("decoder_attention_mask needs decoder_input_ids")
+        return None, None
+    ids = _as_batch("decoder_input_ids", ids)
+    if None not in (ids.shape[0], input_ids.shape[0]) and ids.shape[0] != input_ids.shape[0]:
+        raise ValueError(f"decoder_input_ids has batch size {ids.shape[0]} but input_ids has {input_ids.shape[0]}: "
+                         "give one decoder prompt per input row")
+    if mask is not None:
+        mask = _as_batch("decoder_attention_mask", mask)
+        if mask.shape != ids.shape:
+            raise ValueError(f"decoder_attention_mask shape {mask.shape} does not match decoder_input_ids "
+                             f"{ids.shape}")
+    if ids.shape[1] == 0:
+        raise ValueError("decoder_input_ids is empty: leave it out to start from decoder_start_token_id")
+    first = tf.get_static_value(ids[:, 0])
+    start = config.decoder_start_token_id
+    if first is not None and start is not None and (first != start).all():
+        # transformers then prepends the start token; that depends on the values, which a compiled
+        # program cannot do, so xlagen asks for it instead (eagerly; under tf.function it cannot see them).
+        raise ValueError(f"decoder_input_ids must start with decoder_start_token_id ({start}): prepend it "
+                         "(transformers does that itself when no row starts with it)")
+    return ids, mask
+
+
+class Request(NamedTuple):
+    """One validated `generate` call: the inputs split for the decoding loops, and the resolved options."""
+
+    prompt: Prompt
     config: GenerationConfig
     max_new_tokens: int
     seed: object
 
 
 def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
-    """Validates a `generate` call (before any tracing) and resolves its options."""
+    """Validates a `generate` call (before any tracing), resolves its options and splits the inputs
+    into the decoder prompt and the model's other inputs (`model.generation_inputs`)."""
     model_inputs, options = _split_kwargs(kwargs)
     if inputs is None:
         inputs = model_inputs.pop("input_ids", None)
@@ -107,15 +142,18 @@ def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
     if inputs is None:
         raise ValueError("generate() needs input_ids")
     config = resolve_config(model, generation_config, options)
-    input_ids = _as_int32(inputs)
-    if input_ids.shape.rank != 2:
-        raise ValueError(f"input_ids must be [batch, length], got shape {input_ids.shape}")
-    new_tokens = _check_lengths(model, input_ids.shape[1], config)
+    input_ids = _as_batch("input_ids", inputs)
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token) in input_ids")
     mask = model_inputs.get("attention_mask")
     mask = _default_attention_mask(input_ids, config) if mask is None else _as_int32(mask)
     if mask.shape.rank != 2 or mask.shape[1] != input_ids.shape[1]:
         raise ValueError(f"attention_mask shape {mask.shape} does not match input_ids {input_ids.shape}")
-    return Request(input_ids, mask, config, new_tokens, seed)
+    decoder_ids, decoder_mask = _decoder_inputs(model_inputs, input_ids, config)
+    prompt = Prompt(*model.generation_inputs(input_ids, mask, config.decoder_start_token_id, decoder_ids,
+                                             decoder_mask))
+    new_tokens = _check_lengths(model, prompt.ids.shape[1], config)
+    return Request(prompt, config, new_tokens, seed)
 
 
 def make_plan(config: GenerationConfig, capacity: int, vocab_size: int, always: bool = False) -> Plan:
@@ -139,7 +177,7 @@ def make_runtime(config: GenerationConfig, max_new_tokens: int, prompt_length: i
         prompt_start=tf.cast(prompt_start, tf.int32))
 
 
-def run(model, input_ids, attention_mask, plan: Plan, runtime: Runtime, config: GenerationConfig):
+def run(model, prompt: Prompt, plan: Plan, runtime: Runtime, config: GenerationConfig):
     """Dispatches to greedy/sampling or beam search.
 
     Returns:
@@ -148,11 +186,10 @@ def run(model, input_ids, attention_mask, plan: Plan, runtime: Runtime, config: 
     if config.num_beams > 1:
         options = BeamOptions(config.num_beams, config.early_stopping, config.num_return_sequences,
                               len(config.eos_token_ids))
-        return beam_search(model, input_ids, attention_mask, plan, options, runtime)
+        return beam_search(model, prompt, plan, options, runtime)
     if config.num_return_sequences > 1:
-        input_ids = tf.repeat(input_ids, config.num_return_sequences, axis=0)
-        attention_mask = tf.repeat(attention_mask, config.num_return_sequences, axis=0)
-    sequences, scores = decode(model, input_ids, attention_mask, plan, runtime)
+        prompt = repeat_rows(prompt, config.num_return_sequences)
+    sequences, scores = decode(model, prompt, plan, runtime)
     return sequences, None, scores
 
 
@@ -177,24 +214,27 @@ class GenerationMixin:
         """Generates tokens; eagerly, or as one XLA program under `tf.function(jit_compile=True)`.
 
         Args:
-            inputs: int `[B, P]` prompt ids (or pass `input_ids=`), left-padded for batches.
+            inputs: int `[B, P]` prompt ids (or pass `input_ids=`), left-padded for batches; for an
+                encoder-decoder model, the encoder's input.
             generation_config: Overrides the model's defaults (`generation_config.json`).
             seed: Optional `[2]` ints (or one int) for reproducible sampling.
-            **kwargs: `attention_mask` `[B, P]`, and any `GenerationConfig` field
-                (max_new_tokens, num_beams, do_sample, ...).
+            **kwargs: `attention_mask` `[B, P]`; for encoder-decoder models `decoder_input_ids` `[B, P']`
+                (a decoder prompt starting with decoder_start_token_id) and `decoder_attention_mask`;
+                and any `GenerationConfig` field (max_new_tokens, num_beams, do_sample, ...).
 
         Returns:
             int32 `[B * num_return_sequences, P + N]` tokens (pad after EOS), or a `GenerateOutput`
-            with `return_dict_in_generate=True`.
+            with `return_dict_in_generate=True`. Encoder-decoder models return the decoder's sequences:
+            the decoder prompt (the start token by default) and the new tokens.
 
         Raises:
-            ValueError: for invalid options or lengths, before anything is traced.
+            ValueError: for invalid options, inputs or lengths, before anything is traced.
         """
         request = parse_request(self, inputs, generation_config, seed, kwargs)
-        config, prompt_length = request.config, request.input_ids.shape[1]
+        config, prompt_length = request.config, request.prompt.ids.shape[1]
         plan = make_plan(config, request.max_new_tokens, self.config.vocab_size)
         runtime = make_runtime(config, request.max_new_tokens, prompt_length, seed)
-        return format_output(*run(self, request.input_ids, request.attention_mask, plan, runtime, config), config)
+        return format_output(*run(self, request.prompt, plan, runtime, config), config)
 
 
 def seed_tensor(seed, needed: bool) -> tf.Tensor:

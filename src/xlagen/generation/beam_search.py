@@ -11,7 +11,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from xlagen import cache as cache_lib
-from xlagen.generation.loop import Plan, batch_size, is_eos, model_ids, prompt_buffer, write_column
+from xlagen.generation.loop import Plan, Prompt, batch_size, is_eos, prefill, prompt_buffer, write_column
 from xlagen.generation.sampling import Context, Runtime, apply_processors
 
 BIG_NEGATIVE = -1.0e9
@@ -44,13 +44,12 @@ def _gather_beams(tensor: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
     return tf.gather(tensor, indices, axis=1, batch_dims=1)
 
 
-def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptions, runtime: Runtime):
+def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime: Runtime):
     """Beam search over a left-padded batch.
 
     Args:
         model: Anything with `prefill` / `decode_step` (see `xlagen.models.base.CausalDecoding`).
-        input_ids: int32 `[B, P]`.
-        attention_mask: int32 `[B, P]`.
+        prompt: The prompt and the model's other inputs.
         plan: Static options shared with greedy decoding (`select` is unused).
         options: Beam options.
         runtime: Tensor options.
@@ -59,17 +58,17 @@ def beam_search(model, input_ids, attention_mask, plan: Plan, options: BeamOptio
         `(sequences int32 [B * R, T_max], sequence scores float32 [B * R], step scores [B * K, N, V] or None)`
         with R = num_return_sequences.
     """
-    num_beams, prompt_length = options.num_beams, input_ids.shape[1]
-    batch = batch_size(input_ids)
+    num_beams, prompt_length = options.num_beams, prompt.ids.shape[1]
+    batch = batch_size(prompt.ids)
     total = prompt_length + plan.max_new_tokens
     end = prompt_length + tf.minimum(runtime.max_new_tokens, plan.max_new_tokens)
     keep = max(2, 1 + options.num_eos) * num_beams
-    logits, decoder_state = model.prefill(model_ids(input_ids, attention_mask), attention_mask, total)
+    logits, decoder_state = prefill(model, prompt, total)
     vocab = logits.shape[-1]
-    # Every beam starts from the same prompt: run it once, then repeat rows K times.
+    # Every beam starts from the same prompt (and encoder output): run it once, then repeat rows K times.
     repeat = tf.repeat(tf.range(batch), num_beams)
     logits, decoder_state = tf.gather(logits, repeat), cache_lib.batch_gather(decoder_state, repeat)
-    running = tf.repeat(prompt_buffer(input_ids, plan.max_new_tokens, runtime.pad_id)[:, None, :], num_beams, axis=1)
+    running = tf.repeat(prompt_buffer(prompt.ids, plan.max_new_tokens, runtime.pad_id)[:, None, :], num_beams, axis=1)
     first_only = tf.concat([tf.zeros([batch, 1]), tf.fill([batch, num_beams - 1], BIG_NEGATIVE)], axis=1)
     score_steps = plan.max_new_tokens if plan.output_scores else 0
     state = BeamState(running, first_only, running, tf.fill([batch, num_beams], BIG_NEGATIVE),

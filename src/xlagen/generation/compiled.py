@@ -4,7 +4,8 @@ An XLA program is specialised to its input shapes and to the Python-level option
 with. `CompiledGenerator.generate` pads the batch and the prompt up to buckets, rounds the number of
 new tokens up to a bucket (and trims the result), passes every numeric option as a tensor, and keeps
 one compiled program per (buckets, static options). It returns exactly what `model.generate`
-returns for the same inputs.
+returns for the same inputs. For an encoder-decoder model the prompt is the decoder's (the start
+token), and the encoder input is padded on the right up to a bucket of the same sizes.
 
 What still compiles a new program: a new batch / prompt / new-token bucket, and a change of
 do_sample, num_beams, num_return_sequences, early_stopping, no_repeat_ngram_size, output_scores,
@@ -24,6 +25,7 @@ import tensorflow as tf
 
 from xlagen.generation.api import format_output, make_plan, make_runtime, parse_request, run
 from xlagen.generation.config import GenerationConfig
+from xlagen.generation.loop import Prompt
 from xlagen.generation.sampling import top_k_capacity
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class ProgramKey(NamedTuple):
 
     batch_bucket: int
     prompt_bucket: int
+    encoder_bucket: int  # encoder input length bucket; 0 for decoder-only models
     new_tokens_bucket: int
     do_sample: bool
     num_beams: int
@@ -129,13 +132,14 @@ class CompiledGenerator:
                 plan = make_plan(config, capacity, self.model.config.vocab_size, always=True)
                 # Only static fields of `config` are read inside the program.
                 self._programs[key] = tf.function(
-                    lambda ids, mask, runtime: run(self.model, ids, mask, plan, runtime, config), jit_compile=True,
+                    lambda prompt, runtime: run(self.model, prompt, plan, runtime, config), jit_compile=True,
                     autograph=False)
             return self._programs[key]
 
-    def _key(self, config: GenerationConfig, batch: int, prompt: int, new: int) -> ProgramKey:
+    def _key(self, config: GenerationConfig, batch: int, buckets: tuple[int, int, int]) -> ProgramKey:
         capacity = top_k_capacity(config.top_k, self.model.config.vocab_size) if config.do_sample and config.top_k else 0
-        return ProgramKey(batch, prompt, new, config.do_sample, config.num_beams, config.num_return_sequences,
+        prompt, encoder, new = buckets
+        return ProgramKey(batch, prompt, encoder, new, config.do_sample, config.num_beams, config.num_return_sequences,
                           config.early_stopping, config.no_repeat_ngram_size, len(config.eos_token_ids), capacity,
                           config.output_scores)
 
@@ -143,7 +147,7 @@ class CompiledGenerator:
         prompt_bucket = _bucket(prompt_length, self.buckets.prompt_lengths, "prompt length")
         new_bucket = _bucket(new_tokens, self.buckets.new_tokens, "max_new_tokens")
         limit = self.model.config.max_positions
-        if prompt_bucket + new_bucket > limit:  # near the model's limit: use the room that is left
+        if limit is not None and prompt_bucket + new_bucket > limit:  # near the model's limit: use the room that is left
             new_bucket = max(new_tokens, limit - prompt_bucket)
             prompt_bucket = min(prompt_bucket, limit - new_bucket)
         return prompt_bucket, new_bucket
@@ -156,37 +160,52 @@ class CompiledGenerator:
         """
         request = parse_request(self.model, inputs, generation_config, seed, kwargs)
         config = request.config
-        batch, prompt_length = request.input_ids.shape
+        batch, prompt_length = request.prompt.ids.shape
         prompt_bucket, new_bucket = self._buckets_for(prompt_length, request.max_new_tokens)
+        buckets = (prompt_bucket, self._encoder_bucket(request.prompt.extra), new_bucket)
         largest = self.buckets.batch_sizes[-1]
-        chunks = [self._generate_chunk(request, start, min(start + largest, batch), prompt_bucket, new_bucket)
+        chunks = [self._generate_chunk(request, start, min(start + largest, batch), buckets)
                   for start in range(0, batch, largest)]
         sequences = tf.concat([c[0] for c in chunks], 0)
         sequence_scores = None if chunks[0][1] is None else tf.concat([c[1] for c in chunks], 0)
         scores = None if chunks[0][2] is None else tf.concat([c[2] for c in chunks], 0)
         return format_output(sequences, sequence_scores, scores, config)
 
-    def _generate_chunk(self, request, start: int, stop: int, prompt_bucket: int, new_bucket: int):
-        config = request.config
-        rows, prompt_length = stop - start, request.input_ids.shape[1]
+    def _encoder_bucket(self, extra: dict) -> int:
+        """The length bucket of the model's extra inputs (an encoder's `[B, L]` ids and mask); 0 without."""
+        if not extra:
+            return 0
+        lengths = {tuple(t.shape)[1:] for t in extra.values()}
+        if len(lengths) != 1 or len(next(iter(lengths))) != 1:
+            raise ValueError(f"CompiledGenerator pads a model's extra inputs as [batch, length] tensors of one "
+                             f"length; got shapes {[tuple(t.shape) for t in extra.values()]}")
+        (length,) = next(iter(lengths))
+        return _bucket(length, self.buckets.prompt_lengths, "encoder input length")
+
+    def _generate_chunk(self, request, start: int, stop: int, buckets: tuple[int, int, int]):
+        config, (prompt_bucket, encoder_bucket, new_bucket) = request.config, buckets
+        rows, prompt_length = stop - start, request.prompt.ids.shape[1]
         batch_bucket = _bucket(rows, self.buckets.batch_sizes, "batch size")
-        # Extra rows repeat the first one; extra columns are left padding (masked, and hidden from
-        # the processors through `prompt_start`).
+        # Extra rows repeat the first one; extra prompt columns are left padding (masked, and hidden
+        # from the processors through `prompt_start`); extra encoder columns are right padding (masked).
         take = tf.concat([tf.range(start, stop), tf.fill([batch_bucket - rows], start)], 0)
         shift = prompt_bucket - prompt_length
         pad = config.pad_token_id if config.pad_token_id is not None else 0
-        ids = tf.pad(tf.gather(request.input_ids, take), [[0, 0], [shift, 0]], constant_values=pad)
-        mask = tf.pad(tf.gather(request.attention_mask, take), [[0, 0], [shift, 0]])
+        ids = tf.pad(tf.gather(request.prompt.ids, take), [[0, 0], [shift, 0]], constant_values=pad)
+        mask = tf.pad(tf.gather(request.prompt.mask, take), [[0, 0], [shift, 0]])
+        extra = {name: tf.pad(tf.gather(t, take), [[0, 0], [0, encoder_bucket - t.shape[1]]])
+                 for name, t in request.prompt.extra.items()}
+        prompt = Prompt(ids, mask, extra)
         runtime = make_runtime(config, request.max_new_tokens, prompt_length, request.seed, prompt_start=shift)
-        key = self._key(config, batch_bucket, prompt_bucket, new_bucket)
+        key = self._key(config, batch_bucket, buckets)
         program = self._program(key, config, new_bucket)
         if key in self._compiled:
-            sequences, sequence_scores, scores = program(ids, mask, runtime)
+            sequences, sequence_scores, scores = program(prompt, runtime)
         else:
             with self._first_call:
                 traces = program.experimental_get_tracing_count()
                 started = time.perf_counter()
-                sequences, sequence_scores, scores = program(ids, mask, runtime)
+                sequences, sequence_scores, scores = program(prompt, runtime)
                 if program.experimental_get_tracing_count() > traces:
                     self._log_trace(key, time.perf_counter() - started)
                 self._compiled.add(key)

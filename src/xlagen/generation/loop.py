@@ -29,6 +29,31 @@ class Plan(NamedTuple):
     output_scores: bool
 
 
+class Prompt(NamedTuple):
+    """What the decoder continues, and the model's other inputs.
+
+    Attributes:
+        ids: int32 `[B, P]`, the (decoder) prompt, left-padded; the output sequences start with it.
+        mask: int32 `[B, P]`.
+        extra: Dict of the model's other inputs for `prefill` (e.g. an encoder's ids and mask), each
+            with the batch on axis 0; empty for decoder-only models.
+    """
+
+    ids: tf.Tensor
+    mask: tf.Tensor
+    extra: dict
+
+
+def repeat_rows(prompt: Prompt, times: int) -> Prompt:
+    """Each row of every tensor of `prompt` repeated `times` times (consecutively)."""
+    return tf.nest.map_structure(lambda t: tf.repeat(t, times, axis=0), prompt)
+
+
+def prefill(model, prompt: Prompt, total_length: int):
+    """`model.prefill` on a prompt whose padding and finished positions hold id 0 (see `model_ids`)."""
+    return model.prefill(model_ids(prompt.ids, prompt.mask), prompt.mask, total_length, **prompt.extra)
+
+
 class LoopState(NamedTuple):
     tokens: tf.Tensor  # int32 [B, T_max]
     index: tf.Tensor  # int32 scalar: where the next token is written
@@ -68,26 +93,26 @@ def prompt_buffer(input_ids: tf.Tensor, capacity: int, pad_id: tf.Tensor) -> tf.
     return tf.concat([input_ids, filler], axis=1)
 
 
-def decode(model, input_ids, attention_mask, plan: Plan, runtime: Runtime):
+def decode(model, prompt: Prompt, plan: Plan, runtime: Runtime):
     """Greedy or sampled decoding of a left-padded batch.
 
     Args:
-        model: Anything with `prefill(ids, mask, total_length)` and `decode_step(ids, index, state)`.
-        input_ids: int32 `[B, P]`.
-        attention_mask: int32 `[B, P]`.
+        model: Anything with `prefill(ids, mask, total_length, **extra)` and `decode_step(ids, index, state)`
+            (see `xlagen.models.base.CausalDecoding`).
+        prompt: The prompt and the model's other inputs.
         plan: Static options.
         runtime: Tensor options.
 
     Returns:
         `(tokens int32 [B, T_max], scores float32 [B, N, V] or None)`.
     """
-    batch, prompt_length = batch_size(input_ids), input_ids.shape[1]
+    batch, prompt_length = batch_size(prompt.ids), prompt.ids.shape[1]
     total = prompt_length + plan.max_new_tokens
     end = prompt_length + tf.minimum(runtime.max_new_tokens, plan.max_new_tokens)
-    logits, decoder_state = model.prefill(model_ids(input_ids, attention_mask), attention_mask, total)
+    logits, decoder_state = prefill(model, prompt, total)
     vocab = logits.shape[-1]
     score_steps = plan.max_new_tokens if plan.output_scores else 0
-    state = LoopState(prompt_buffer(input_ids, plan.max_new_tokens, runtime.pad_id),
+    state = LoopState(prompt_buffer(prompt.ids, plan.max_new_tokens, runtime.pad_id),
                       tf.constant(prompt_length, tf.int32), tf.zeros([batch], tf.bool), decoder_state,
                       tf.zeros([batch, score_steps, vocab], tf.float32))
 

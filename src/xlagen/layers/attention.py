@@ -1,6 +1,7 @@
-"""Multi-head attention over the static cache, shared by every model.
+"""Multi-head attention over the static cache (self-attention) or over an encoder's output
+(cross-attention), shared by every model.
 
-Shapes: B batch, T tokens in this call, S cache length (static), H heads, D head dim.
+Shapes: B batch, T tokens in this call, S cache length (static), L encoder length, H heads, D head dim.
 """
 
 from __future__ import annotations
@@ -34,17 +35,66 @@ def causal_mask(attention_mask, cache_index, num_tokens: int):
     return ops.logical_and(causal[None, None, :, :], real)
 
 
-class Attention(keras.layers.Layer):
-    """Self-attention with a fused query/key/value projection.
+def padding_mask(attention_mask):
+    """Which keys every query may attend to without a causal constraint (encoders, cross-attention).
 
     Args:
-        hidden_size: Model width.
+        attention_mask: `[B, L]` 1 for real tokens, 0 for padding.
+
+    Returns:
+        bool `[B, 1, 1, L]`.
+    """
+    return ops.cast(attention_mask, "bool")[:, None, None, :]
+
+
+def split_heads(x, num_heads: int, head_dim: int):
+    """`[B, T, H * D]` -> `[B, H, T, D]`."""
+    batch, length = ops.shape(x)[0], ops.shape(x)[1]
+    return ops.transpose(ops.reshape(x, (batch, length, num_heads, head_dim)), (0, 2, 1, 3))
+
+
+def merge_heads(x):
+    """`[B, H, T, D]` -> `[B, T, H * D]`."""
+    batch, heads, length, head_dim = ops.shape(x)
+    return ops.reshape(ops.transpose(x, (0, 2, 1, 3)), (batch, length, heads * head_dim))
+
+
+def attend(query, key, value, mask, scale: float, bias=None):
+    """Softmax attention weights of `query` over `key`, before dropout.
+
+    Args:
+        query: `[B, H, T, D]`.
+        key: `[B, H, S, D]`.
+        value: `[B, H, S, D]`, only for the output dtype.
+        mask: bool, broadcastable to `[B, H, T, S]`.
+        scale: Multiplier of the query-key scores.
+        bias: Optional additive bias of the scores, broadcastable to `[B, H, T, S]` (T5's relative
+            positions).
+
+    Returns:
+        Weights `[B, H, T, S]` in the dtype of `value` (the softmax runs in float32).
+    """
+    scores = ops.cast(ops.matmul(query, ops.transpose(key, (0, 1, 3, 2))) * scale, "float32")
+    if bias is not None:
+        scores = scores + ops.cast(bias, "float32")
+    scores = ops.where(mask, scores, MASK_VALUE)
+    return ops.cast(ops.softmax(scores, axis=-1), value.dtype)
+
+
+class _MultiHead(keras.layers.Layer):
+    """What self- and cross-attention share: sizes, projections and the attention itself.
+
+    Args:
+        hidden_size: Model width (of the queries, and of the encoder output for cross-attention).
         num_heads: H.
         head_dim: D.
-        scale: Multiplier of the query-key scores (e.g. 1/sqrt(D)).
+        scale: Multiplier of the query-key scores (e.g. 1/sqrt(D); T5: 1).
         use_bias: Whether the projections have biases.
         dropout: Dropout rate of the attention probabilities (training only).
     """
+
+    # The input projections: (name, how many groups of H * D it makes), e.g. ("qkv", 3).
+    PROJECTIONS: tuple[tuple[str, int], ...] = ()
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, scale: float, use_bias: bool = True,
                  dropout: float = 0.0, **kwargs):
@@ -53,23 +103,35 @@ class Attention(keras.layers.Layer):
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.scale = scale
-        inner = num_heads * head_dim
-        self.qkv = keras.layers.Dense(3 * inner, use_bias=use_bias, name="qkv", dtype=self.dtype_policy)
+        for name, parts in self.PROJECTIONS:
+            setattr(self, name, keras.layers.Dense(parts * num_heads * head_dim, use_bias=use_bias, name=name,
+                                                   dtype=self.dtype_policy))
         self.output_projection = keras.layers.Dense(hidden_size, use_bias=use_bias, name="output_projection",
                                                     dtype=self.dtype_policy)
         self.dropout = keras.layers.Dropout(dropout)
 
     def build(self, input_shape):
-        self.qkv.build((None, self.hidden_size))
+        for name, _ in self.PROJECTIONS:
+            getattr(self, name).build((None, self.hidden_size))
         self.output_projection.build((None, self.num_heads * self.head_dim))
         self.built = True
 
-    def _split_heads(self, x):
-        batch, length = ops.shape(x)[0], ops.shape(x)[1]
-        x = ops.reshape(x, (batch, length, self.num_heads, self.head_dim))
-        return ops.transpose(x, (0, 2, 1, 3))  # [B, H, T, D]
+    def _heads(self, x, parts: int):
+        """`[B, T, parts * H * D]` -> `parts` tensors `[B, H, T, D]`."""
+        return [split_heads(p, self.num_heads, self.head_dim) for p in ops.split(x, parts, axis=-1)]
 
-    def call(self, x, mask, layer_cache=None, cache_index=None, training=False):
+    def _attend(self, query, key, value, mask, bias, training):
+        """Attention of `[B, H, T, D]` queries -> `[B, T, hidden]`."""
+        weights = self.dropout(attend(query, key, value, mask, self.scale, bias), training=training)
+        return self.output_projection(merge_heads(ops.matmul(weights, value)))
+
+
+class Attention(_MultiHead):
+    """Self-attention with a fused query/key/value projection (arguments: see `_MultiHead`)."""
+
+    PROJECTIONS = (("qkv", 3),)
+
+    def call(self, x, mask, layer_cache=None, cache_index=None, training=False, bias=None):
         """Attends from `x` over the cache (or over `x` itself when there is no cache).
 
         Args:
@@ -78,19 +140,33 @@ class Attention(keras.layers.Layer):
             layer_cache: Optional `LayerCache` `[B, H, S, D]`; the new keys/values are written into it.
             cache_index: int32 scalar write offset, required with a cache.
             training: Applies dropout to the attention probabilities.
+            bias: Optional additive score bias `[1 or B, H, T, S]`.
 
         Returns:
             `(output [B, T, hidden], layer_cache or None)`.
         """
-        query, key, value = ops.split(self.qkv(x), 3, axis=-1)
-        query, key, value = self._split_heads(query), self._split_heads(key), self._split_heads(value)
+        query, key, value = self._heads(self.qkv(x), 3)
         if layer_cache is not None:
             layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
             key, value = layer_cache.key, layer_cache.value
-        scores = ops.matmul(query, ops.transpose(key, (0, 1, 3, 2))) * self.scale  # [B, H, T, S]
-        scores = ops.where(mask, ops.cast(scores, "float32"), MASK_VALUE)
-        weights = self.dropout(ops.cast(ops.softmax(scores, axis=-1), value.dtype), training=training)
-        context = ops.transpose(ops.matmul(weights, value), (0, 2, 1, 3))  # [B, T, H, D]
-        batch, length = ops.shape(context)[0], ops.shape(context)[1]
-        context = ops.reshape(context, (batch, length, self.num_heads * self.head_dim))
-        return self.output_projection(context), layer_cache
+        return self._attend(query, key, value, mask, bias, training), layer_cache
+
+
+class CrossAttention(_MultiHead):
+    """Attention from the decoder over an encoder's output, whose keys/values are projected once
+    (arguments: see `_MultiHead`)."""
+
+    PROJECTIONS = (("query", 1), ("key_value", 2))
+
+    def project_memory(self, encoder_output) -> cache_lib.LayerCache:
+        """The keys and values of the encoder output `[B, L, hidden]`, each `[B, H, L, D]` (computed once)."""
+        return cache_lib.LayerCache(*self._heads(self.key_value(encoder_output), 2))
+
+    def call(self, x, memory: cache_lib.LayerCache, mask, training=False):
+        """Attends from `x` `[B, T, hidden]` over `memory` (from `project_memory`) with mask `[B, 1, 1, L]`.
+
+        Returns:
+            `[B, T, hidden]`.
+        """
+        (query,) = self._heads(self.query(x), 1)
+        return self._attend(query, memory.key, memory.value, mask, None, training)

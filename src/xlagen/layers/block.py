@@ -1,17 +1,23 @@
-"""The self-attention + feed-forward block of decoder-only transformers (GPT-2, OPT).
+"""The transformer block shared by every model: self-attention, optional cross-attention over an
+encoder's output, and a feed-forward, each with a residual connection and a norm.
 
-Shapes: B batch, T tokens in this call, S cache length (static).
+GPT-2 and OPT use it as a decoder-only block; T5 uses it for its encoder (bidirectional mask, no
+cross-attention) and its decoder (causal mask, cross-attention).
+
+Shapes: B batch, T tokens in this call, S cache length (static), L encoder length, H heads.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import keras
 
-from xlagen.layers.attention import Attention
+from xlagen import cache as cache_lib
+from xlagen.layers.attention import Attention, CrossAttention
 from xlagen.layers.feedforward import FeedForward
-from xlagen.layers.norms import layer_norm
+from xlagen.layers.norms import layer_norm, rms_norm
 
 
 @dataclass(frozen=True)
@@ -25,12 +31,16 @@ class BlockSpec:
         intermediate_size: Feed-forward inner width.
         activation: HF activation name of the feed-forward.
         attention_scale: Multiplier of the query-key scores.
-        layer_norm_eps: LayerNorm epsilon.
-        norm_first: Pre-norm `x + f(norm(x))` (GPT-2, OPT) or post-norm `norm(x + f(x))` (OPT-350m).
+        layer_norm_eps: Norm epsilon.
+        norm_first: Pre-norm `x + f(norm(x))` (GPT-2, OPT, T5) or post-norm `norm(x + f(x))` (OPT-350m).
         use_bias: Biases in the attention and feed-forward projections.
         norm_affine: LayerNorms with a learned scale and bias.
         attention_dropout: Dropout of the attention probabilities (training only).
         residual_dropout: Dropout of each sub-layer's output before the residual sum (training only).
+        rms_norm: T5's RMS norm (scale only) instead of LayerNorm.
+        gated: Gated feed-forward (T5 v1.1), see `FeedForward`.
+        feed_forward_dropout: Dropout of the feed-forward's inner activations (training only).
+        cross_attention: Add cross-attention over an encoder's output after the self-attention.
     """
 
     hidden_size: int
@@ -45,10 +55,26 @@ class BlockSpec:
     norm_affine: bool = True
     attention_dropout: float = 0.0
     residual_dropout: float = 0.0
+    rms_norm: bool = False
+    gated: bool = False
+    feed_forward_dropout: float = 0.0
+    cross_attention: bool = False
 
 
-class DecoderBlock(keras.layers.Layer):
-    """Causal self-attention then a feed-forward, each with a residual connection and a LayerNorm.
+class CrossInputs(NamedTuple):
+    """What a block's cross-attention attends to.
+
+    Attributes:
+        memory: The encoder output's keys and values for this layer, `LayerCache` `[B, H, L, D]`.
+        mask: bool `[B, 1, 1, L]`, see `attention.padding_mask`.
+    """
+
+    memory: cache_lib.LayerCache
+    mask: object
+
+
+class TransformerBlock(keras.layers.Layer):
+    """Self-attention, optional cross-attention, then a feed-forward; each with a residual and a norm.
 
     Args:
         spec: The block's shape and options.
@@ -57,44 +83,65 @@ class DecoderBlock(keras.layers.Layer):
     def __init__(self, spec: BlockSpec, **kwargs):
         super().__init__(**kwargs)
         self.spec = spec
-        self.attention_norm = layer_norm(spec.layer_norm_eps, "attention_norm", self.dtype_policy, spec.norm_affine)
+        policy = self.dtype_policy
+        self.attention_norm = self._norm("attention_norm")
         self.attention = Attention(spec.hidden_size, spec.num_heads, spec.head_dim, spec.attention_scale,
                                    use_bias=spec.use_bias, dropout=spec.attention_dropout, name="attention",
-                                   dtype=self.dtype_policy)
-        self.mlp_norm = layer_norm(spec.layer_norm_eps, "mlp_norm", self.dtype_policy, spec.norm_affine)
+                                   dtype=policy)
+        self.cross_attention_norm = self.cross_attention = None
+        if spec.cross_attention:
+            self.cross_attention_norm = self._norm("cross_attention_norm")
+            self.cross_attention = CrossAttention(spec.hidden_size, spec.num_heads, spec.head_dim,
+                                                  spec.attention_scale, use_bias=spec.use_bias,
+                                                  dropout=spec.attention_dropout, name="cross_attention",
+                                                  dtype=policy)
+        self.mlp_norm = self._norm("mlp_norm")
         self.mlp = FeedForward(spec.hidden_size, spec.intermediate_size, spec.activation, use_bias=spec.use_bias,
-                               name="mlp", dtype=self.dtype_policy)
+                               gated=spec.gated, dropout=spec.feed_forward_dropout, name="mlp", dtype=policy)
         self.residual_dropout = keras.layers.Dropout(spec.residual_dropout)
 
+    def _norm(self, name: str):
+        if self.spec.rms_norm:
+            return rms_norm(self.spec.layer_norm_eps, name, self.dtype_policy)
+        return layer_norm(self.spec.layer_norm_eps, name, self.dtype_policy, self.spec.norm_affine)
+
     def build(self, input_shape):
-        for layer in (self.attention_norm, self.attention, self.mlp_norm, self.mlp):
-            layer.build((None, None, self.spec.hidden_size))
+        layers = (self.attention_norm, self.attention, self.cross_attention_norm, self.cross_attention,
+                  self.mlp_norm, self.mlp)
+        for layer in layers:
+            if layer is not None:
+                layer.build((None, None, self.spec.hidden_size))
         self.built = True
 
-    def call(self, x, mask, layer_cache=None, cache_index=None, training=False):
+    def _residual(self, x, update, norm, training):
+        """Adds a sub-layer's output; post-norm blocks normalise the sum."""
+        x = x + self.residual_dropout(update, training=training)
+        return x if self.spec.norm_first else norm(x)
+
+    def call(self, x, mask, layer_cache=None, cache_index=None, training=False, position_bias=None, cross=None):
         """Runs the block.
 
         Args:
             x: `[B, T, hidden]`.
-            mask: bool `[B, 1, T, S]`, see `attention.causal_mask`.
+            mask: bool `[B, 1, T, S]` (see `attention.causal_mask`) or `[B, 1, 1, S]` (an encoder).
             layer_cache: Optional `LayerCache` `[B, H, S, D]`.
             cache_index: int32 scalar write offset, required with a cache.
             training: Applies dropout.
+            position_bias: Optional additive self-attention score bias `[1 or B, H, T, S]`.
+            cross: `CrossInputs`, required when the block has cross-attention.
 
         Returns:
             `(output [B, T, hidden], layer_cache or None)`.
         """
-        def attend(h):
-            attended, cache = self.attention(h, mask, layer_cache, cache_index, training=training)
-            return self.residual_dropout(attended, training=training), cache
+        def before(norm, h):
+            return norm(h) if self.spec.norm_first else h
 
-        def feed_forward(h):
-            return self.residual_dropout(self.mlp(h), training=training)
-
-        if self.spec.norm_first:
-            attended, layer_cache = attend(self.attention_norm(x))
-            x = x + attended
-            return x + feed_forward(self.mlp_norm(x)), layer_cache
-        attended, layer_cache = attend(x)
-        x = self.attention_norm(x + attended)
-        return self.mlp_norm(x + feed_forward(x)), layer_cache
+        attended, layer_cache = self.attention(before(self.attention_norm, x), mask, layer_cache, cache_index,
+                                               training=training, bias=position_bias)
+        x = self._residual(x, attended, self.attention_norm, training)
+        if self.cross_attention is not None:
+            attended = self.cross_attention(before(self.cross_attention_norm, x), cross.memory, cross.mask,
+                                            training=training)
+            x = self._residual(x, attended, self.cross_attention_norm, training)
+        x = self._residual(x, self.mlp(before(self.mlp_norm, x), training=training), self.mlp_norm, training)
+        return x, layer_cache

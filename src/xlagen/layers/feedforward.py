@@ -44,31 +44,45 @@ def get_activation(name: str):
 
 
 class FeedForward(keras.layers.Layer):
-    """`output(act(input(x)))`: the two-matrix MLP of GPT-2 and OPT.
+    """`output(act(input(x)))` (GPT-2, OPT, T5 v1.0), or gated `output(act(gate(x)) * input(x))` (T5 v1.1).
 
     Args:
         hidden_size: Model width.
         intermediate_size: Inner width.
         activation: An HF activation name, e.g. "gelu_new".
-        use_bias: Whether both projections have biases.
+        use_bias: Whether the projections have biases.
+        gated: Multiply the activated `gate_projection` with the linear `input_projection`.
+        dropout: Dropout of the inner activations (training only).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, activation: str, use_bias: bool = True,
-                 **kwargs):
+                 gated: bool = False, dropout: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self.activation = get_activation(activation)
         self.input_projection = keras.layers.Dense(intermediate_size, use_bias=use_bias, name="input_projection",
                                                    dtype=self.dtype_policy)
+        self.gate_projection = None
+        if gated:
+            self.gate_projection = keras.layers.Dense(intermediate_size, use_bias=use_bias, name="gate_projection",
+                                                      dtype=self.dtype_policy)
         self.output_projection = keras.layers.Dense(hidden_size, use_bias=use_bias, name="output_projection",
                                                     dtype=self.dtype_policy)
+        self.dropout = keras.layers.Dropout(dropout)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
 
     def build(self, input_shape):
         self.input_projection.build((None, self.hidden_size))
+        if self.gate_projection is not None:
+            self.gate_projection.build((None, self.hidden_size))
         self.output_projection.build((None, self.intermediate_size))
         self.built = True
 
-    def call(self, x):
+    def call(self, x, training=False):
         """x: `[B, T, hidden]` -> `[B, T, hidden]`."""
-        return self.output_projection(self.activation(self.input_projection(x)))
+        inner = self.input_projection(x)
+        if self.gate_projection is None:
+            inner = self.activation(inner)
+        else:
+            inner = self.activation(self.gate_projection(x)) * inner
+        return self.output_projection(self.dropout(inner, training=training))

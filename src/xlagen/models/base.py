@@ -1,4 +1,5 @@
-"""What every causal language model shares: output type, position ids, the cached forward.
+"""What every language model shares: output type, position ids, the decoding contract, the cached
+forward of decoder-only models.
 
 Shapes: B batch, T tokens in this call, S cache length (static), H heads, D head dim, V vocab.
 """
@@ -19,6 +20,16 @@ class CausalLMOutput(NamedTuple):
 
     Attributes:
         logits: float32 `[B, T, V]`.
+    """
+
+    logits: object
+
+
+class Seq2SeqLMOutput(NamedTuple):
+    """Output of an encoder-decoder full forward pass; `output.logits` or `output[0]` as in transformers.
+
+    Attributes:
+        logits: float32 `[B, T, V]` over the decoder positions.
     """
 
     logits: object
@@ -53,41 +64,95 @@ def positions_at(attention_mask, cache_index, num_tokens: int):
 
 
 class DecoderState(NamedTuple):
-    """What a decoder-only model carries between steps; every tensor has the batch on axis 0.
+    """What a model carries between decoding steps; every tensor has the batch on axis 0.
 
     Attributes:
-        cache: The static KV cache (`xlagen.cache`).
+        cache: The static KV cache of the (decoder's) self-attention (`xlagen.cache`).
         attention_mask: int32 `[B, S]`, the prompt's mask followed by ones for new tokens.
+        context: Read-only tensors the decoder attends to besides its cache, from `encode_context`:
+            `()` for decoder-only models, an `EncoderContext` for encoder-decoder models.
     """
 
     cache: tuple
     attention_mask: object
+    context: object = ()
+
+
+class EncoderContext(NamedTuple):
+    """An encoder's output as the decoder's cross-attention sees it, computed once per generation.
+
+    Attributes:
+        memory: Per decoder layer, the cross-attention keys and values `LayerCache` `[B, H, L, D]`.
+        mask: int32 `[B, L]`, the encoder input's attention mask.
+    """
+
+    memory: tuple
+    mask: object
+
+
+def extend_mask(attention_mask, total_length: int):
+    """The prompt's mask `[B, P]` followed by ones up to `[B, total_length]` (the generated tokens)."""
+    batch, prompt_length = ops.shape(attention_mask)[0], attention_mask.shape[1]
+    return ops.concatenate([ops.cast(attention_mask, "int32"),
+                            ops.ones((batch, total_length - prompt_length), "int32")], axis=1)
 
 
 class CausalDecoding:
-    """The decoding contract of a decoder-only model, built on `init_cache` / `call_with_cache`.
+    """The decoding contract, built on `init_cache` / `call_with_cache`.
 
-    Generation calls only `prefill` and `decode_step`; the state they pass around is an opaque nest
-    whose tensors all have the batch on axis 0, so beam search can reorder it generically.
+    Generation calls `generation_inputs`, then `prefill` and `decode_step`; the state they pass around
+    is an opaque nest whose tensors all have the batch on axis 0, so beam search can reorder it
+    generically. Decoder-only models use everything as is; an encoder-decoder model overrides
+    `generation_inputs` and `encode_context`.
     """
 
-    def prefill(self, input_ids, attention_mask, total_length: int):
+    def generation_inputs(self, input_ids, attention_mask, decoder_start_token_id=None, decoder_input_ids=None,
+                          decoder_attention_mask=None):
+        """Splits `generate`'s inputs into the prompt the decoder continues and the inputs of `encode_context`.
+
+        Args:
+            input_ids: int32 `[B, P]`.
+            attention_mask: int32 `[B, P]`.
+            decoder_start_token_id: First decoder token (encoder-decoder models).
+            decoder_input_ids: Optional decoder prompt `[B, P']` (encoder-decoder models).
+            decoder_attention_mask: Optional `[B, P']` mask of `decoder_input_ids`.
+
+        Returns:
+            `(prompt_ids [B, P'], prompt_mask [B, P'], extra)`: the sequences `generate` returns start
+            with the prompt; `extra` is a dict of `[B, L]` tensors passed to `prefill` as keywords.
+
+        Raises:
+            ValueError: for decoder inputs given to a decoder-only model.
+        """
+        if decoder_input_ids is not None or decoder_attention_mask is not None:
+            raise ValueError(f"{type(self).__name__} is a decoder-only model: give the prompt as input_ids "
+                             "(decoder_input_ids and decoder_attention_mask are for encoder-decoder models)")
+        return input_ids, attention_mask, {}
+
+    def encode_context(self, **extra):
+        """What the decoder attends to besides its own cache (`extra` from `generation_inputs`); () here."""
+        if extra:
+            raise TypeError(f"{type(self).__name__} takes no inputs besides the prompt, got {sorted(extra)}")
+        return ()
+
+    def prefill(self, input_ids, attention_mask, total_length: int, **extra):
         """Runs the prompt and returns the next-token logits and the decoding state.
 
         Args:
             input_ids: int32 `[B, P]` (left-padded).
             attention_mask: `[B, P]` 1/0.
             total_length: S = P + new tokens, the static cache length.
+            **extra: The model's other inputs from `generation_inputs` (an encoder's, run here once).
 
         Returns:
             `(logits float32 [B, V] of the last prompt position, DecoderState)`.
         """
-        batch, prompt_length = ops.shape(input_ids)[0], input_ids.shape[1]
-        mask = ops.concatenate([ops.cast(attention_mask, "int32"),
-                                ops.ones((batch, total_length - prompt_length), "int32")], axis=1)
-        cache = self.init_cache(batch, total_length)
-        logits, cache = self.call_with_cache(input_ids, cache, ops.zeros((), "int32"), mask, last_only=True)
-        return logits[:, -1], DecoderState(cache, mask)
+        context = self.encode_context(**extra)
+        mask = extend_mask(attention_mask, total_length)
+        cache = self.init_cache(ops.shape(input_ids)[0], total_length)
+        logits, cache = self.call_with_cache(input_ids, cache, ops.zeros((), "int32"), mask, last_only=True,
+                                             context=context)
+        return logits[:, -1], DecoderState(cache, mask, context)
 
     def decode_step(self, token_ids, index, state: DecoderState):
         """Runs one token per row written at `index`.
@@ -100,12 +165,13 @@ class CausalDecoding:
         Returns:
             `(logits float32 [B, V], new state)`.
         """
-        logits, cache = self.call_with_cache(token_ids, state.cache, index, state.attention_mask)
+        logits, cache = self.call_with_cache(token_ids, state.cache, index, state.attention_mask,
+                                             context=state.context)
         return logits[:, -1], state._replace(cache=cache)
 
 
 class DecoderOnlyLM(CausalDecoding):
-    """Embeddings, a stack of `DecoderBlock`s and an LM head: the forward passes of GPT-2 and OPT.
+    """Embeddings, a stack of `TransformerBlock`s and an LM head: the forward passes of GPT-2 and OPT.
 
     A subclass (also a `keras.Model`) builds `token_embedding` (a `TokenEmbedding`), `blocks` and
     `lm_head` (None when tied to the token embedding), has a `config` with `num_layers`, `num_heads`
@@ -167,7 +233,7 @@ class DecoderOnlyLM(CausalDecoding):
         return cache_lib.init_cache(self.config.num_layers, batch_size, self.config.num_heads, max_length,
                                     self.config.head_dim, dtype or self.compute_dtype)
 
-    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False):
+    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=()):
         """Runs `token_ids` written at `cache_index` against the static cache.
 
         Args:
@@ -176,6 +242,7 @@ class DecoderOnlyLM(CausalDecoding):
             cache_index: int32 scalar tensor, the write offset.
             attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
             last_only: Compute logits for the last token only (`T` becomes 1 in the output).
+            context: Unused (decoder-only models attend to nothing else), see `encode_context`.
 
         Returns:
             `(logits float32 [B, T, V], updated cache)`.

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import keras
 from keras import ops
 
-from xlagen.layers.block import BlockSpec, DecoderBlock
+from xlagen.layers.block import BlockSpec, TransformerBlock
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
@@ -158,7 +158,7 @@ class GPT2LMHead(CausalLMTraining, DecoderOnlyLM, keras.Model):
         self.position_embedding = PositionEmbedding(config.max_positions, config.hidden_size,
                                                     name="position_embedding", dtype=self.dtype_policy)
         self.embedding_dropout = keras.layers.Dropout(config.embedding_dropout)
-        self.blocks = [DecoderBlock(block_spec(config, i), name=f"block_{i}", dtype=self.dtype_policy)
+        self.blocks = [TransformerBlock(block_spec(config, i), name=f"block_{i}", dtype=self.dtype_policy)
                        for i in range(config.num_layers)]
         self.final_norm = layer_norm(config.layer_norm_eps, "final_norm", self.dtype_policy)
         self.lm_head = None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import keras
 
-from xlagen.layers.block import BlockSpec, DecoderBlock
+from xlagen.layers.block import BlockSpec, TransformerBlock
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
@@ -172,7 +172,7 @@ class OPTLM(CausalLMTraining, DecoderOnlyLM, keras.Model):
             self.project_out = keras.layers.Dense(config.embedding_size, use_bias=False, name="project_out",
                                                   dtype=policy)
         spec = block_spec(config)
-        self.blocks = [DecoderBlock(spec, name=f"block_{i}", dtype=policy) for i in range(config.num_layers)]
+        self.blocks = [TransformerBlock(spec, name=f"block_{i}", dtype=policy) for i in range(config.num_layers)]
         self.final_norm = None
         if config.has_final_norm:
             self.final_norm = layer_norm(config.layer_norm_eps, "final_norm", policy, config.norm_affine)

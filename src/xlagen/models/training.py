@@ -1,7 +1,9 @@
-"""Keras training for language models: the shifted token loss, perplexity, and the `fit` glue.
+"""Keras training for language models: the token losses, perplexity, and the `fit` glue.
 
-Labels follow transformers: `labels[b, t]` is the token expected at position t, the model shifts
-them inside (position t predicts t + 1), and -100 marks positions left out of the loss.
+Labels follow transformers, and -100 marks positions left out of the loss. Causal LMs: `labels[b, t]`
+is the token at position t, the model shifts them inside (position t predicts t + 1).
+Encoder-decoder LMs: `labels[b, t]` is the token decoder position t predicts (no shift); the decoder's
+inputs are the labels shifted right.
 """
 
 from __future__ import annotations
@@ -13,22 +15,27 @@ from keras import ops
 IGNORE_INDEX = -100
 
 
-def shifted_token_loss(logits, labels):
-    """Summed cross-entropy of next-token predictions and the number of tokens it covers.
+def token_loss(logits, labels):
+    """Summed cross-entropy of the predictions at each position and the number of tokens it covers.
 
     Args:
         logits: float `[B, T, V]`.
-        labels: int `[B, T]`; -100 where no loss is wanted.
+        labels: int `[B, T]`, the token expected at each position; -100 where no loss is wanted.
 
     Returns:
         `(loss_sum, count)` float32 scalars.
     """
-    logits = ops.cast(logits[:, :-1], "float32")
-    labels = ops.cast(labels[:, 1:], "int32")
+    logits = ops.cast(logits, "float32")
+    labels = ops.cast(labels, "int32")
     valid = ops.not_equal(labels, IGNORE_INDEX)
     losses = keras.losses.sparse_categorical_crossentropy(ops.where(valid, labels, 0), logits, from_logits=True)
     weights = ops.cast(valid, "float32")
     return ops.sum(losses * weights), ops.sum(weights)
+
+
+def shifted_token_loss(logits, labels):
+    """`token_loss` of next-token predictions: position t is scored on `labels[:, t + 1]`."""
+    return token_loss(logits[:, :-1], labels[:, 1:])
 
 
 class Perplexity(keras.metrics.Metric):
@@ -54,12 +61,14 @@ def unpack_inputs(input_ids, attention_mask):
     return input_ids, attention_mask
 
 
-class CausalLMTraining:
-    """Mixin for causal LM Keras models: `compile(optimizer, jit_compile=True)` then `fit`.
+def given_labels(x, y):
+    """The labels of a Keras batch: `y`, else `x["labels"]`, else None."""
+    return y if y is not None else (x.get("labels") if isinstance(x, dict) else None)
 
-    Data: `x` is a dict with `input_ids`, optional `attention_mask` and optional `labels`, or `y`
-    holds the labels; without labels, the inputs are the labels with padding left out of the loss.
-    """
+
+class LMTraining:
+    """Mixin for LM Keras models: `compile(optimizer, jit_compile=True)` then `fit`; a subclass says
+    what the labels are (`loss_terms`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -93,22 +102,13 @@ class CausalLMTraining:
                                         sample_weight=tf.shape(unpack_inputs(x, None)[0])[0])
         return self.compute_metrics(x, y, None, sample_weight=sample_weight)
 
-    def labels_for(self, x, y):
-        """The labels `[B, T]` for a batch, checked against the inputs' shape."""
-        input_ids, attention_mask = unpack_inputs(x, None)
-        labels = y if y is not None else (x.get("labels") if isinstance(x, dict) else None)
-        if labels is None:
-            labels = input_ids
-            if attention_mask is not None:
-                labels = ops.where(ops.cast(attention_mask, "bool"), labels, IGNORE_INDEX)
-        if tuple(labels.shape) != tuple(input_ids.shape):
-            raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
-                             f"{tuple(input_ids.shape)}: give one label per input token (-100 to skip)")
-        return labels
+    def loss_terms(self, x, y, y_pred):
+        """`(loss_sum, count)` of a batch, see `token_loss`."""
+        raise NotImplementedError
 
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        """Mean next-token cross-entropy over labelled tokens (transformers' loss)."""
-        loss_sum, count = shifted_token_loss(y_pred.logits, self.labels_for(x, y))
+        """Mean token cross-entropy over labelled tokens (transformers' loss)."""
+        loss_sum, count = self.loss_terms(x, y, y_pred)
         self.perplexity_tracker.update_state(loss_sum, count)
         loss = loss_sum / ops.maximum(count, 1.0)
         # Keras sums replica gradients, so each replica's loss carries 1 / replicas.
@@ -118,3 +118,46 @@ class CausalLMTraining:
     @property
     def metrics(self):
         return [*super().metrics, self.perplexity_tracker]
+
+
+class CausalLMTraining(LMTraining):
+    """Training of causal LMs.
+
+    Data: `x` is a dict with `input_ids`, optional `attention_mask` and optional `labels`, or `y`
+    holds the labels; without labels, the inputs are the labels with padding left out of the loss.
+    """
+
+    def labels_for(self, x, y):
+        """The labels `[B, T]` for a batch, checked against the inputs' shape."""
+        input_ids, attention_mask = unpack_inputs(x, None)
+        labels = given_labels(x, y)
+        if labels is None:
+            labels = input_ids
+            if attention_mask is not None:
+                labels = ops.where(ops.cast(attention_mask, "bool"), labels, IGNORE_INDEX)
+        if tuple(labels.shape) != tuple(input_ids.shape):
+            raise ValueError(f"labels shape {tuple(labels.shape)} does not match input_ids "
+                             f"{tuple(input_ids.shape)}: give one label per input token (-100 to skip)")
+        return labels
+
+    def loss_terms(self, x, y, y_pred):
+        """Next-token loss: the model's prediction at t is scored on the label at t + 1."""
+        return shifted_token_loss(y_pred.logits, self.labels_for(x, y))
+
+
+class Seq2SeqLMTraining(LMTraining):
+    """Training of encoder-decoder LMs.
+
+    Data: `x` is a dict with `input_ids`, optional `attention_mask`, and `labels` (the model feeds
+    them shifted right to its decoder) or `decoder_input_ids` with the labels in `y`.
+    """
+
+    def loss_terms(self, x, y, y_pred):
+        """Each decoder position is scored on its label (transformers' T5 loss, no shift)."""
+        labels = given_labels(x, y)
+        if labels is None:
+            raise ValueError("the loss needs labels: put them in x['labels'] or give them as y")
+        if tuple(labels.shape) != tuple(y_pred.logits.shape[:2]):
+            raise ValueError(f"labels shape {tuple(labels.shape)} does not match the decoder's "
+                             f"{tuple(y_pred.logits.shape[:2])}: give one label per decoder position (-100 to skip)")
+        return token_loss(y_pred.logits, labels)

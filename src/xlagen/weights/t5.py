@@ -1,0 +1,86 @@
+"""T5: transformers tensor names -> xlagen variable paths.
+
+T5's projections are bias-free PyTorch Linear weights `[out, in]`, transposed to Keras' Dense
+`[in, out]`. The self-attention q/k/v are fused into our one `qkv` kernel and the cross-attention k/v
+into one `key_value` kernel (stacked on the output axis before the transpose). The relative position
+bias lives in the first block of each stack (`relative_attention_bias`) and is shared by all blocks.
+"""
+
+from __future__ import annotations
+
+from xlagen.weights.loader import Rule, chain, concat_first, transpose
+
+# T5ForConditionalGeneration has no prefix on its trunk.
+PREFIX = ""
+
+_fuse_kernels = chain(concat_first, transpose)
+
+# Tied copies of `shared.weight`, and a bias that old checkpoints store and no T5 uses (transformers
+# ignores it too).
+IGNORE = (r"(encoder|decoder)\.embed_tokens\.weight",
+          r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight")
+
+
+def _kernel(target: str, source: str) -> Rule:
+    return Rule(f"{target}/kernel", (f"{source}.weight",), transpose)
+
+
+def _self_attention(ours: str, theirs: str) -> list[Rule]:
+    return [Rule(ours + "qkv/kernel", tuple(f"{theirs}{name}.weight" for name in "qkv"), _fuse_kernels),
+            _kernel(ours + "output_projection", theirs + "o")]
+
+
+def _cross_attention(ours: str, theirs: str) -> list[Rule]:
+    return [_kernel(ours + "query", theirs + "q"),
+            Rule(ours + "key_value/kernel", (f"{theirs}k.weight", f"{theirs}v.weight"), _fuse_kernels),
+            _kernel(ours + "output_projection", theirs + "o")]
+
+
+def _feed_forward(ours: str, theirs: str, config) -> list[Rule]:
+    if config.gated:  # wi_0 goes through the activation, wi_1 is the linear branch
+        table = [_kernel(ours + "gate_projection", theirs + "wi_0"),
+                 _kernel(ours + "input_projection", theirs + "wi_1")]
+    else:
+        table = [_kernel(ours + "input_projection", theirs + "wi")]
+    return table + [_kernel(ours + "output_projection", theirs + "wo")]
+
+
+def _norm(target: str, source: str) -> Rule:
+    return Rule(f"{target}/scale", (f"{source}.weight",))
+
+
+def rules(config) -> list[Rule]:
+    """The conversion table for a `T5Config`."""
+    bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    table = [Rule("token_embedding/embeddings", ("shared.weight",)),
+             Rule("encoder_position_bias/embeddings", (f"encoder.{bias}",)),
+             Rule("decoder_position_bias/embeddings", (f"decoder.{bias}",)),
+             _norm("encoder_final_norm", "encoder.final_layer_norm"),
+             _norm("decoder_final_norm", "decoder.final_layer_norm")]
+    for i in range(config.num_layers):
+        ours, theirs = f"encoder_block_{i}/", f"encoder.block.{i}.layer."
+        table += _self_attention(ours + "attention/", theirs + "0.SelfAttention.")
+        table += _feed_forward(ours + "mlp/", theirs + "1.DenseReluDense.", config)
+        table += [_norm(ours + "attention_norm", theirs + "0.layer_norm"),
+                  _norm(ours + "mlp_norm", theirs + "1.layer_norm")]
+    for i in range(config.num_decoder_layers):
+        ours, theirs = f"decoder_block_{i}/", f"decoder.block.{i}.layer."
+        table += _self_attention(ours + "attention/", theirs + "0.SelfAttention.")
+        table += _cross_attention(ours + "cross_attention/", theirs + "1.EncDecAttention.")
+        table += _feed_forward(ours + "mlp/", theirs + "2.DenseReluDense.", config)
+        table += [_norm(ours + "attention_norm", theirs + "0.layer_norm"),
+                  _norm(ours + "cross_attention_norm", theirs + "1.layer_norm"),
+                  _norm(ours + "mlp_norm", theirs + "2.layer_norm")]
+    if not config.tie_word_embeddings:
+        table.append(_kernel("lm_head", "lm_head"))
+    return table
+
+
+def ignore(config) -> tuple[str, ...]:
+    """HF tensors to skip: tied copies of the embedding (the LM head too when tied), an unused bias."""
+    return IGNORE + ((r"lm_head\.weight",) if config.tie_word_embeddings else ())
+
+
+def saved_name(name: str) -> str:
+    """The name transformers' T5ForConditionalGeneration gives a tensor of the table (unchanged)."""
+    return name
