@@ -27,13 +27,13 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
 
 def run(args: argparse.Namespace) -> int:
     """Runs `xlagen hlo`; prints the written paths."""
-    from xlagen import TFAutoModelForCausalLM
     from xlagen.generation.introspect import write_generate_ir
+    from xlagen.modeling import TFAutoModelForGeneration
 
     model_name = args.model or default_model_path()
     if model_name is None:
         raise UsageError("xlagen hlo needs --model PATH_OR_ID")
-    model = TFAutoModelForCausalLM.from_pretrained(model_name)
+    model = TFAutoModelForGeneration.from_pretrained(model_name)
     stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
     paths = write_generate_ir(model, args.output, stages, batch_size=args.batch_size,
                               prompt_length=args.prompt_length, max_new_tokens=args.max_new_tokens,

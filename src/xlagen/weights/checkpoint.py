@@ -221,6 +221,8 @@ def write_files(folder: str | os.PathLike[str], writers: dict[str, Callable[[pat
     with tempfile.TemporaryDirectory(dir=folder, prefix=".xlagen-save-") as staging:
         for name, write in writers.items():
             write(pathlib.Path(staging) / name)
+            # Readable by all, as checkpoints are shared (safetensors creates its files owner-only).
+            os.chmod(pathlib.Path(staging) / name, 0o644)
         for name in writers:
             os.replace(pathlib.Path(staging) / name, folder / name)
     return tuple(str(folder / name) for name in writers)
