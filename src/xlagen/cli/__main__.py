@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 PROG = "xlagen"
-SUBCOMMANDS = ("generate", "hlo")  # Later: "transcribe", "export".
+SUBCOMMANDS = ("generate", "hlo", "bench")  # Later: "transcribe", "export".
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
@@ -60,6 +60,27 @@ def _configure_environment(verbose: bool) -> None:
     """
     if not verbose:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _load_tensorflow_quietly() -> None:
+    """Imports TensorFlow and initialises its devices with the native stderr pointed at /dev/null.
+
+    TensorFlow 2.21 prints oneDNN / CUDA notices from C++ before its logging is set up, so
+    TF_CPP_MIN_LOG_LEVEL cannot hide them; `--verbose` keeps them. Python errors are unaffected.
+    """
+    if "tensorflow" in sys.modules:
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            import tensorflow as tf
+
+            tf.config.list_logical_devices("CPU")  # the CUDA probe happens here
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _configure_logging(verbose: bool, quiet: bool) -> int:
@@ -102,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     _configure_environment(args.verbose)
+    if not args.verbose:
+        _load_tensorflow_quietly()
     previous_level = _configure_logging(args.verbose, args.quiet)
     try:
         return args.run(args)
