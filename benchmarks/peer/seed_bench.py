@@ -1,0 +1,73 @@
+"""The seed system (transformers 4.57 TensorFlow models, Keras 2) on the scenarios of `xlagen bench`.
+
+Run it with the python of `benchmarks/peer/setup_seed_env.sh` (it sets TF_USE_LEGACY_KERAS=1 itself):
+
+    benchmarks/.peer-venv/bin/python benchmarks/peer/seed_bench.py --quick
+
+It takes the options of `xlagen bench` (without --peer) and writes the same JSON schema. The
+measurement, bandwidth and report code is xlagen's own harness, src/xlagen/cli/bench.py, loaded by
+file path (only the standard library at module level; xlagen itself is not imported), so both systems
+are timed by the same lines. `xlagen bench --peer` runs this script with `--worker` per scenario.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # transformers' TF models need Keras 2 (tf-keras).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+HARNESS = Path(__file__).resolve().parents[2] / "src" / "xlagen" / "cli" / "bench.py"
+
+
+def _load_harness():
+    spec = importlib.util.spec_from_file_location("xlagen_bench_harness", HARNESS)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built.
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_harness()
+
+
+def _gpt2(dtype: str, **config):
+    """transformers' TFGPT2LMHeadModel, random weights; EOS cleared so generation never stops early."""
+    from transformers import GPT2Config, TFGPT2LMHeadModel
+
+    if dtype != "float32":
+        raise ValueError(f"the seed system is measured in float32 only, not {dtype}")
+    model = TFGPT2LMHeadModel(GPT2Config(**config))
+    model.build_in_name_scope()
+    # TF generate falls back to generation_config.eos_token_id when eos_token_id=None is passed.
+    model.generation_config.eos_token_id = None
+    return model
+
+
+class SeedSystem(bench.TFSystem):
+    """transformers 4.x TF. Add TFOPTForCausalLM, TFT5ForConditionalGeneration, ... under xlagen's names."""
+
+    name = "seed"
+    models: ClassVar[dict] = {
+        "gpt2": _gpt2,
+        "tiny-gpt2": lambda dtype: _gpt2(dtype, vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)}
+    distributions: ClassVar[tuple[str, ...]] = ("tensorflow-cpu", "tensorflow", "tf-keras", "transformers", "numpy")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="seed_bench.py", description=__doc__.splitlines()[0])
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    bench.add_arguments(parser, sorted(SeedSystem.models))
+    args = bench.resolve_arguments(parser.parse_args(argv))
+    if args.worker:
+        return bench.worker_main(SeedSystem(), args)
+    return bench.run_benchmark(args, SeedSystem())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
