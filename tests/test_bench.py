@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import textwrap
 
@@ -35,6 +36,8 @@ def test_tiny_bench_writes_json_with_machine_versions_bandwidth_and_results(tiny
     assert {"tensorflow", "keras", "xlagen", "numpy", "python"} <= set(xlagen["versions"])
     assert {"tf_intra_op", "tf_inter_op", "xla_init_s"} <= set(xlagen["threads"])
     assert report["bandwidth"]["blas_gbs"] > 0 and report["bandwidth"]["sum_gbs"] > 0
+    if any(name in os.environ for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):  # Measured without them too.
+        assert report["bandwidth"]["blas_native_gbs"] > 0
     assert report["command"][:2] == ["xlagen", "bench"] and "--tiny" not in report["command"]
 
     results = report["results"]

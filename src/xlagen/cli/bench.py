@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import importlib.metadata
 import json
 import logging
@@ -48,7 +49,7 @@ PROMPT_TOKENS = 8
 # Options left unset on the command line take these values; --quick and --tiny override some.
 DEFAULTS = {"models": ["gpt2"], "strategies": ["greedy", "beam2", "beam4"], "batch_sizes": [1, 8],
             "new_tokens": [32, 128, 512], "modes": list(MODES), "repeats": 5, "warmup": 1, "eager_new_tokens": 16,
-            "eager_repeats": 2, "bandwidth_mib": 2048, "bandwidth_repeats": 5}
+            "eager_repeats": 2, "bandwidth_mib": 2048, "bandwidth_repeats": 3}
 PRESETS = {
     "quick": {"strategies": ["greedy", "beam2"], "batch_sizes": [1], "new_tokens": [128], "repeats": 3},
     "tiny": {"models": ["tiny-gpt2"], "strategies": ["greedy", "beam2"], "batch_sizes": [1], "new_tokens": [8],
@@ -252,31 +253,80 @@ def measure(system: TFSystem, model, scenario: Scenario, args: argparse.Namespac
     return summarise(system.name, scenario, system.weight_bytes(model), first, runs, short_runs)
 
 
-def measure_bandwidth(mib: int, repeats: int) -> dict[str, Any]:
-    """Read bandwidth in GB/s (1e9 B/s): numpy sum over a float32 array, and BLAS `[rows, 4096] @ [4096]`."""
+def measure_bandwidth(mib: int, repeats: int, allocations: int = 3) -> dict[str, Any]:
+    """Read bandwidth in GB/s (1e9 B/s): numpy sum over a float32 array, and BLAS `[rows, 4096] @ [4096]`.
+
+    Each of `allocations` fresh arrays is read `repeats` times. On this shared virtual machine the
+    BLAS figure wanders between about 32 and 66 GB/s, from one array to the next and sometimes within
+    one, so several arrays are measured and the caller takes medians.
+
+    Returns:
+        `{"bytes": ..., "samples_gbs": {"sum": [[GB/s per run] per allocation], "blas": [...]}}`.
+    """
     import numpy as np
 
-    matrix = np.ones((mib * 2**20 // (4 * 4096), 4096), np.float32)  # np.ones touches every page.
-    vector, flat = np.ones(4096, np.float32), matrix.reshape(-1)
-    samples = {}
-    for kind, read in (("sum", flat.sum), ("blas", lambda: matrix.dot(vector))):
+    def speeds(read: Callable[[], Any], nbytes: int) -> list[float]:
         read()  # Warm-up.
         seconds = []
         for _ in range(repeats):
             started = time.perf_counter()
             read()
             seconds.append(time.perf_counter() - started)
-        samples[kind] = [matrix.nbytes / s / 1e9 for s in seconds]
-    return {"bytes": matrix.nbytes, "samples_gbs": samples}
+        return [nbytes / s / 1e9 for s in seconds]
+
+    samples: dict[str, list[list[float]]] = {"sum": [], "blas": []}
+    vector = np.ones(4096, np.float32)
+    for _ in range(allocations):
+        matrix = np.ones((mib * 2**20 // (4 * 4096), 4096), np.float32)  # np.ones touches every page.
+        samples["sum"].append(speeds(matrix.sum, matrix.nbytes))
+        samples["blas"].append(speeds(functools.partial(matrix.dot, vector), matrix.nbytes))
+        del matrix  # Before the next allocation: one 2 GiB array at a time.
+    return {"bytes": mib * 2**20 // (4 * 4096) * 4096 * 4, "samples_gbs": samples}
 
 
-def _combine_bandwidth(measurements: list[dict]) -> dict[str, Any]:
-    """The bandwidth of the roofline: of the measurements before and after the scenarios, the one with
-    the higher median, since other load on the machine can only lower it (a conservative limit)."""
+_OPENBLAS_OVERRIDES = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
+_NATIVE_BANDWIDTH = """import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("xlagen_bench_harness", sys.argv[1])
+harness = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = harness
+spec.loader.exec_module(harness)
+print(json.dumps(harness.measure_bandwidth(int(sys.argv[2]), int(sys.argv[3]))))
+"""
+
+
+def measure_native_bandwidth(mib: int, repeats: int) -> dict[str, Any] | None:
+    """`measure_bandwidth` in a subprocess without OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE, or None if unset.
+
+    This machine sets them (for old OpenBLAS builds); they make numpy's BLAS use an older kernel that
+    reads more slowly. XLA does not use OpenBLAS, so the native kernel's figure is the better estimate
+    of what the hardware can read; the environment of everything else is left as it is.
+    """
+    if not any(name in os.environ for name in _OPENBLAS_OVERRIDES):
+        return None
+    env = {k: v for k, v in os.environ.items() if k not in _OPENBLAS_OVERRIDES}
+    done = subprocess.run([sys.executable, "-c", _NATIVE_BANDWIDTH, __file__, str(mib), str(repeats)], env=env,
+                          capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        logger.warning("bandwidth without OPENBLAS_CORETYPE failed: %s", done.stderr.strip()[-300:])
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _combine_bandwidth(measurements: list[dict], native: dict | None = None) -> dict[str, Any]:
+    """The roofline's bandwidth: the median over all allocations (before and after the scenarios) of
+    each allocation's median, with their range; `native` (`measure_native_bandwidth`) adds
+    `blas_native_gbs`, the same statistic without the OPENBLAS overrides."""
+    def per_allocation(measurement: dict, kind: str) -> list[float]:
+        return [statistics.median(runs) for runs in measurement["samples_gbs"][kind]]
+
     combined: dict[str, Any] = {"bytes": measurements[0]["bytes"], "measurements": measurements}
     for kind in ("sum", "blas"):
-        medians = [statistics.median(m["samples_gbs"][kind]) for m in measurements]
-        combined[f"{kind}_gbs"], combined[f"{kind}_medians_gbs"] = max(medians), medians
+        medians = [g for m in measurements for g in per_allocation(m, kind)]
+        combined[f"{kind}_gbs"] = statistics.median(medians)
+        combined[f"{kind}_range_gbs"] = [min(medians), max(medians)]
+    if native is not None:
+        combined["native"] = native
+        combined["blas_native_gbs"] = statistics.median(per_allocation(native, "blas"))
     return combined
 
 
@@ -512,6 +562,7 @@ def run_benchmark(args: argparse.Namespace, system: TFSystem) -> int:
     started, load_start = datetime.datetime.now(datetime.timezone.utc), _load_average()
     _progress(args, f"bandwidth: reading {args.bandwidth_mib} MiB x {args.bandwidth_repeats} ...")
     bandwidths = [measure_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)]
+    native = measure_native_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
     results: list[dict] = []
     systems: dict[str, dict] = {}
     if args.peer or args.isolate:
@@ -537,7 +588,7 @@ def run_benchmark(args: argparse.Namespace, system: TFSystem) -> int:
     report = {"schema": SCHEMA, "created": started.isoformat(timespec="seconds"),
               "seconds": round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1),
               "command": command_line(args, system.name),
-              "machine": machine, "systems": systems, "bandwidth": _combine_bandwidth(bandwidths),
+              "machine": machine, "systems": systems, "bandwidth": _combine_bandwidth(bandwidths, native),
               "options": {k: getattr(args, k) for k in DEFAULTS} | {"threads": args.threads, "dtype": args.dtype,
                                                                      "ttft": args.ttft},
               "results": results}
@@ -576,6 +627,9 @@ def add_rooflines(report: dict) -> None:
             limit = bandwidth[f"{kind}_gbs"] * 1e9 / result["weight_bytes"]
             result[f"roofline_tokens_per_s_{kind}"] = limit * result["batch_size"]
             result[f"roofline_fraction_{kind}"] = steps_per_s / limit
+        if "blas_native_gbs" in bandwidth:
+            limit = bandwidth["blas_native_gbs"] * 1e9 / result["weight_bytes"]
+            result["roofline_fraction_blas_native"] = steps_per_s / limit
         result["roofline_fraction"] = result["roofline_fraction_blas"]
 
 
@@ -643,10 +697,14 @@ def markdown(report: dict) -> str:
               f"{machine.get('memory_gib')} GiB; flags: {' '.join(machine.get('cpu_flags', []))}; load average "
               f"(1 min) at start / end: {' / '.join(map(str, machine.get('load_average_1min', {}).values()))}"),
              f"- Versions: {versions}", f"- TensorFlow threads: {threads}",
-             (f"- Read bandwidth ({bandwidth['bytes'] / 2**30:.2f} GiB; medians before / after the scenarios): "
-              f"BLAS matrix-vector {' / '.join(f'{g:.1f}' for g in bandwidth['blas_medians_gbs'])} GB/s, numpy sum "
-              f"{' / '.join(f'{g:.1f}' for g in bandwidth['sum_medians_gbs'])} GB/s; the roofline uses the higher, "
-              f"{bandwidth['blas_gbs']:.1f} GB/s (OPENBLAS_CORETYPE={machine['env'].get('OPENBLAS_CORETYPE')})"),
+             (f"- Read bandwidth ({bandwidth['bytes'] / 2**30:.2f} GiB arrays, median over fresh allocations before "
+              f"and after the scenarios [range]): BLAS matrix-vector {bandwidth['blas_gbs']:.1f} GB/s "
+              f"[{bandwidth['blas_range_gbs'][0]:.1f}-{bandwidth['blas_range_gbs'][1]:.1f}], numpy sum "
+              f"{bandwidth['sum_gbs']:.1f} GB/s [{bandwidth['sum_range_gbs'][0]:.1f}-{bandwidth['sum_range_gbs'][1]:.1f}]"
+              f"; the roofline uses the BLAS median (OPENBLAS_CORETYPE={machine['env'].get('OPENBLAS_CORETYPE')})"
+              + (f"; BLAS with numpy's native kernel (OPENBLAS_CORETYPE unset, in a subprocess): "
+                 f"{bandwidth['blas_native_gbs']:.1f} GB/s, `roofline_fraction_blas_native` in the JSON"
+                 if "blas_native_gbs" in bandwidth else "")),
              f"- Command: `{' '.join(report['command'])}`", "",
              ("first call: trace + compile + one run (eager: the first run). ms/token: median seconds of one "
               "generate call / new tokens, i.e. per decoding step for all rows and beams. tokens/s: all rows. "
@@ -759,7 +817,8 @@ def add_arguments(parser: argparse.ArgumentParser, models: list[str]) -> None:
     timing.add_argument("--threads", type=_positive_int, default=os.cpu_count() or 1,
                         help="TensorFlow intra- and inter-op threads (default: all cores)")
     timing.add_argument("--bandwidth-mib", type=_positive_int, help="array read for the bandwidth (default: 2048)")
-    timing.add_argument("--bandwidth-repeats", type=_positive_int, help="bandwidth runs, before and after (default: 5)")
+    timing.add_argument("--bandwidth-repeats", type=_positive_int,
+                        help="runs over each of 3 fresh arrays, before and after the scenarios (default: 3)")
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", default="benchmarks/results", metavar="DIR", help="(default: benchmarks/results)")
     out.add_argument("--name", help="file name stem of the reports (default: bench-DATE-TIME)")
