@@ -49,12 +49,25 @@ def _gpt2(dtype: str, **config):
     return model
 
 
+def _opt(dtype: str):
+    """transformers' TFOPTForCausalLM with OPT-125m's shapes (OPTConfig's defaults), random weights."""
+    from transformers import OPTConfig, TFOPTForCausalLM
+
+    if dtype != "float32":
+        raise ValueError(f"the seed system is measured in float32 only, not {dtype}")
+    model = TFOPTForCausalLM(OPTConfig())
+    model.build_in_name_scope()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 class SeedSystem(bench.TFSystem):
     """transformers 4.x TF. Add TFOPTForCausalLM, TFT5ForConditionalGeneration, ... under xlagen's names."""
 
     name = "seed"
     models: ClassVar[dict] = {
         "gpt2": _gpt2,
+        "opt": _opt,
         "tiny-gpt2": lambda dtype: _gpt2(dtype, vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)}
     distributions: ClassVar[tuple[str, ...]] = ("tensorflow-cpu", "tensorflow", "tf-keras", "transformers", "numpy")
 

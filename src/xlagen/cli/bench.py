@@ -154,12 +154,19 @@ def _xlagen_gpt2(dtype: str, **config):
     return TFGPT2LMHeadModel(GPT2Config(**config), dtype=dtype)
 
 
+def _xlagen_opt(dtype: str):
+    from xlagen.modeling import TFOPTForCausalLM
+    from xlagen.models.opt import OPTConfig
+
+    return TFOPTForCausalLM(OPTConfig(), dtype=dtype)  # OPTConfig's defaults are OPT-125m's shapes
+
+
 class XlagenSystem(TFSystem):
-    """xlagen itself. Add OPT-125m, T5-small and Whisper-tiny shapes here as the models land."""
+    """xlagen itself. T5-small and Whisper-tiny need the seq2seq output shape in `_timed` first."""
 
     name = "xlagen"
     models: ClassVar[dict[str, Callable[[str], Any]]] = {
-        "gpt2": _xlagen_gpt2, "tiny-gpt2": lambda dtype: _xlagen_gpt2(dtype, **_GPT2_TINY)}
+        "gpt2": _xlagen_gpt2, "opt": _xlagen_opt, "tiny-gpt2": lambda dtype: _xlagen_gpt2(dtype, **_GPT2_TINY)}
     distributions = ("tensorflow", "keras", "numpy", "xlagen")
 
 
