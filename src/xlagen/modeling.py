@@ -33,10 +33,9 @@ def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_confi
                      ignore=architecture.weights.ignore(config))
     for path, value in values.items():
         variables[path].assign(value.astype(np.dtype(variables[path].dtype)))
-    if (folder / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    else:
-        model.generation_config = GenerationConfig.from_model_config(config)
+    generation = read_json(folder, "generation_config.json", required=False)
+    model.generation_config = (GenerationConfig.from_model_config(config) if generation is None
+                               else GenerationConfig.from_dict(generation))
     model.name_or_path = str(folder)
     return model
 

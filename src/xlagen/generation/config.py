@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from xlagen.weights.checkpoint import read_json
+
 
 @dataclass(frozen=True)
 class GenerationConfig:
@@ -107,12 +109,8 @@ class GenerationConfig:
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "GenerationConfig":
-        """Reads `generation_config.json` from a local folder."""
-        path = Path(folder) / "generation_config.json"
-        try:
-            return cls.from_dict(json.loads(path.read_text()))
-        except FileNotFoundError as e:
-            raise OSError(f"no generation_config.json in {folder}") from e
+        """Reads `generation_config.json` from a local folder (OSError if missing, ValueError if malformed)."""
+        return cls.from_dict(read_json(folder, "generation_config.json"))
 
     @classmethod
     def from_model_config(cls, model_config) -> "GenerationConfig":
