@@ -13,6 +13,12 @@ _EXPORTS = {
     "AutoTokenizer": "xlagen.tokenizer",
     "GPT2TokenizerFast": "xlagen.tokenizer",
     "PreTrainedTokenizerFast": "xlagen.tokenizer",
+    "WhisperTokenizerFast": "xlagen.whisper_tokens",
+    "WhisperFeatureExtractor": "xlagen.audio",
+    "load_audio": "xlagen.audio",
+    "AutoFeatureExtractor": "xlagen.processing",
+    "AutoProcessor": "xlagen.processing",
+    "WhisperProcessor": "xlagen.processing",
     "GenerationConfig": "xlagen.generation.config",
     "GenerateOutput": "xlagen.generation.api",
     "Buckets": "xlagen.generation.compiled",
@@ -21,11 +27,14 @@ _EXPORTS = {
     "GPT2Config": "xlagen.models.gpt2",
     "OPTConfig": "xlagen.models.opt",
     "T5Config": "xlagen.models.t5",
+    "WhisperConfig": "xlagen.models.whisper",
     "TFAutoModelForCausalLM": "xlagen.modeling",
     "TFAutoModelForSeq2SeqLM": "xlagen.modeling",
     "TFGPT2LMHeadModel": "xlagen.modeling",
     "TFOPTForCausalLM": "xlagen.modeling",
     "TFT5ForConditionalGeneration": "xlagen.modeling",
+    "TFAutoModelForSpeechSeq2Seq": "xlagen.modeling",
+    "TFWhisperForConditionalGeneration": "xlagen.modeling",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -42,6 +42,9 @@ _CLASS_DEFAULTS = {"GPT2Tokenizer": _ENDOFTEXT, "WhisperTokenizer": _ENDOFTEXT,
 # The tokenizer class of a checkpoint whose tokenizer_config.json names none, by config.json model_type.
 _MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "opt": "GPT2Tokenizer", "t5": "T5Tokenizer",
                        "whisper": "WhisperTokenizer"}
+# Settings that a tokenizer class takes as from_pretrained keywords; stored in tokenizer_config.json.
+_CLASS_KEYWORDS = {"WhisperTokenizer": ("language", "task", "predict_timestamps")}
+_ALL_CLASS_KEYWORDS = frozenset(key for keys in _CLASS_KEYWORDS.values() for key in keys)
 # tokenizer_config.json keys that change the output in ways this module does not implement.
 _UNSUPPORTED_FLAGS = ("add_eos_token", "split_special_tokens")
 # Keys not copied to a saved tokenizer_config.json: stored in tokenizer.json, or stale once saved.
@@ -143,7 +146,7 @@ class PreTrainedTokenizerFast:
     def from_pretrained(cls, name_or_path: str | os.PathLike[str], *, padding_side: str | None = None,
                         pad_token: str | None = None, revision: str | None = None,
                         cache_dir: str | os.PathLike[str] | None = None, local_files_only: bool = False,
-                        use_fast: bool = True, **special_token_overrides: str) -> PreTrainedTokenizerFast:
+                        use_fast: bool = True, **special_token_overrides: Any) -> PreTrainedTokenizerFast:
         """Loads the tokenizer of a local folder or Hub repo.
 
         Args:
@@ -157,7 +160,12 @@ class PreTrainedTokenizerFast:
             use_fast: Accepted for transformers compatibility; only the fast (`tokenizers`) path exists,
                 so `use_fast=False` raises.
             **special_token_overrides: Any of `bos_token`, `eos_token`, `unk_token`, `sep_token`,
-                `cls_token`, `mask_token`, `additional_special_tokens`.
+                `cls_token`, `mask_token`, `additional_special_tokens`; for a Whisper tokenizer also
+                `language`, `task` and `predict_timestamps` (see `xlagen.whisper_tokens`).
+
+        Returns:
+            A `PreTrainedTokenizerFast`; a `WhisperTokenizerFast` when the checkpoint's tokenizer
+            class is WhisperTokenizer.
 
         Raises:
             OSError: If the folder cannot be resolved or holds no tokenizer files.
@@ -168,7 +176,8 @@ class PreTrainedTokenizerFast:
 
         if not use_fast:
             raise ValueError("xlagen only has fast tokenizers (the `tokenizers` library): drop use_fast=False")
-        unknown = set(special_token_overrides) - {*SPECIAL_TOKEN_NAMES, "additional_special_tokens"}
+        unknown = set(special_token_overrides) - {*SPECIAL_TOKEN_NAMES, "additional_special_tokens",
+                                                  *_ALL_CLASS_KEYWORDS}
         if unknown:
             raise TypeError(f"Unexpected keyword arguments {sorted(unknown)}; the special tokens accepted are "
                             f"{[*SPECIAL_TOKEN_NAMES, 'additional_special_tokens']}.")
@@ -179,12 +188,17 @@ class PreTrainedTokenizerFast:
         values = _merge_settings(hf_config, _read_json(folder / "special_tokens_map.json"),
                                  _read_json(folder / "config.json").get("model_type"),
                                  {key: value for key, value in overrides.items() if value is not None})
+        given = {key for key, value in special_token_overrides.items() if value is not None}
+        misplaced = given & _ALL_CLASS_KEYWORDS - set(_CLASS_KEYWORDS.get(values["tokenizer_class"], ()))
+        if misplaced:
+            raise TypeError(f"Unexpected keyword arguments {sorted(misplaced)} for a {values['tokenizer_class']} "
+                            "tokenizer.")
         backend = _load_backend(folder, hf_config, _content(values.get("bos_token")))
         decoder = sorted(hf_config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0]))
         tokens = [values.get(name) for name in SPECIAL_TOKEN_NAMES] + values["additional_special_tokens"]
         added = [_added_token(entry) for _, entry in decoder]
         added += [_added_token(token) for token in tokens if isinstance(token, dict)]
-        return cls(backend, TokenizerConfig.from_hf_config(values), added)
+        return _tokenizer_class(cls, values["tokenizer_class"])(backend, TokenizerConfig.from_hf_config(values), added)
 
     bos_token, bos_token_id = _special_properties("bos_token")
     eos_token, eos_token_id = _special_properties("eos_token")
@@ -416,6 +430,15 @@ class AutoTokenizer:
     """transformers' entry point: `AutoTokenizer.from_pretrained(...)` returns a `PreTrainedTokenizerFast`."""
 
     from_pretrained = PreTrainedTokenizerFast.from_pretrained
+
+
+def _tokenizer_class(cls: type, tokenizer_class: str) -> type:
+    """The class to build: `WhisperTokenizerFast` for a Whisper checkpoint loaded through the generic class."""
+    if cls is PreTrainedTokenizerFast and tokenizer_class == "WhisperTokenizer":
+        from xlagen.whisper_tokens import WhisperTokenizerFast  # Lazy: that module imports this one.
+
+        return WhisperTokenizerFast
+    return cls
 
 
 def _read_json(path: pathlib.Path) -> dict[str, Any]:
