@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
-from xlagen.models import gpt2, opt, registry, t5
+from xlagen.models import gpt2, opt, registry, t5, whisper
 from xlagen.weights.checkpoint import read_checkpoint, read_json, write_files
 from xlagen.weights.loader import convert, export, normalize_prefix
 
@@ -122,7 +122,19 @@ class TFT5ForConditionalGeneration(PreTrainedModel, t5.T5LM):
     task = "sequence-to-sequence language modelling"
 
 
-_PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel, opt.OPTLM: TFOPTForCausalLM, t5.T5LM: TFT5ForConditionalGeneration}
+class TFWhisperForConditionalGeneration(PreTrainedModel, whisper.WhisperLM):
+    """Whisper with its LM head: a Keras 3 model with transformers' TF API (`generate`, `from_pretrained`).
+
+    `generate(input_features, language=..., task=..., return_timestamps=...)` encodes 30 s of log-mel
+    features once and returns the decoder's sequences, forced prefix included.
+    """
+
+    architectures = {"whisper": registry.SPEECH_SEQ2SEQ["whisper"]}
+    task = "speech recognition"
+
+
+_PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel, opt.OPTLM: TFOPTForCausalLM, t5.T5LM: TFT5ForConditionalGeneration,
+           whisper.WhisperLM: TFWhisperForConditionalGeneration}
 
 
 class _AutoModel(PreTrainedModel):
@@ -143,6 +155,13 @@ class TFAutoModelForSeq2SeqLM(_AutoModel):
 
     architectures = registry.SEQ2SEQ_LM
     task = "sequence-to-sequence language modelling"
+
+
+class TFAutoModelForSpeechSeq2Seq(_AutoModel):
+    """Picks the speech-to-text class from config.json's model_type."""
+
+    architectures = registry.SPEECH_SEQ2SEQ
+    task = "speech recognition"
 
 
 class TFAutoModelForGeneration(_AutoModel):

@@ -15,11 +15,13 @@ import tensorflow as tf
 from xlagen.generation.beam_search import BeamOptions, beam_search
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Plan, Prompt, decode, repeat_rows
+from xlagen.generation import whisper
 from xlagen.generation.sampling import Runtime, build_processors, select_greedy, select_sample
 
 logger = logging.getLogger(__name__)
 
-_MODEL_INPUTS = frozenset({"input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask"})
+_MODEL_INPUTS = frozenset({"input_ids", "input_features", "attention_mask", "decoder_input_ids",
+                           "decoder_attention_mask"})
 
 
 class GenerateOutput(NamedTuple):
@@ -135,13 +137,16 @@ def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
     """Validates a `generate` call (before any tracing), resolves its options and splits the inputs
     into the decoder prompt and the model's other inputs (`model.generation_inputs`)."""
     model_inputs, options = _split_kwargs(kwargs)
+    main = getattr(model.config, "main_input_name", "input_ids")
     if inputs is None:
-        inputs = model_inputs.pop("input_ids", None)
-    elif "input_ids" in model_inputs:
-        raise ValueError("pass the prompt either positionally or as input_ids=, not both")
+        inputs = model_inputs.pop(main, None)
+    elif main in model_inputs:
+        raise ValueError(f"pass the model's input either positionally or as {main}=, not both")
     if inputs is None:
-        raise ValueError("generate() needs input_ids")
+        raise ValueError(f"generate() needs {main}")
     config = resolve_config(model, generation_config, options)
+    if main == "input_features":
+        return _parse_speech_request(model, inputs, model_inputs, config, seed)
     input_ids = _as_batch("input_ids", inputs)
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token) in input_ids")
@@ -156,9 +161,29 @@ def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
     return Request(prompt, config, new_tokens, seed)
 
 
+def _parse_speech_request(model, features, model_inputs: dict, config: GenerationConfig, seed) -> Request:
+    """A speech model's request: log-mel features in, the forced decoder prompt built (language detected
+    per row when none is given) unless `decoder_input_ids` are given."""
+    unused = sorted(set(model_inputs) - {"decoder_input_ids", "decoder_attention_mask"})
+    if unused:
+        raise ValueError(f"{type(model).__name__}.generate takes input_features (and optionally decoder_input_ids), "
+                         f"not {unused}")
+    features = tf.convert_to_tensor(features)
+    if not features.dtype.is_floating:
+        raise ValueError(f"input_features must be float log-mel features, got {features.dtype.name}")
+    features = tf.cast(features, tf.float32)
+    if features.shape.rank != 3:
+        raise ValueError(f"input_features must be [batch, mel bins, frames], got shape {features.shape}")
+    ids, mask = _decoder_inputs(model_inputs, features[:, :1, 0], config)
+    if ids is None:
+        ids = whisper.decoder_prompt(model, features, config)
+    prompt = Prompt(*model.generation_inputs(features, None, config.decoder_start_token_id, ids, mask))
+    return Request(prompt, config, _check_lengths(model, prompt.ids.shape[1], config), seed)
+
+
 def make_plan(config: GenerationConfig, capacity: int, vocab_size: int, always: bool = False) -> Plan:
     """The static part of a run; `always` keeps runtime-only options in the program (see build_processors)."""
-    return Plan(capacity, build_processors(config, vocab_size, always),
+    return Plan(capacity, build_processors(config, vocab_size, always, whisper.processors(config, vocab_size)),
                 select_sample if config.do_sample else select_greedy, config.output_scores)
 
 
@@ -215,7 +240,9 @@ class GenerationMixin:
 
         Args:
             inputs: int `[B, P]` prompt ids (or pass `input_ids=`), left-padded for batches; for an
-                encoder-decoder model, the encoder's input.
+                encoder-decoder model, the encoder's input; for a speech model (Whisper), float log-mel
+                `input_features` `[B, mel bins, frames]`, with `language`, `task` and `return_timestamps`
+                among the options.
             generation_config: Overrides the model's defaults (`generation_config.json`).
             seed: Optional `[2]` ints (or one int) for reproducible sampling.
             **kwargs: `attention_mask` `[B, P]`; for encoder-decoder models `decoder_input_ids` `[B, P']`

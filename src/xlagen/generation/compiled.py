@@ -76,6 +76,8 @@ class ProgramKey(NamedTuple):
     num_eos: int
     top_k_capacity: int
     output_scores: bool
+    # (suppress_tokens, begin_suppress_tokens, timestamps' <|notimestamps|> id or False, max initial timestamp)
+    token_rules: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,9 @@ class CompiledGenerator:
         prompt, encoder, new = buckets
         return ProgramKey(batch, prompt, encoder, new, config.do_sample, config.num_beams, config.num_return_sequences,
                           config.early_stopping, config.no_repeat_ngram_size, len(config.eos_token_ids), capacity,
-                          config.output_scores)
+                          config.output_scores, (config.suppress_tokens, config.begin_suppress_tokens,
+                                                 config.return_timestamps and config.no_timestamps_token_id,
+                                                 config.max_initial_timestamp_index))
 
     def _buckets_for(self, prompt_length: int, new_tokens: int) -> tuple[int, int]:
         prompt_bucket = _bucket(prompt_length, self.buckets.prompt_lengths, "prompt length")
@@ -172,8 +176,9 @@ class CompiledGenerator:
         return format_output(sequences, sequence_scores, scores, config)
 
     def _encoder_bucket(self, extra: dict) -> int:
-        """The length bucket of the model's extra inputs (an encoder's `[B, L]` ids and mask); 0 without."""
-        if not extra:
+        """The length bucket of the model's extra inputs (an encoder's `[B, L]` ids and mask); 0 without, or
+        for inputs of a fixed shape (a speech encoder's float features)."""
+        if not extra or all(t.dtype.is_floating for t in extra.values()):
             return 0
         lengths = {tuple(t.shape)[1:] for t in extra.values()}
         if len(lengths) != 1 or len(next(iter(lengths))) != 1:
@@ -193,7 +198,8 @@ class CompiledGenerator:
         pad = config.pad_token_id if config.pad_token_id is not None else 0
         ids = tf.pad(tf.gather(request.prompt.ids, take), [[0, 0], [shift, 0]], constant_values=pad)
         mask = tf.pad(tf.gather(request.prompt.mask, take), [[0, 0], [shift, 0]])
-        extra = {name: tf.pad(tf.gather(t, take), [[0, 0], [0, encoder_bucket - t.shape[1]]])
+        extra = {name: tf.gather(t, take) if not encoder_bucket else
+                 tf.pad(tf.gather(t, take), [[0, 0], [0, encoder_bucket - t.shape[1]]])
                  for name, t in request.prompt.extra.items()}
         prompt = Prompt(ids, mask, extra)
         runtime = make_runtime(config, request.max_new_tokens, prompt_length, request.seed, prompt_start=shift)

@@ -36,6 +36,20 @@ class GenerationConfig:
         no_repeat_ngram_size: Forbid repeating any n-gram of this size (0 = off).
         output_scores: Return the processed scores of every step.
         return_dict_in_generate: Return a `GenerateOutput` rather than the token tensor.
+        suppress_tokens: Ids that are never generated.
+        begin_suppress_tokens: Ids that are not generated as the first new token.
+
+    Speech recognition (Whisper; the keys of its generation_config.json):
+        language: Language of the audio (a code "fr", a name "french" or a token "<|fr|>"), or one per
+            row; None detects it (multilingual models).
+        task: "transcribe" or "translate" (to English).
+        return_timestamps: Predict timestamp tokens (and leave <|notimestamps|> out of the prompt).
+        lang_to_id, task_to_id: Token -> id of the language tokens, task name -> id.
+        no_timestamps_token_id: Id of <|notimestamps|>; the timestamp tokens follow it.
+        is_multilingual: Whether the model takes a language and a task.
+        max_initial_timestamp_index: The first timestamp is at most this many steps (0.02 s) in.
+        forced_decoder_ids: Legacy `[[position, id], ...]` decoder prompt after the start token, used
+            when neither language nor task is given (a None id means: detect the language).
     """
 
     max_length: int = 20
@@ -58,8 +72,32 @@ class GenerationConfig:
     no_repeat_ngram_size: int = 0
     output_scores: bool = False
     return_dict_in_generate: bool = False
+    suppress_tokens: tuple[int, ...] | None = None
+    begin_suppress_tokens: tuple[int, ...] | None = None
+    language: str | tuple[str, ...] | None = None
+    task: str | None = None
+    return_timestamps: bool = False
+    lang_to_id: dict | None = dataclasses.field(default=None, hash=False)
+    task_to_id: dict | None = dataclasses.field(default=None, hash=False)
+    no_timestamps_token_id: int | None = None
+    is_multilingual: bool | None = None
+    max_initial_timestamp_index: int | None = None
+    forced_decoder_ids: tuple | None = None
 
     def __post_init__(self):
+        for name in ("suppress_tokens", "begin_suppress_tokens"):  # lists from JSON -> hashable tuples
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, tuple(int(i) for i in value))
+        if isinstance(self.language, list):
+            object.__setattr__(self, "language", tuple(self.language))
+        if self.forced_decoder_ids is not None:
+            object.__setattr__(self, "forced_decoder_ids", tuple(tuple(pair) for pair in self.forced_decoder_ids))
+        if self.task is not None and self.task not in ("transcribe", "translate"):
+            raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
+        self._check_decoding()
+
+    def _check_decoding(self):
         if self.num_beams < 1:
             raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
         if self.num_return_sequences < 1:
@@ -131,4 +169,5 @@ class GenerationConfig:
         defaults = GenerationConfig().to_dict()
         special = {"bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id"}
         values = {k: v for k, v in self.to_dict().items() if v != defaults[k] or (k in special and v is not None)}
+        values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
         Path(folder, file_name).write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")

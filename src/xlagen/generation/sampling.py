@@ -168,7 +168,7 @@ def top_p(capacity: int | None) -> Processor:
     return apply
 
 
-def build_processors(config, vocab_size: int, always: bool = False) -> tuple[Processor, ...]:
+def build_processors(config, vocab_size: int, always: bool = False, bans: tuple = ()) -> tuple[Processor, ...]:
     """The processors transformers applies for `config`, in its order.
 
     Args:
@@ -177,6 +177,8 @@ def build_processors(config, vocab_size: int, always: bool = False) -> tuple[Pro
         always: Include every processor whose effect depends only on runtime values, even when the
             current values make it a no-op, so that a later call with other values reuses the
             program (the compiled generator). Results are identical either way.
+        bans: Further processors (token suppression, timestamp rules) that run after the others and
+            before the sampling warpers, where transformers puts them.
     """
     processors: list[Processor] = []
     if always or config.repetition_penalty != 1.0:
@@ -185,6 +187,7 @@ def build_processors(config, vocab_size: int, always: bool = False) -> tuple[Pro
         processors.append(no_repeat_ngram(config.no_repeat_ngram_size))
     if config.eos_token_ids and (always or config.min_length > 0 or config.min_new_tokens):
         processors.append(suppress_eos_early)
+    processors.extend(bans)
     if config.do_sample:
         if always or config.temperature != 1.0:
             processors.append(temperature)

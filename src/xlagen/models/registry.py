@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from xlagen.models import gpt2, opt, t5
+from xlagen.models import gpt2, opt, t5, whisper
 from xlagen.weights import gpt2 as gpt2_weights
 from xlagen.weights import opt as opt_weights
 from xlagen.weights import t5 as t5_weights
+from xlagen.weights import whisper as whisper_weights
 
 
 class Architecture(NamedTuple):
@@ -22,6 +23,8 @@ CAUSAL_LM = {"gpt2": Architecture(gpt2.GPT2Config, gpt2.GPT2LMHead, gpt2_weights
              "opt": Architecture(opt.OPTConfig, opt.OPTLM, opt_weights)}
 
 SEQ2SEQ_LM = {"t5": Architecture(t5.T5Config, t5.T5LM, t5_weights)}
+
+SPEECH_SEQ2SEQ = {"whisper": Architecture(whisper.WhisperConfig, whisper.WhisperLM, whisper_weights)}
 
 
 def lookup(model_type: str | None, table: dict[str, Architecture], task: str) -> Architecture:

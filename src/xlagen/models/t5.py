@@ -315,16 +315,6 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
             logits = self.lm_head(x)
         return ops.cast(logits, "float32"), (None if cache is None else tuple(new_cache))
 
-    def shift_right(self, labels):
-        """Decoder inputs for `labels` `[B, T]`: the start token, then the labels but the last, -100 -> pad."""
-        start, pad = self.config.decoder_start_token_id, self.config.pad_token_id
-        if start is None or pad is None:
-            raise ValueError("deriving decoder_input_ids from labels needs decoder_start_token_id and "
-                             "pad_token_id in the config")
-        labels = ops.cast(labels, "int32")
-        shifted = ops.concatenate([ops.full((ops.shape(labels)[0], 1), start, "int32"), labels[:, :-1]], axis=1)
-        return ops.where(ops.equal(shifted, -100), pad, shifted)
-
     def call(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None, labels=None,
              training=False):
         """Full forward pass (training, scoring, parity).

@@ -152,6 +152,16 @@ class Seq2SeqLMTraining(LMTraining):
     them shifted right to its decoder) or `decoder_input_ids` with the labels in `y`.
     """
 
+    def shift_right(self, labels):
+        """Decoder inputs for `labels` `[B, T]`: the start token, then the labels but the last, -100 -> pad."""
+        start, pad = self.config.decoder_start_token_id, self.config.pad_token_id
+        if start is None or pad is None:
+            raise ValueError("deriving decoder_input_ids from labels needs decoder_start_token_id and "
+                             "pad_token_id in the config")
+        labels = ops.cast(labels, "int32")
+        shifted = ops.concatenate([ops.full((ops.shape(labels)[0], 1), start, "int32"), labels[:, :-1]], axis=1)
+        return ops.where(ops.equal(shifted, -100), pad, shifted)
+
     def loss_terms(self, x, y, y_pred):
         """Each decoder position is scored on its label (transformers' T5 loss, no shift)."""
         labels = given_labels(x, y)

@@ -71,6 +71,31 @@ def split_last(index: int, parts: int) -> Transform:
     return transform
 
 
+def conv_kernel(xs: list[np.ndarray]) -> np.ndarray:
+    """PyTorch Conv1d weight `[out, in, width]` -> Keras Conv1D kernel `[width, in, out]`."""
+    (x,) = xs
+    if x.ndim != 3:
+        raise ValueError(f"conv_kernel expects a 3-D tensor, got shape {x.shape}")
+    return x.transpose(2, 1, 0)
+
+
+def insert_zeros(position: int) -> Transform:
+    """Makes a transform concatenating the sources on their last axis with a block of zeros (the size of
+    the first source) inserted at `position`.
+
+    Whisper's key projections have no bias: `insert_zeros(1)` on (q bias, v bias) makes our fused qkv bias.
+    """
+
+    def transform(xs: list[np.ndarray]) -> np.ndarray:
+        pieces = list(xs)
+        pieces.insert(position, np.zeros_like(xs[0]))
+        return np.concatenate(pieces, axis=-1)
+
+    transform.__name__ = f"insert_zeros({position})"
+    transform.zeros_at = position
+    return transform
+
+
 def chain(*transforms: Transform) -> Transform:
     """Makes a transform applying `transforms` in order; the later ones get one source each."""
     if not transforms:
@@ -276,7 +301,22 @@ _INVERSES: dict[Callable, Callable[[Rule, np.ndarray], list[np.ndarray]]] = {
     transpose: lambda rule, value: [value.T],
     concat_last: lambda rule, value: _split_into_sources(rule, value, -1),
     concat_first: lambda rule, value: _split_into_sources(rule, value, 0),
+    conv_kernel: lambda rule, value: [value.transpose(2, 1, 0)],
 }
+
+
+def _inverse(transform: Callable) -> Callable[[Rule, np.ndarray], list[np.ndarray]] | None:
+    if transform in _INVERSES:
+        return _INVERSES[transform]
+    position = getattr(transform, "zeros_at", None)
+    if position is None:
+        return None
+
+    def without_zeros(rule: Rule, value: np.ndarray) -> list[np.ndarray]:
+        pieces = np.split(value, len(rule.sources) + 1, axis=-1)
+        return pieces[:position] + pieces[position + 1:]
+
+    return without_zeros
 
 
 def export(rules: Iterable[Rule], values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -295,13 +335,13 @@ def export(rules: Iterable[Rule], values: Mapping[str, np.ndarray]) -> dict[str,
     out: dict[str, np.ndarray] = {}
     for rule in rules:
         parts = getattr(rule.transform, "parts", (rule.transform,))
-        if any(part not in _INVERSES for part in parts):
+        if any(_inverse(part) is None for part in parts):
             raise ValueError(f"cannot save '{rule.target}': transform {_name(rule.transform)} has no inverse")
         if rule.target not in values:
             raise ValueError(f"cannot save: no value for '{rule.target}'")
         value = np.asarray(values[rule.target])
         for part in reversed(parts[1:]):  # the later parts of a chain map one array to one array
-            (value,) = _INVERSES[part](rule, value)
-        pieces = _INVERSES[parts[0]](rule, value)
+            (value,) = _inverse(part)(rule, value)
+        pieces = _inverse(parts[0])(rule, value)
         out.update({name: np.ascontiguousarray(piece) for name, piece in zip(rule.sources, pieces)})
     return out

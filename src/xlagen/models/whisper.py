@@ -1,0 +1,355 @@
+"""Whisper (Radford et al. 2022, "Robust Speech Recognition via Large-Scale Weak Supervision").
+
+Must match transformers' `models/whisper/modeling_whisper.py` (WhisperForConditionalGeneration) on the
+same checkpoint. What is Whisper's own: the encoder's convolutional stem (two 3-wide convolutions with
+GELU, the second with stride 2, over the log-mel frames), its fixed sinusoidal positions (stored in the
+checkpoint), learned decoder positions, pre-norm blocks whose key projections have no bias, and the
+output projection tied to the token embedding.
+Known divergences: decoder positions come from the attention mask (the n-th real token is at n - 1), so a
+left-padded decoder prompt keeps its positions; transformers counts columns, which is the same without
+padding (the case of every prompt transformers' `generate` builds). The encoder needs exactly
+`2 * max_source_positions` frames (3000, 30 s), as in transformers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import keras
+from keras import ops
+
+from xlagen import cache as cache_lib
+from xlagen.layers.attention import causal_mask, padding_mask
+from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock
+from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
+from xlagen.layers.feedforward import get_activation
+from xlagen.layers.norms import layer_norm
+from xlagen.models.base import CausalDecoding, EncoderContext, Seq2SeqLMOutput, positions_at, positions_from_mask
+from xlagen.models.training import Seq2SeqLMTraining
+
+logger = logging.getLogger(__name__)
+
+# HF config keys that do not change inference math here (training-only, bookkeeping, generation defaults
+# that generation_config.json carries, or features xlagen does not use such as SpecAugment masking).
+_IGNORED_HF_KEYS = frozenset({
+    "_name_or_path", "architectures", "transformers_version", "torch_dtype", "dtype", "use_cache", "model_type",
+    "is_encoder_decoder", "init_std", "encoder_layerdrop", "decoder_layerdrop", "use_weighted_layer_sum",
+    "classifier_proj_size", "apply_spec_augment", "mask_time_prob", "mask_time_length", "mask_time_min_masks",
+    "mask_feature_prob", "mask_feature_length", "mask_feature_min_masks", "median_filter_width",
+    "num_hidden_layers", "scale_embedding", "forced_decoder_ids", "suppress_tokens", "begin_suppress_tokens",
+    "max_length", "output_past", "gradient_checkpointing", "id2label", "label2id", "return_dict",
+    "output_hidden_states", "output_attentions", "torchscript", "problem_type", "tokenizer_class",
+    "chunk_size_feed_forward", "is_decoder", "add_cross_attention", "begin_suppress_tokens",
+    "tie_encoder_decoder", "task_specific_params", "prefix", "sep_token_id", "finetuning_task",
+})
+
+# HF key -> our field.
+_HF_NAMES = {"vocab_size": "vocab_size", "num_mel_bins": "num_mel_bins", "d_model": "hidden_size",
+             "encoder_layers": "encoder_layers", "encoder_attention_heads": "encoder_heads",
+             "encoder_ffn_dim": "encoder_ffn_dim", "decoder_layers": "decoder_layers",
+             "decoder_attention_heads": "decoder_heads", "decoder_ffn_dim": "decoder_ffn_dim",
+             "max_source_positions": "max_source_positions", "max_target_positions": "max_positions",
+             "activation_function": "activation", "dropout": "dropout", "attention_dropout": "attention_dropout",
+             "activation_dropout": "activation_dropout", "tie_word_embeddings": "tie_word_embeddings",
+             "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
+             "decoder_start_token_id": "decoder_start_token_id"}
+
+LAYER_NORM_EPS = 1e-5  # PyTorch's nn.LayerNorm default, which transformers' Whisper uses everywhere
+
+
+@dataclass(frozen=True)
+class WhisperConfig:
+    """Whisper architecture; defaults are whisper-tiny (multilingual).
+
+    Attributes:
+        vocab_size: V.
+        num_mel_bins: Log-mel channels of the input (80; 128 for large-v3).
+        hidden_size: Model width (HF `d_model`).
+        encoder_layers, decoder_layers: Blocks per stack.
+        encoder_heads, decoder_heads: Attention heads per stack (head dim = hidden_size / heads).
+        encoder_ffn_dim, decoder_ffn_dim: Feed-forward widths.
+        max_source_positions: Encoder positions (frames after the stride-2 stem); the input has twice that.
+        max_positions: Decoder positions (HF `max_target_positions`): prompt + new tokens must fit.
+        activation: Feed-forward and stem activation (HF `activation_function`).
+        dropout, attention_dropout, activation_dropout: Training-time dropout rates.
+        tie_word_embeddings: The output projection is the token embedding (all released checkpoints).
+        bos_token_id, eos_token_id, pad_token_id, decoder_start_token_id: Special ids.
+    """
+
+    vocab_size: int = 51865
+    num_mel_bins: int = 80
+    hidden_size: int = 384
+    encoder_layers: int = 4
+    encoder_heads: int = 6
+    encoder_ffn_dim: int = 1536
+    decoder_layers: int = 4
+    decoder_heads: int = 6
+    decoder_ffn_dim: int = 1536
+    max_source_positions: int = 1500
+    max_positions: int = 448
+    activation: str = "gelu"
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    tie_word_embeddings: bool = True
+    bos_token_id: int | None = 50257
+    eos_token_id: int | list[int] | None = 50257
+    pad_token_id: int | None = 50257
+    decoder_start_token_id: int | None = 50258
+
+    model_type = "whisper"
+    is_encoder_decoder = True
+    main_input_name = "input_features"
+
+    def __post_init__(self):
+        sizes = (self.vocab_size, self.num_mel_bins, self.hidden_size, self.encoder_layers, self.encoder_heads,
+                 self.encoder_ffn_dim, self.decoder_layers, self.decoder_heads, self.decoder_ffn_dim,
+                 self.max_source_positions, self.max_positions)
+        if min(sizes) < 1:
+            raise ValueError(f"WhisperConfig sizes must be positive: {self}")
+        for heads in (self.encoder_heads, self.decoder_heads):
+            if self.hidden_size % heads:
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by {heads} heads")
+        get_activation(self.activation)
+
+    @property
+    def input_frames(self) -> int:
+        """Log-mel frames the encoder takes (3000 for every released checkpoint: 30 s at 100 frames/s)."""
+        return 2 * self.max_source_positions
+
+    @classmethod
+    def from_hf_config(cls, hf: dict) -> "WhisperConfig":
+        """Maps a transformers `config.json` dict; raises naming the key on values that change the math
+        and are unsupported."""
+        if hf.get("tie_word_embeddings", True) is False:
+            raise ValueError("config.json: tie_word_embeddings=false is not supported by xlagen's Whisper "
+                             "(every released Whisper ties its output projection to the token embedding)")
+        unknown = sorted(set(hf) - set(_HF_NAMES) - _IGNORED_HF_KEYS)
+        if unknown:
+            logger.warning("config.json keys ignored by xlagen's Whisper: %s", unknown)
+        try:
+            return cls(**{ours: hf[theirs] for theirs, ours in _HF_NAMES.items() if theirs in hf})
+        except ValueError as e:
+            raise ValueError(f"config.json: {e}") from None
+
+    def to_hf_config(self) -> dict:
+        """The transformers `config.json` dict for this configuration."""
+        values = {theirs: getattr(self, ours) for theirs, ours in _HF_NAMES.items()}
+        return {"model_type": "whisper", "architectures": ["WhisperForConditionalGeneration"], **values,
+                "num_hidden_layers": self.encoder_layers, "is_encoder_decoder": True}
+
+    def replace(self, **changes) -> "WhisperConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def block_spec(config: WhisperConfig, decoder: bool) -> BlockSpec:
+    """Whisper's pre-norm block (LayerNorm, scaled attention with biases, GELU feed-forward)."""
+    heads = config.decoder_heads if decoder else config.encoder_heads
+    head_dim = config.hidden_size // heads
+    return BlockSpec(config.hidden_size, heads, head_dim, config.decoder_ffn_dim if decoder else config.encoder_ffn_dim,
+                     config.activation, head_dim ** -0.5, LAYER_NORM_EPS, attention_dropout=config.attention_dropout,
+                     residual_dropout=config.dropout, feed_forward_dropout=config.activation_dropout,
+                     cross_attention=decoder)
+
+
+class ConvStem(keras.layers.Layer):
+    """Whisper's input stem: log-mel `[B, n_mels, frames]` -> `[B, frames / 2, hidden]`.
+
+    Two convolutions of width 3 padded by one frame on each side (the second with stride 2), each
+    followed by the activation; written with explicit padding because Keras' "same" padding puts the
+    odd pad of a strided convolution on the right only.
+    """
+
+    def __init__(self, hidden_size: int, activation: str, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden_size = hidden_size
+        self.activation = get_activation(activation)
+        self.conv1 = keras.layers.Conv1D(hidden_size, 3, name="conv1", dtype=self.dtype_policy)
+        self.conv2 = keras.layers.Conv1D(hidden_size, 3, strides=2, name="conv2", dtype=self.dtype_policy)
+
+    def build(self, input_shape):
+        self.conv1.build((None, None, input_shape[1]))
+        self.conv2.build((None, None, self.hidden_size))
+        self.built = True
+
+    def call(self, features):
+        x = ops.transpose(ops.cast(features, self.compute_dtype), (0, 2, 1))  # [B, frames, n_mels]
+        pad = [[0, 0], [1, 1], [0, 0]]
+        x = self.activation(self.conv1(ops.pad(x, pad)))
+        return self.activation(self.conv2(ops.pad(x, pad)))
+
+
+class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
+    """Whisper's encoder-decoder with its language-modelling head, as a Keras 3 model.
+
+    Args:
+        config: The architecture.
+    """
+
+    def __init__(self, config: WhisperConfig, **kwargs):
+        kwargs.setdefault("name", "whisper")
+        super().__init__(**kwargs)
+        self.config = config
+        policy = self.dtype_policy
+        self.stem = ConvStem(config.hidden_size, config.activation, name="stem", dtype=policy)
+        # Fixed sinusoids, but stored in (and loaded from) the checkpoint as transformers does.
+        self.encoder_positions = PositionEmbedding(config.max_source_positions, config.hidden_size, trainable=False,
+                                                   name="encoder_positions", dtype=policy)
+        self.encoder_blocks = [TransformerBlock(block_spec(config, False), name=f"encoder_block_{i}", dtype=policy)
+                               for i in range(config.encoder_layers)]
+        self.encoder_final_norm = layer_norm(LAYER_NORM_EPS, "encoder_final_norm", policy)
+        self.token_embedding = TokenEmbedding(config.vocab_size, config.hidden_size, name="token_embedding",
+                                              dtype=policy)
+        self.position_embedding = PositionEmbedding(config.max_positions, config.hidden_size,
+                                                    name="position_embedding", dtype=policy)
+        self.decoder_blocks = [TransformerBlock(block_spec(config, True), name=f"decoder_block_{i}", dtype=policy)
+                               for i in range(config.decoder_layers)]
+        self.decoder_final_norm = layer_norm(LAYER_NORM_EPS, "decoder_final_norm", policy)
+        self.dropout = keras.layers.Dropout(config.dropout)
+        self.build_all()
+
+    def build_all(self):
+        """Creates every variable (so weights can be assigned before the first call)."""
+        self.stem.build((None, self.config.num_mel_bins, None))
+        for layer in (self.encoder_positions, self.token_embedding, self.position_embedding):
+            layer.build((None, None))
+        for layer in (*self.encoder_blocks, *self.decoder_blocks, self.encoder_final_norm, self.decoder_final_norm):
+            layer.build((None, None, self.config.hidden_size))
+        self.built = True
+
+    def _check_features(self, input_features) -> None:
+        shape = tuple(input_features.shape)
+        expected = (self.config.num_mel_bins, self.config.input_frames)
+        if len(shape) != 3 or shape[1:] != expected:
+            raise ValueError(f"Whisper expects input_features of shape [batch, {expected[0]}, {expected[1]}] "
+                             f"(log-mel bins x frames of 30 s, from WhisperFeatureExtractor), got {list(shape)}")
+
+    def encode(self, input_features, training=False):
+        """The encoder.
+
+        Args:
+            input_features: float `[B, n_mels, 2 * max_source_positions]` log-mel features.
+            training: Applies dropout.
+
+        Returns:
+            The encoder output `[B, L, hidden]`, L = max_source_positions.
+        """
+        self._check_features(input_features)
+        x = self.stem(input_features)
+        x = self.dropout(x + ops.cast(self.encoder_positions.embeddings, x.dtype)[None], training=training)
+        mask = ops.ones((1, 1, 1, 1), "bool")
+        for block in self.encoder_blocks:
+            x, _ = block(x, mask, training=training)
+        return self.encoder_final_norm(x)
+
+    def _context(self, encoder_output) -> EncoderContext:
+        memory = tuple(block.cross_attention.project_memory(encoder_output) for block in self.decoder_blocks)
+        return EncoderContext(memory, ops.ones(ops.shape(encoder_output)[:2], "int32"))
+
+    def _decode(self, token_ids, positions, mask, context: EncoderContext, cache=None, cache_index=None,
+                last_only=False, training=False):
+        """The decoder and the tied output projection on `token_ids` `[B, T]` at `positions` `[B, T]`."""
+        x = self.token_embedding(token_ids) + self.position_embedding(positions)
+        x = self.dropout(x, training=training)
+        cross = padding_mask(context.mask)
+        new_cache = []
+        for i, block in enumerate(self.decoder_blocks):
+            x, layer_cache = block(x, mask, None if cache is None else cache[i], cache_index, training=training,
+                                   cross=CrossInputs(context.memory[i], cross))
+            new_cache.append(layer_cache)
+        x = self.decoder_final_norm(x[:, -1:] if last_only else x)
+        return ops.cast(self.token_embedding.attend(x), "float32"), (None if cache is None else tuple(new_cache))
+
+    def _check_length(self, length) -> None:
+        if length is not None and length > self.config.max_positions:
+            raise ValueError(f"decoder input has {length} tokens, more than Whisper's "
+                             f"max_target_positions={self.config.max_positions}")
+
+    def call(self, input_features, decoder_input_ids=None, decoder_attention_mask=None, labels=None,
+             training=False):
+        """Full forward pass (training, scoring, parity).
+
+        Args:
+            input_features: float `[B, n_mels, frames]`, or Keras' dict of these arguments.
+            decoder_input_ids: int `[B, T]`; None derives them from `labels` (`shift_right`).
+            decoder_attention_mask: Optional `[B, T]` 1/0.
+            labels: Optional int `[B, T]` (only used to derive `decoder_input_ids`).
+            training: Applies dropout.
+
+        Returns:
+            `Seq2SeqLMOutput` with float32 logits `[B, T, V]`.
+        """
+        if isinstance(input_features, dict):
+            given = input_features
+            input_features = given["input_features"]
+            decoder_input_ids = given.get("decoder_input_ids", decoder_input_ids)
+            decoder_attention_mask = given.get("decoder_attention_mask", decoder_attention_mask)
+            labels = given.get("labels", labels)
+        if decoder_input_ids is None:
+            if labels is None:
+                raise ValueError("Whisper needs decoder_input_ids, or labels to derive them from")
+            decoder_input_ids = self.shift_right(labels)
+        decoder_input_ids = ops.convert_to_tensor(decoder_input_ids)
+        self._check_length(decoder_input_ids.shape[1])
+        if decoder_attention_mask is None:
+            decoder_attention_mask = ops.ones_like(decoder_input_ids)
+        context = self._context(self.encode(ops.convert_to_tensor(input_features), training))
+        positions = positions_from_mask(decoder_attention_mask)
+        mask = causal_mask(decoder_attention_mask, 0, decoder_input_ids.shape[1])
+        logits, _ = self._decode(decoder_input_ids, positions, mask, context, training=training)
+        return Seq2SeqLMOutput(logits)
+
+    # The decoding contract (see `xlagen.models.base.CausalDecoding`).
+
+    def generation_inputs(self, input_features, attention_mask=None, decoder_start_token_id=None,
+                          decoder_input_ids=None, decoder_attention_mask=None):
+        """The encoder gets `input_features`; the decoder continues `decoder_input_ids` (the forced prefix
+        `generate` builds), or starts from its start token.
+
+        Raises:
+            ValueError: for features of the wrong shape, or no decoder start token.
+        """
+        self._check_features(input_features)
+        encoder = {"input_features": input_features}
+        if decoder_input_ids is not None:
+            mask = ops.ones_like(decoder_input_ids) if decoder_attention_mask is None else decoder_attention_mask
+            return decoder_input_ids, mask, encoder
+        start = self.config.decoder_start_token_id if decoder_start_token_id is None else decoder_start_token_id
+        if start is None:
+            raise ValueError("generate() needs a decoder_start_token_id (in generation_config.json, config.json "
+                             "or as an argument)")
+        batch = ops.shape(input_features)[0]
+        return ops.full((batch, 1), start, "int32"), ops.ones((batch, 1), "int32"), encoder
+
+    def encode_context(self, input_features) -> EncoderContext:
+        """Runs the encoder once and projects its output to every decoder block's cross-attention keys/values."""
+        return self._context(self.encode(input_features))
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None):
+        """Zero decoder self-attention cache `L x (k, v) [B, H, S, D]`."""
+        heads = self.config.decoder_heads
+        return cache_lib.init_cache(self.config.decoder_layers, batch_size, heads, max_length,
+                                    self.config.hidden_size // heads, dtype or self.compute_dtype)
+
+    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=None):
+        """Runs decoder tokens written at `cache_index` against the static cache and the encoder context.
+
+        Args:
+            token_ids: int32 `[B, T]`.
+            cache: From `init_cache`, `[B, H, S, D]` per layer.
+            cache_index: int32 scalar tensor, the write offset.
+            attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
+            last_only: Compute logits for the last token only (`T` becomes 1 in the output).
+            context: The `EncoderContext` from `encode_context`.
+
+        Returns:
+            `(logits float32 [B, T, V], updated cache)`.
+        """
+        if not isinstance(context, EncoderContext):
+            raise TypeError("Whisper decodes against its encoder: pass context=model.encode_context(features)")
+        num_tokens = token_ids.shape[1]
+        positions = positions_at(attention_mask, cache_index, num_tokens)
+        mask = causal_mask(attention_mask, cache_index, num_tokens)
+        return self._decode(token_ids, positions, mask, context, cache, cache_index, last_only)
