@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 PROG = "xlagen"
-SUBCOMMANDS = ("generate", "hlo", "bench")  # Later: "transcribe", "export".
+SUBCOMMANDS = ("generate", "transcribe", "hlo", "bench")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -106,7 +106,7 @@ def processors(config: GenerationConfig, vocab_size: int) -> tuple[Processor, ..
     return tuple(chosen)
 
 
-def _language_id(language: str, config: GenerationConfig) -> int:
+def language_id(language: str, config: GenerationConfig) -> int:
     """The token id of a language given as a code ("fr"), a name ("French") or a token ("<|fr|>")."""
     name = language.lower()
     if name in config.lang_to_id:
@@ -172,9 +172,9 @@ def decoder_prompt(model, input_features, config: GenerationConfig) -> tf.Tensor
         if input_features.shape[0] is not None and len(language) != input_features.shape[0]:
             raise ValueError(f"{len(language)} languages for a batch of {input_features.shape[0]}: give one "
                              "language, or one per row")
-        language_ids = tf.constant([_language_id(name, config) for name in language], tf.int32)
+        language_ids = tf.constant([language_id(name, config) for name in language], tf.int32)
     elif language is not None:
-        language_ids = _language_id(language, config)
+        language_ids = language_id(language, config)
     elif config.lang_to_id and (len(columns) == 1 or columns[1] is None):
         language_ids = detect_language(model, input_features, config)
     else:

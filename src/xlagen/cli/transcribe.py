@@ -1,0 +1,134 @@
+"""`xlagen transcribe`: audio files -> transcripts (txt, json, srt or vtt) with a Whisper checkpoint.
+
+Each file is decoded as a whole (audio longer than 30 s in sequential windows, see `xlagen.transcribe`),
+with one compiled program reused for every window and file. Errors name the file; with several files, a
+bad one is reported and the others are still transcribed (exit code 1 at the end).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from xlagen.cli.generate import UsageError, _positive_int
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "openai/whisper-tiny"
+FORMATS = ("txt", "json", "srt", "vtt")
+
+
+def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Registers `transcribe` on the `xlagen` sub-parsers (see `xlagen.cli.__main__`)."""
+    parser = subparsers.add_parser("transcribe", parents=parents, help="transcribe or translate audio files",
+                                   description="Transcribe (or translate to English) audio files with a Whisper "
+                                   "checkpoint compiled with XLA. Reads wav/flac/ogg/mp3 at any sampling rate.")
+    parser.add_argument("files", nargs="+", metavar="FILE", help="audio files")
+    parser.add_argument("--model", "-m", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
+                        help=f"Whisper checkpoint folder or Hub id (default: {DEFAULT_MODEL}, downloaded once)")
+    parser.add_argument("--revision", help="Hub branch, tag or commit")
+    parser.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
+    parser.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
+    parser.add_argument("--language", help="language of the audio (code or name, e.g. fr or french); "
+                        "default: detected from the first 30 s")
+    parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
+                        help="transcribe, or translate to English (default: transcribe)")
+    parser.add_argument("--timestamps", action="store_true",
+                        help="segment timestamps in txt output (json/srt/vtt always have them)")
+    parser.add_argument("--format", "-f", choices=FORMATS, default="txt", help="output format (default: txt)")
+    parser.add_argument("--output", "-o", metavar="PATH",
+                        help="output file (one input) or folder (one FILE.<format> per input); default: stdout")
+    parser.add_argument("--num-beams", type=_positive_int, metavar="K", help="beam search with K beams")
+    parser.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="token limit per 30 s window")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def _clock(seconds: float, separator: str) -> str:
+    millis = int(round(seconds * 1000))
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis:03d}"
+
+
+def render(transcript, file_format: str, timestamps: bool = False, source: str | None = None) -> str:
+    """A `Transcript` as text in one of `FORMATS`."""
+    if file_format == "json":
+        return json.dumps({"file": source, **transcript.to_dict()}, ensure_ascii=False) + "\n"
+    segments = [s for s in transcript.segments if s.text.strip()]
+    if file_format == "txt":
+        if not timestamps:
+            return transcript.text + "\n"
+        return "".join(f"[{_clock(s.start, '.')} --> {_clock(s.end, '.')}] {s.text.strip()}\n" for s in segments)
+    cues = [f"{_clock(s.start, ',' if file_format == 'srt' else '.')} --> "
+            f"{_clock(s.end, ',' if file_format == 'srt' else '.')}\n{s.text.strip()}\n" for s in segments]
+    if file_format == "srt":
+        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "\n".join(cues)
+
+
+def _destination(args: argparse.Namespace, source: str) -> Path | None:
+    """Where the transcript of `source` goes: None for stdout."""
+    if args.output is None or args.output == "-":
+        return None
+    target = Path(args.output)
+    if len(args.files) > 1 or target.is_dir():
+        target.mkdir(parents=True, exist_ok=True)
+        return target / f"{Path(source).stem}.{args.format}"
+    return target
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `xlagen transcribe`; returns 0, or 1 when a file could not be transcribed."""
+    from tqdm import tqdm
+
+    from xlagen.generation.whisper import check_options, language_id
+    from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
+    from xlagen.processing import WhisperProcessor
+    from xlagen.transcribe import Transcriber
+
+    hub = dict(revision=args.revision, cache_dir=args.cache_dir, local_files_only=args.local_files_only)
+    model = TFAutoModelForSpeechSeq2Seq.from_pretrained(args.model, **hub)
+    processor = WhisperProcessor.from_pretrained(args.model, **hub)
+    transcriber = Transcriber(model, processor)
+    options = {key: value for key, value in (("num_beams", args.num_beams), ("max_new_tokens", args.max_new_tokens))
+               if value is not None}
+    try:
+        config = model.generation_config.update(language=args.language, task=args.task, **options)
+        check_options(config)
+        if args.language is not None:
+            language_id(args.language, config)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    failures = 0
+    show = not args.quiet and sys.stderr.isatty()
+    for source in args.files:
+        bar = tqdm(total=1, desc=Path(source).name, unit="frame", disable=not show, leave=False)
+
+        def progress(done: int, total: int, bar=bar) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+        try:
+            transcript = transcriber(source, language=args.language, task=args.task,
+                                     return_timestamps=args.timestamps or args.format != "txt", progress=progress,
+                                     **options)
+        except (OSError, ValueError) as error:
+            failures += 1
+            logger.error("%s", error)
+            print(f"xlagen: error: {error}", file=sys.stderr)
+            continue
+        finally:
+            bar.close()
+        text = render(transcript, args.format, args.timestamps, source)
+        target = _destination(args, source)
+        if target is None:
+            sys.stdout.write(text)
+        else:
+            target.write_text(text, encoding="utf-8")
+            logger.info("%s -> %s", source, target)
+    return 1 if failures else 0

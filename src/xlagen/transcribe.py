@@ -1,0 +1,196 @@
+"""Audio file -> transcript with Whisper, including audio longer than one 30 s window.
+
+Long-form audio follows transformers 4.57's sequential algorithm (`WhisperGenerationMixin.generate` with
+`_retrieve_segment`): the log-mel features of the whole recording are cut into 30 s windows; each window is
+decoded with timestamps, split into segments at consecutive timestamp tokens, and the next window starts at
+the last complete segment's end (or after the window when it ended on a single timestamp). The language is
+detected once, on the first window. Every window reuses one compiled program (`CompiledGenerator`).
+Known divergences: no temperature fallback, no conditioning on the previous window's text and no
+no-speech detection (transformers' options `temperature=(0.0, 0.2, ...)`, `condition_on_prev_tokens`,
+`no_speech_threshold`); digital silence (peak below `SILENCE_PEAK`) gives an empty transcript without
+running the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from xlagen.audio import load_audio
+from xlagen.generation.api import resolve_config
+from xlagen.generation.compiled import CompiledGenerator
+from xlagen.generation.whisper import decoder_prompt
+
+SAMPLING_RATE = 16000
+TIME_PRECISION = 0.02  # seconds per timestamp token
+FRAME_SECONDS = 0.01  # seconds per log-mel frame (hop 160 at 16 kHz)
+SILENCE_PEAK = 1e-4  # about -80 dBFS
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A stretch of the transcript with its time span in seconds."""
+
+    start: float
+    end: float
+    text: str
+    tokens: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transcript:
+    """What `Transcriber` returns: the full text, its segments and the language token used."""
+
+    text: str
+    segments: tuple[Segment, ...]
+    language: str | None
+    duration: float
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "language": self.language, "duration": round(self.duration, 3),
+                "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text}
+                             for s in self.segments]}
+
+
+def split_segments(tokens: np.ndarray, timestamp_begin: int, window_frames: int):
+    """Splits one window's new tokens at its timestamps (transformers' `_retrieve_segment`).
+
+    Args:
+        tokens: int `[n]`, the window's generated tokens (EOS and padding removed).
+        timestamp_begin: Id of <|0.00|>.
+        window_frames: Log-mel frames of audio in this window (<= 3000).
+
+    Returns:
+        `(segments, advance)`: a list of `(start s, end s, tokens)` relative to the window, and how many
+        frames the next window starts after this one's start.
+    """
+    is_time = tokens >= timestamp_begin
+    single_ending = len(tokens) >= 2 and not is_time[-2] and is_time[-1]
+    pairs = (np.nonzero(is_time[:-1] & is_time[1:])[0] + 1).tolist()
+    if not pairs:
+        times = tokens[is_time]
+        end = window_frames * FRAME_SECONDS
+        if len(times) and times[-1] != timestamp_begin:
+            end = (times[-1] - timestamp_begin) * TIME_PRECISION
+        return [(0.0, end, tokens)], window_frames
+    slices = pairs + [len(tokens)] if single_ending else pairs[:-1] + [pairs[-1] + 1]
+    segments, last = [], 0
+    for i, stop in enumerate(slices):
+        piece = tokens[last:stop]
+        end_at = -1 if i < len(slices) - 1 or single_ending else -2
+        segments.append(((piece[0] - timestamp_begin) * TIME_PRECISION,
+                         (piece[end_at] - timestamp_begin) * TIME_PRECISION, piece))
+        last = stop
+    if single_ending:
+        return segments, window_frames
+    return segments, int(tokens[last - 2] - timestamp_begin) * 2  # two frames per timestamp step
+
+
+class Transcriber:
+    """Transcribes (or translates) audio with a Whisper model and its processor.
+
+    Args:
+        model: A `TFWhisperForConditionalGeneration`.
+        processor: The matching `WhisperProcessor` (feature extractor + tokenizer).
+        generator: Optional `CompiledGenerator` of `model` (one is made: every window reuses its program).
+    """
+
+    def __init__(self, model, processor, generator: CompiledGenerator | None = None):
+        self.model = model
+        self.processor = processor
+        self.generator = generator or CompiledGenerator(model)
+        config = model.generation_config
+        if config is None or config.no_timestamps_token_id is None:
+            raise ValueError("the model's generation_config.json has no no_timestamps_token_id: it is not a "
+                             "Whisper checkpoint xlagen can transcribe with")
+        self.timestamp_begin = config.no_timestamps_token_id + 1
+        self.eos_ids = set(config.eos_token_ids) | ({config.pad_token_id} if config.pad_token_id is not None else set())
+
+    def _features(self, audio: np.ndarray) -> np.ndarray:
+        extractor = self.processor.feature_extractor
+        window = extractor.n_samples
+        if len(audio) <= window:  # one window, padded with silence as for short-form generation
+            return extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="np")["input_features"]
+        return extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="np", padding="longest",
+                         truncation=False)["input_features"]
+
+    def __call__(self, audio: Any, *, sampling_rate: int | None = None, language: str | None = None,
+                 task: str | None = None, return_timestamps: bool = False, progress: Callable | None = None,
+                 **generate_options) -> Transcript:
+        """Transcribes one recording.
+
+        Args:
+            audio: A file path, or a float array (with `sampling_rate`; 16 kHz when None).
+            sampling_rate: The array's sampling rate.
+            language: Language code/name; None detects it from the first 30 s (multilingual models).
+            task: "transcribe" (default) or "translate" (to English).
+            return_timestamps: Segments with timestamps; audio longer than 30 s always uses them.
+            progress: Optional `callable(done_frames, total_frames)` called after each window.
+            **generate_options: Further `generate` options (num_beams, max_new_tokens, ...).
+
+        Returns:
+            A `Transcript`.
+
+        Raises:
+            ValueError / OSError: unreadable, empty or non-finite audio (naming the file), bad options.
+        """
+        samples = load_audio(audio, SAMPLING_RATE, source_sampling_rate=sampling_rate)
+        duration = len(samples) / SAMPLING_RATE
+        if np.max(np.abs(samples)) < SILENCE_PEAK:
+            if progress:
+                progress(1, 1)
+            return Transcript("", (), language, duration)
+        features = self._features(samples)
+        total = features.shape[-1]
+        window_size = self.model.config.input_frames
+        timestamps = return_timestamps or total > window_size
+        options = dict(generate_options, task=task, return_timestamps=timestamps)
+        config = resolve_config(self.model, None, dict(options, language=language))
+        # The forced prefix (language detected on the first window), reused by every window as transformers does.
+        prompt = decoder_prompt(self.model, tf.constant(self._window(features, 0)), config).numpy()
+        segments: list[Segment] = []
+        seek = 0
+        while seek < total:
+            frames = min(total - seek, window_size)
+            tokens = self.generator.generate(self._window(features, seek), decoder_input_ids=prompt,
+                                             **options).numpy()[0]
+            new = self._strip(tokens[prompt.shape[1]:], final=seek + window_size >= total)
+            if timestamps:
+                pieces, advance = split_segments(new, self.timestamp_begin, frames)
+            else:
+                pieces, advance = [(0.0, frames * FRAME_SECONDS, new)], frames
+            offset = seek * FRAME_SECONDS
+            for start, end, piece in pieces:
+                text = self.processor.tokenizer.decode(piece.tolist(), skip_special_tokens=True)
+                segments.append(Segment(offset + float(start), offset + float(end), text, tuple(int(t) for t in piece)))
+            seek += max(advance, 1)
+            if progress:
+                progress(min(seek, total), total)
+        text = "".join(segment.text for segment in segments).strip()
+        return Transcript(text, tuple(segments), self._language_token(prompt[0]), duration)
+
+    def _window(self, features: np.ndarray, seek: int) -> np.ndarray:
+        """The 30 s window of `features` `[1, M, frames]` starting at frame `seek`, padded with zeros."""
+        size = self.model.config.input_frames
+        window = np.zeros((1, features.shape[1], size), np.float32)
+        part = features[..., seek:seek + size]
+        window[..., :part.shape[-1]] = part
+        return window
+
+    def _language_token(self, prompt: np.ndarray) -> str | None:
+        by_id = {i: token for token, i in (self.model.generation_config.lang_to_id or {}).items()}
+        for token in prompt.tolist():
+            if token in by_id:
+                return by_id[token]
+        return None
+
+    def _strip(self, tokens: np.ndarray, final: bool) -> np.ndarray:
+        """The generated tokens without the padding after EOS, and without EOS unless this is the last window."""
+        ends = [i for i, token in enumerate(tokens.tolist()) if token in self.eos_ids]
+        if ends:
+            tokens = tokens[:ends[0] + (1 if final else 0)]
+        return tokens

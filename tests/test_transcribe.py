@@ -1,0 +1,123 @@
+"""Audio file -> transcript: long-form windows vs transformers, and `xlagen transcribe`."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from models.test_whisper import save_tiny_whisper
+from whisper_fixtures import build_whisper_tokenizer, save_feature_extractor, synthetic_audio
+from xlagen import TFWhisperForConditionalGeneration, WhisperProcessor
+from xlagen.cli.__main__ import main
+from xlagen.transcribe import Transcriber, split_segments
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny multilingual Whisper with its tokenizer and feature extractor in one folder."""
+    folder = tmp_path_factory.mktemp("whisper_full")
+    reference = save_tiny_whisper(folder, seed=2)
+    ids = build_whisper_tokenizer(folder)
+    assert ids["vocab_size"] == reference.config.vocab_size and ids["no_timestamps"] == 407
+    save_feature_extractor(folder, 80)
+    return folder, reference
+
+
+@pytest.fixture(scope="module")
+def transcriber(checkpoint):
+    folder, _ = checkpoint
+    return Transcriber(TFWhisperForConditionalGeneration.from_pretrained(folder), WhisperProcessor.from_pretrained(folder))
+
+
+def _speechy(seconds: float, seed: int = 0) -> np.ndarray:
+    """Synthetic audio whose loudness changes every few seconds (so windows differ)."""
+    audio = synthetic_audio(seconds, seed=seed)
+    envelope = np.repeat(np.random.RandomState(seed).uniform(0.1, 1.0, int(seconds / 3) + 1), 3 * 16000)
+    return (audio * envelope[:len(audio)]).astype(np.float32)
+
+
+def test_split_segments_follows_transformers_rules():
+    begin = 100
+    # two closed segments then an unfinished one: seek to the last closed end (timestamp 30 -> 60 frames)
+    tokens = np.array([100, 5, 6, 110, 110, 7, 130, 130, 8, 9])
+    segments, advance = split_segments(tokens, begin, 3000)
+    assert [(s, e, list(t)) for s, e, t in segments] == [(0.0, 0.2, [100, 5, 6, 110]), (0.2, 0.6, [110, 7, 130, 130])]
+    assert advance == 60
+    # ends on a single timestamp: everything is kept and the next window starts after this one
+    segments, advance = split_segments(np.array([100, 5, 120, 120, 6, 140]), begin, 2500)
+    assert [(s, e) for s, e, _ in segments] == [(0.0, 0.4), (0.4, 0.8)] and advance == 2500
+    # no pair: one segment up to the last timestamp, or the window's end
+    assert split_segments(np.array([5, 6, 150]), begin, 3000)[0][0][:2] == (0.0, 1.0)
+    assert split_segments(np.array([5, 6]), begin, 1000)[0][0][:2] == (0.0, 10.0)
+
+
+def test_long_form_matches_transformers(checkpoint, transcriber):
+    folder, reference = checkpoint
+    audio = _speechy(70.0, seed=3)
+    transcript = transcriber(audio, language="en", max_new_tokens=MAX_NEW)
+    features = transcriber.processor.feature_extractor(audio, sampling_rate=16000, padding="longest",
+                                                        truncation=False, return_attention_mask=True,
+                                                        return_tensors="np")
+    with torch.no_grad():
+        out = reference.generate(torch.tensor(features["input_features"]),
+                                 attention_mask=torch.tensor(features["attention_mask"]), language="en",
+                                 return_timestamps=True, return_segments=True, max_new_tokens=MAX_NEW)
+    expected = out["segments"][0]
+    assert len(expected) > 2 and expected[-1]["start"] > 30.0  # several windows were decoded
+    assert [list(s.tokens) for s in transcript.segments] == [s["tokens"].tolist() for s in expected]
+    np.testing.assert_allclose([s.start for s in transcript.segments], [float(s["start"]) for s in expected], atol=1e-6)
+    np.testing.assert_allclose([s.end for s in transcript.segments], [float(s["end"]) for s in expected], atol=1e-6)
+    assert transcript.language == "<|en|>" and transcript.text
+
+
+def test_short_audio_detects_language_once(transcriber):
+    transcript = transcriber(_speechy(8.0, seed=1), max_new_tokens=MAX_NEW)
+    assert transcript.language in transcriber.model.generation_config.lang_to_id
+    assert len(transcript.segments) == 1 and transcript.duration == pytest.approx(8.0)
+
+
+def test_silence_gives_an_empty_transcript(transcriber):
+    transcript = transcriber(np.zeros(16000 * 5, np.float32))
+    assert transcript.text == "" and transcript.segments == ()
+
+
+def test_cli_formats(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    wav, flac = tmp_path / "a.wav", tmp_path / "b.flac"
+    stereo_44k = np.stack([_speechy(5.0, 4)] * 2, axis=1)
+    soundfile.write(wav, _speechy(35.0, 5), 16000)
+    soundfile.write(flac, np.interp(np.arange(0, 5 * 16000, 16000 / 44100), np.arange(5 * 16000), stereo_44k[:, 0]),
+                    44100)
+    base = ["transcribe", "--model", str(folder), "--max-new-tokens", str(MAX_NEW), "--language", "en", "-q"]
+    assert main(base + [str(wav), "--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["file"] == str(wav) and record["language"] == "<|en|>" and record["duration"] == 35.0
+    assert record["segments"] and all(s["start"] <= s["end"] for s in record["segments"])
+    out = tmp_path / "out"
+    assert main(base + [str(wav), str(flac), "--format", "srt", "--output", str(out)]) == 0
+    srt = (out / "a.srt").read_text()
+    assert srt.startswith("1\n00:00:") and " --> " in srt and (out / "b.srt").exists()
+    assert main(base + [str(flac), "--format", "vtt"]) == 0
+    assert capsys.readouterr().out.startswith("WEBVTT\n\n00:00:")
+    assert main(base + [str(flac), "--timestamps"]) == 0
+    assert capsys.readouterr().out.startswith("[00:00:")
+
+
+def test_cli_bad_files(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    text, good = tmp_path / "notes.wav", tmp_path / "good.wav"
+    text.write_text("not audio")
+    soundfile.write(good, _speechy(3.0, 6), 8000)
+    code = main(["transcribe", "--model", str(folder), "--max-new-tokens", "5", "-q", str(text),
+                 str(tmp_path / "missing.flac"), str(good)])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "notes.wav" in captured.err and "missing.flac" in captured.err
+    assert captured.out.strip()  # the good file was still transcribed
+    assert main(["transcribe", "--model", str(folder), "--language", "klingon", str(good)]) == 2
