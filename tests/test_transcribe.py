@@ -121,3 +121,25 @@ def test_cli_bad_files(checkpoint, tmp_path, capsys):
     assert "notes.wav" in captured.err and "missing.flac" in captured.err
     assert captured.out.strip()  # the good file was still transcribed
     assert main(["transcribe", "--model", str(folder), "--language", "klingon", str(good)]) == 2
+
+
+def test_transformers_tf_whisper_example_runs_with_the_import_changed(checkpoint):
+    """transformers 4.x's TFWhisperForConditionalGeneration usage, with `from xlagen import` instead."""
+    import tensorflow as tf
+
+    from xlagen import AutoProcessor, TFWhisperForConditionalGeneration
+
+    folder, reference = checkpoint
+    processor = AutoProcessor.from_pretrained(folder)
+    model = TFWhisperForConditionalGeneration.from_pretrained(folder)
+    audio = _speechy(6.0, seed=8)
+    inputs = processor(audio, sampling_rate=16000, return_tensors="tf")
+    xla_generate = tf.function(model.generate, jit_compile=True)
+    generated_ids = xla_generate(inputs.input_features, language="en", max_new_tokens=MAX_NEW)
+    transcription = processor.batch_decode(generated_ids, skip_special_tokens=True)[0]
+    with torch.no_grad():
+        theirs = reference.generate(torch.tensor(inputs.input_features.numpy()), language="en",
+                                    max_new_tokens=MAX_NEW, return_dict_in_generate=True).sequences.numpy()
+    ours = generated_ids.numpy()
+    np.testing.assert_array_equal(ours[:, :theirs.shape[1]], theirs)
+    assert transcription == processor.batch_decode(theirs, skip_special_tokens=True)[0]

@@ -243,3 +243,10 @@ def test_config_errors():
         WhisperConfig(hidden_size=30, encoder_heads=4)
     with pytest.raises(ValueError, match="tie_word_embeddings"):
         WhisperConfig.from_hf_config({"tie_word_embeddings": False})
+
+
+def test_generate_is_one_xla_program_with_one_loop(whisper_pair):
+    _, model, _ = whisper_pair
+    program = tf.function(lambda x: model.generate(x, return_timestamps=True, max_new_tokens=6), jit_compile=True)
+    hlo = program.experimental_get_compiler_ir(tf.constant(features(1)))(stage="hlo")
+    assert hlo.count(" while(") == 1  # language detection, prefix prefill and the whole decode in one module
