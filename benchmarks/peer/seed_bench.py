@@ -61,13 +61,39 @@ def _opt(dtype: str):
     return model
 
 
+def _t5(dtype: str):
+    """transformers' TFT5ForConditionalGeneration with t5-small's shapes (T5Config's defaults), random weights."""
+    from transformers import T5Config, TFT5ForConditionalGeneration
+
+    if dtype != "float32":
+        raise ValueError(f"the seed system is measured in float32 only, not {dtype}")
+    model = TFT5ForConditionalGeneration(T5Config(decoder_start_token_id=0))  # as the t5-small checkpoint
+    model.build_in_name_scope()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _whisper(dtype: str):
+    """transformers' TFWhisperForConditionalGeneration with whisper-tiny's shapes (WhisperConfig's defaults)."""
+    from transformers import TFWhisperForConditionalGeneration, WhisperConfig
+
+    if dtype != "float32":
+        raise ValueError(f"the seed system is measured in float32 only, not {dtype}")
+    model = TFWhisperForConditionalGeneration(WhisperConfig())
+    model.build_in_name_scope()
+    model.generation_config.eos_token_id = None
+    return model
+
+
 class SeedSystem(bench.TFSystem):
-    """transformers 4.x TF. Add TFOPTForCausalLM, TFT5ForConditionalGeneration, ... under xlagen's names."""
+    """transformers 4.x TF, under xlagen's benchmark model names."""
 
     name = "seed"
     models: ClassVar[dict] = {
         "gpt2": _gpt2,
         "opt": _opt,
+        "t5": _t5,
+        "whisper": _whisper,
         "tiny-gpt2": lambda dtype: _gpt2(dtype, vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)}
     distributions: ClassVar[tuple[str, ...]] = ("tensorflow-cpu", "tensorflow", "tf-keras", "transformers", "numpy")
 

@@ -133,18 +133,32 @@ class TFSystem:
 
     @staticmethod
     def weight_bytes(model) -> int:
-        """Bytes of the model's variables, each counted once (a tied embedding is read once per step)."""
+        """Bytes of the variables a decoding step reads, each counted once (a tied embedding is read once
+        per step); an encoder's, and the cross-attention key/value projections, run once per generation
+        and are left out."""
         import numpy as np
         import tensorflow as tf
 
         unique = {id(v): v for v in model.weights}.values()
-        return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in unique)
+        return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in unique
+                   if not _read_once(getattr(v, "path", None) or v.name))
 
     @staticmethod
     def generate_function(model, mode: str):
         import tensorflow as tf
 
         return tf.function(model.generate, jit_compile=True) if mode == "xla" else model.generate
+
+
+def _read_once(name: str) -> bool:
+    """Whether a variable (xlagen or transformers TF naming) belongs to an encoder or projects the encoder
+    output for cross-attention: read once per generation, not per token."""
+    parts = name.replace(":0", "").split("/")
+    if any(p == "encoder" or p == "stem" or p.startswith(("encoder_block", "encoder_final", "encoder_position"))
+           for p in parts):
+        return True
+    cross = any(p in ("EncDecAttention", "encoder_attn") for p in parts)
+    return "key_value" in parts or (cross and any(p in ("k", "v", "k_proj", "v_proj") for p in parts))
 
 
 def _xlagen_gpt2(dtype: str, **config):
@@ -161,12 +175,29 @@ def _xlagen_opt(dtype: str):
     return TFOPTForCausalLM(OPTConfig(), dtype=dtype)  # OPTConfig's defaults are OPT-125m's shapes
 
 
+def _xlagen_t5(dtype: str):
+    from xlagen.modeling import TFT5ForConditionalGeneration
+    from xlagen.models.t5 import T5Config
+
+    return TFT5ForConditionalGeneration(T5Config(), dtype=dtype)  # T5Config's defaults are t5-small's shapes
+
+
+def _xlagen_whisper(dtype: str):
+    from xlagen.modeling import TFWhisperForConditionalGeneration
+    from xlagen.models.whisper import WhisperConfig
+
+    # WhisperConfig's defaults are whisper-tiny's shapes; no generation config: the decoder starts from
+    # its start token and nothing is suppressed, as for the seed system's random model.
+    return TFWhisperForConditionalGeneration(WhisperConfig(), dtype=dtype)
+
+
 class XlagenSystem(TFSystem):
-    """xlagen itself. T5-small and Whisper-tiny need the seq2seq output shape in `_timed` first."""
+    """xlagen itself."""
 
     name = "xlagen"
     models: ClassVar[dict[str, Callable[[str], Any]]] = {
-        "gpt2": _xlagen_gpt2, "opt": _xlagen_opt, "tiny-gpt2": lambda dtype: _xlagen_gpt2(dtype, **_GPT2_TINY)}
+        "gpt2": _xlagen_gpt2, "opt": _xlagen_opt, "t5": _xlagen_t5, "whisper": _xlagen_whisper,
+        "tiny-gpt2": lambda dtype: _xlagen_gpt2(dtype, **_GPT2_TINY)}
     distributions = ("tensorflow", "keras", "numpy", "xlagen")
 
 
@@ -194,12 +225,18 @@ def configure_threads(threads: int) -> dict[str, Any]:
 
 
 def _timed(function, inputs: dict, options: dict, new_tokens: int) -> float:
-    """Seconds for one `generate` call of `new_tokens`, synchronised by fetching the tokens."""
+    """Seconds for one `generate` call of `new_tokens`, synchronised by fetching the tokens.
+
+    `inputs["_prefix"]` is the length of the returned sequences before the new tokens (the prompt, or an
+    encoder-decoder's start token); it is not passed to `generate`.
+    """
     import numpy as np
 
-    expected = (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] + new_tokens)
+    model_inputs = {k: v for k, v in inputs.items() if k != "_prefix"}
+    rows = next(iter(model_inputs.values())).shape[0]
+    expected = (rows, inputs["_prefix"] + new_tokens)
     started = time.perf_counter()
-    tokens = np.asarray(function(**inputs, **dict(options, max_new_tokens=new_tokens)))
+    tokens = np.asarray(function(**model_inputs, **dict(options, max_new_tokens=new_tokens)))
     seconds = time.perf_counter() - started
     if tokens.shape != expected:
         raise RuntimeError(f"generate returned shape {tokens.shape}, expected {expected}: "
@@ -207,16 +244,28 @@ def _timed(function, inputs: dict, options: dict, new_tokens: int) -> float:
     return seconds
 
 
-def prepare(system: TFSystem, model, scenario: Scenario) -> tuple[Callable, dict, dict]:
-    """A fresh (un-traced) generate function, its inputs (random 8-token prompts) and options."""
+def model_inputs(model, scenario: Scenario) -> dict:
+    """Random inputs of the scenario's shape: 8-token prompts; an encoder-decoder's 8-token encoder input
+    (T5) or 30 s of random log-mel features (Whisper) with the decoder starting from its start token."""
     import numpy as np
     import tensorflow as tf
 
-    rows = np.random.RandomState(0).randint(1, model.config.vocab_size,
-                                            (scenario.batch_size, scenario.prompt_tokens))
-    inputs = {"input_ids": tf.constant(rows, tf.int32), "attention_mask": tf.ones(rows.shape, tf.int32)}
+    random = np.random.RandomState(0)
+    config = model.config
+    if getattr(config, "num_mel_bins", None):
+        frames = 2 * config.max_source_positions
+        features = random.uniform(-1.0, 1.0, (scenario.batch_size, config.num_mel_bins, frames))
+        return {"input_features": tf.constant(features, tf.float32), "_prefix": 1}
+    rows = random.randint(1, config.vocab_size, (scenario.batch_size, scenario.prompt_tokens))
+    prefix = 1 if getattr(config, "is_encoder_decoder", False) else scenario.prompt_tokens
+    return {"input_ids": tf.constant(rows, tf.int32), "attention_mask": tf.ones(rows.shape, tf.int32),
+            "_prefix": prefix}
+
+
+def prepare(system: TFSystem, model, scenario: Scenario) -> tuple[Callable, dict, dict]:
+    """A fresh (un-traced) generate function, its inputs (`model_inputs`) and options."""
     options = {"num_beams": scenario.num_beams, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
-    return system.generate_function(model, scenario.mode), inputs, options
+    return system.generate_function(model, scenario.mode), model_inputs(model, scenario), options
 
 
 def summarise(system: str, scenario: Scenario, weight_bytes: int, first: float, runs: list[float],

@@ -125,7 +125,8 @@ def language_id(language: str, config: GenerationConfig) -> int:
 
 
 def check_options(config: GenerationConfig) -> None:
-    """Refuses language/task options the model's generation config cannot serve (before any tracing)."""
+    """Refuses language/task options the model's generation config cannot serve (before any tracing);
+    `config.decoder_start_token_id` must be resolved (see `decoder_prompt`)."""
     if config.is_multilingual is False and (config.language is not None or config.task is not None):
         raise ValueError("this is an English-only Whisper model: it takes no language or task (leave them out)")
     if config.language is not None and not config.lang_to_id:
@@ -156,6 +157,8 @@ def decoder_prompt(model, input_features, config: GenerationConfig) -> tf.Tensor
     builds them (including its rules for legacy `forced_decoder_ids`), the language detected per row
     when none is given.
     """
+    if config.decoder_start_token_id is None:  # a model built from its config: its own start token
+        config = config.update(decoder_start_token_id=model.config.decoder_start_token_id)
     check_options(config)
     batch = input_features.shape[0] if input_features.shape[0] is not None else tf.shape(input_features)[0]
     columns: list = [config.decoder_start_token_id]
