@@ -48,7 +48,8 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
     """Beam search over a left-padded batch.
 
     Args:
-        model: Anything with `prefill` / `decode_step` (see `xlagen.models.base.CausalDecoding`).
+        model: Anything with `prefill` / `decode_step` / `reorder_state` (see
+            `xlagen.models.base.CausalDecoding`).
         prompt: The prompt and the model's other inputs.
         plan: Static options shared with greedy decoding (`select` is unused).
         options: Beam options.
@@ -128,7 +129,7 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
         return tf.reduce_any(state.improvable) & open_beams & tf.logical_not(state.all_hit_stop)
 
     def body(state: BeamState):
-        decoder_state = cache_lib.batch_gather(state.decoder_state, state.parents)
+        decoder_state = model.reorder_state(state.decoder_state, state.parents)
         last = tf.reshape(tf.gather(state.running, state.index - 1, axis=2), [batch * num_beams, 1])
         logits, decoder_state = model.decode_step(last, state.index - 1, decoder_state)
         return (choose(state._replace(decoder_state=decoder_state), logits),)

@@ -154,6 +154,15 @@ class CausalDecoding:
                                              context=context)
         return logits[:, -1], DecoderState(cache, mask, context)
 
+    def reorder_state(self, state: DecoderState, rows) -> DecoderState:
+        """The state of the rows `rows` `[B]` (beam search: each beam continues a parent beam).
+
+        Beams never move to another prompt, and the attention mask and encoder context are the same for
+        every beam of a prompt, so only the cache is gathered (copying an encoder's keys and values
+        every step would cost a speech model about one more weight read per step).
+        """
+        return state._replace(cache=cache_lib.batch_gather(state.cache, rows))
+
     def decode_step(self, token_ids, index, state: DecoderState):
         """Runs one token per row written at `index`.
 
