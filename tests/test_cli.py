@@ -153,3 +153,24 @@ def test_warmup_compiles_before_the_first_batch_and_logs_reasons(gpt2_checkpoint
     assert "program 1" in caplog.text and "first call" in caplog.text
     assert "prompt bucket 8 -> 32" in caplog.text
     assert "traced and compiled" not in caplog.text  # the batches reused the warmed-up program
+
+
+def test_export_writes_a_saved_model_and_lists_its_signatures(gpt2_checkpoint, tmp_path, capsys):
+    out_dir = tmp_path / "saved"
+    code, out, err = run_cli(capsys, "export", gpt2_checkpoint[0], str(out_dir), "--strategies", "greedy",
+                             "--max-new-tokens", "4", "--prompt-lengths", "8", "--no-text", "--no-scores", "--quiet")
+    assert code == 0, err
+    assert (out_dir / "saved_model.pb").is_file()
+    assert "greedy:" in out and "input  max_new_tokens: int32 [] = 4" in out
+    assert "greedy_text" not in out and "output scores" not in out
+    assert json.loads((out_dir / "assets.extra" / "xlagen_export.json").read_text())["max_new_tokens_bound"] == 4
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--strategies", "beam", "--num-beams", "1"), "cannot export 'beam' with num_beams=1"),
+    (("--strategies", "nucleus"), "expected comma-separated names among greedy, sample, beam"),
+    (("--prompt-lengths", "8,64", "--max-new-tokens", "8"), "exceeds the model's 64 positions"),
+])
+def test_export_refuses_what_cannot_be_exported(gpt2_checkpoint, tmp_path, capsys, args, message):
+    code, _, err = run_cli(capsys, "export", gpt2_checkpoint[0], str(tmp_path / "saved"), *args)
+    assert code == 2 and message in err and "Traceback" not in err

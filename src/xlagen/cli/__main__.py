@@ -22,7 +22,7 @@ import sys
 from collections.abc import Sequence
 
 PROG = "xlagen"
-SUBCOMMANDS = ("generate", "transcribe", "hlo", "bench")
+SUBCOMMANDS = ("generate", "transcribe", "hlo", "bench", "export", "aot")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

@@ -1,0 +1,101 @@
+"""`xlagen export MODEL OUT_DIR`: write a SavedModel that generates with XLA and serves without xlagen.
+
+See docs/serving.md for the signatures it writes and how to serve them with TensorFlow Serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from xlagen.cli.generate import UsageError, _int_list, _positive_int
+
+_STRATEGIES = ("greedy", "sample", "beam")
+
+
+def _strategies(value: str) -> tuple[str, ...]:
+    """argparse type: comma-separated strategy names."""
+    names = tuple(part.strip() for part in value.split(",") if part.strip())
+    unknown = [name for name in names if name not in _STRATEGIES]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names among {', '.join(_STRATEGIES)}, "
+                                         f"got {value!r}")
+    return names
+
+
+def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
+    """Registers `export` on the `xlagen` sub-parsers."""
+    parser = subparsers.add_parser(
+        "export", parents=parents, help="write a SavedModel that serves without xlagen",
+        description="Export the XLA-compiled generate as a TensorFlow SavedModel: one signature per "
+        "decoding strategy (token ids in, sequences and scores out), plus text-in/text-out signatures "
+        "when the tokenizer is a byte-level BPE. Loading it needs only TensorFlow.")
+    parser.add_argument("model", metavar="MODEL", help="Hugging Face checkpoint folder or Hub id")
+    parser.add_argument("output", metavar="OUT_DIR", help="folder for the SavedModel (new or empty)")
+    parser.add_argument("--strategies", type=_strategies, default=_STRATEGIES, metavar="NAMES",
+                        help="comma-separated decoding strategies to export (default: greedy,sample,beam); "
+                             "the first is also serving_default")
+    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
+                        help="the bound of the max_new_tokens input, and its default (default: 64)")
+    parser.add_argument("--prompt-lengths", type=_int_list, metavar="LENGTHS",
+                        help="prompt length buckets, e.g. 16,32,64 (default: 8, 16, 32, ... up to what fits "
+                             "the model's positions, at most 512); longer prompts are rejected")
+    parser.add_argument("--batch-sizes", type=_int_list, default=(1, 2, 4, 8, 16, 32, 64), metavar="SIZES",
+                        help="batch buckets; a batch is padded up to the next one (default: 1,2,4,...,64)")
+    parser.add_argument("--num-beams", type=_positive_int, default=4, metavar="K",
+                        help="beams of the beam signature (default: 4)")
+    parser.add_argument("--num-return-sequences", type=_positive_int, default=1, metavar="R",
+                        help="sequences per prompt of the sample and beam signatures (default: 1)")
+    text = parser.add_mutually_exclusive_group()
+    text.add_argument("--text", dest="text", action="store_true", default=None,
+                      help="require the text signatures (fail if the tokenizer cannot run in the graph)")
+    text.add_argument("--no-text", dest="text", action="store_false", help="token-id signatures only")
+    parser.add_argument("--no-scores", dest="output_scores", action="store_false",
+                        help="no per-token scores output for greedy/sample (saves B x N x vocab floats of "
+                             "memory per call); beam signatures keep sequences_scores")
+    model = parser.add_argument_group("model")
+    model.add_argument("--revision", help="Hub branch, tag or commit")
+    model.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
+    model.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `xlagen export`; prints each signature with its inputs and outputs.
+
+    Raises:
+        UsageError: for an option combination that cannot be exported (the message says which and why).
+        OSError: if the model cannot be read or OUT_DIR is not empty.
+    """
+    from xlagen import AutoTokenizer
+    from xlagen.export import ExportConfig, export_saved_model
+    from xlagen.modeling import TFAutoModelForGeneration
+
+    try:
+        export = ExportConfig(strategies=args.strategies, max_new_tokens=args.max_new_tokens,
+                              prompt_lengths=args.prompt_lengths, batch_sizes=args.batch_sizes,
+                              num_beams=args.num_beams, num_return_sequences=args.num_return_sequences,
+                              text=args.text, output_scores=args.output_scores)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    hub = {"revision": args.revision, "cache_dir": args.cache_dir, "local_files_only": args.local_files_only}
+    model = TFAutoModelForGeneration.from_pretrained(args.model, **hub)
+    tokenizer = None
+    if args.text is not False:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.model, **hub)
+        except OSError:
+            if args.text:
+                raise
+    try:
+        signatures = export_saved_model(model, args.output, tokenizer=tokenizer, export=export)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    for signature in signatures:
+        print(f"{signature.name}:")
+        for name, spec in signature.inputs.items():
+            print(f"  input  {name}: {spec}")
+        for name, spec in signature.outputs.items():
+            print(f"  output {name}: {spec}")
+    print(f"wrote {args.output}")
+    return 0
