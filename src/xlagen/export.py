@@ -335,7 +335,8 @@ class _ServingModule(tf.Module):
 
 def export_saved_model(model, export_dir: str | Path, *, tokenizer=None, export: ExportConfig | None = None,
                        generation_config: GenerationConfig | None = None, input_specs: dict | None = None,
-                       prepare=None, **options) -> list[ExportedSignature]:
+                       prepare=None, input_variants: dict | None = None, output_text=None,
+                       **options) -> list[ExportedSignature]:
     """Writes a SavedModel whose signatures generate with XLA and need only TensorFlow to load.
 
     Args:
@@ -351,6 +352,10 @@ def export_saved_model(model, export_dir: str | Path, *, tokenizer=None, export:
         prepare: `(model, inputs dict, GenerationConfig) -> Prompt` building the decoding loops' prompt
             from the signature's inputs (batch-padded); default `default_prepare`. A speech model
             passes its own, with `input_specs` such as `{"input_features": TensorSpec([None, 80, 3000])}`.
+        input_variants: Several ids signatures per strategy: `{name suffix: input_specs}` (e.g. Whisper's
+            `{"": features, "_audio": waveform}`), instead of `input_specs`.
+        output_text: An in-graph decoder (`decode_batch(ids) -> strings`, `resources()`) giving the ids
+            signatures a `text` output of the new tokens.
         **options: `GenerationConfig` fields overriding `generation_config`.
 
     Returns:
@@ -374,16 +379,19 @@ def export_saved_model(model, export_dir: str | Path, *, tokenizer=None, export:
     text = _text_tokenizer(model, tokenizer, export.text)
     input_specs = input_specs or {name: tf.TensorSpec([None, None], tf.int32, name=name)
                                   for name in ("input_ids", "attention_mask")}
+    variants = input_variants or {"": input_specs}
     module = _ServingModule()
     module.weights = [variable.value for variable in model.weights]
-    if text is not None:
-        module.tokenizer_tables = text.resources()
+    module.tokenizer_tables = [*(text.resources() if text is not None else ()),
+                               *(output_text.resources() if output_text is not None else ())]
     signatures, described = {}, []
     for strategy in strategies:
-        for name, function, outputs in _serving_functions(strategy, input_specs, text):
-            setattr(module, name, function)
-            signatures[name] = function
-            described.append(ExportedSignature(name, _describe_inputs(function, strategy.defaults), outputs))
+        for suffix, specs in variants.items():
+            for name, function, outputs in _serving_functions(strategy, specs, text if not suffix else None,
+                                                              suffix, output_text):
+                setattr(module, name, function)
+                signatures[name] = function
+                described.append(ExportedSignature(name, _describe_inputs(function, strategy.defaults), outputs))
     signatures["serving_default"] = signatures[export.strategies[0]]
     tf.saved_model.save(module, str(export_dir), signatures=signatures)
     _write_description(export_dir, export, buckets, described, strategies)
@@ -403,16 +411,23 @@ def _describe_inputs(function, defaults: dict) -> dict:
     return described
 
 
-def _serving_functions(strategy: _Strategy, input_specs: dict, text):
-    """`(name, tf.function, output descriptions)` of a strategy's ids signature and its text signature."""
+def _serving_functions(strategy: _Strategy, input_specs: dict, text, suffix: str = "", output_text=None):
+    """`(name, tf.function, output descriptions)` of a strategy's ids signature (named strategy + suffix,
+    with a `text` output when `output_text` is given) and its text signature."""
     names = list(input_specs)
 
     def serve_ids(*args):
         inputs, options = dict(zip(names, args[:len(names)])), dict(zip(strategy.defaults, args[len(names):]))
-        return strategy.generate(inputs, options)[0]
+        outputs, start = strategy.generate(inputs, options)
+        if output_text is not None:
+            outputs = {**outputs, "text": output_text.decode_batch(outputs["sequences"][:, start:])}
+        return outputs
 
     outputs = strategy.output_names()
-    yield strategy.strategy, _declare(serve_ids, strategy.strategy, input_specs, strategy.defaults), outputs
+    if output_text is not None:
+        outputs = {**outputs, "text": "string [B * R]"}
+    name = strategy.strategy + suffix
+    yield name, _declare(serve_ids, name, input_specs, strategy.defaults), outputs
     if text is None:
         return
 

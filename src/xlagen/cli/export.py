@@ -6,6 +6,7 @@ See docs/serving.md for the signatures it writes and how to serve them with Tens
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from xlagen.cli.generate import UsageError, _int_list, _positive_int
 
@@ -52,6 +53,10 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     parser.add_argument("--no-scores", dest="output_scores", action="store_false",
                         help="no per-token scores output for greedy/sample (saves B x N x vocab floats of "
                              "memory per call); beam signatures keep sequences_scores")
+    speech = parser.add_argument_group("speech models (Whisper): fixed at export")
+    speech.add_argument("--language", help="language of the audio (default: detected per row)")
+    speech.add_argument("--task", choices=("transcribe", "translate"), help="transcribe (default) or translate")
+    speech.add_argument("--timestamps", action="store_true", help="predict timestamp tokens")
     model = parser.add_argument_group("model")
     model.add_argument("--revision", help="Hub branch, tag or commit")
     model.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
@@ -69,6 +74,8 @@ def run(args: argparse.Namespace) -> int:
     """
     from xlagen import AutoTokenizer
     from xlagen.export import ExportConfig, export_saved_model
+    from xlagen.hub import resolve_model_dir
+    from xlagen.weights.checkpoint import read_json
     from xlagen.modeling import TFAutoModelForGeneration
 
     try:
@@ -79,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         raise UsageError(str(error)) from None
     hub = {"revision": args.revision, "cache_dir": args.cache_dir, "local_files_only": args.local_files_only}
+    if read_json(resolve_model_dir(args.model, **hub), "config.json").get("model_type") == "whisper":
+        return _run_speech(args, export, hub)
+    if args.language or args.task or args.timestamps:
+        raise UsageError("--language, --task and --timestamps are for speech models (Whisper)")
     model = TFAutoModelForGeneration.from_pretrained(args.model, **hub)
     tokenizer = None
     if args.text is not False:
@@ -91,11 +102,36 @@ def run(args: argparse.Namespace) -> int:
         signatures = export_saved_model(model, args.output, tokenizer=tokenizer, export=export)
     except ValueError as error:
         raise UsageError(str(error)) from None
+    _print(signatures, args.output)
+    return 0
+
+
+def _run_speech(args: argparse.Namespace, export, hub: dict) -> int:
+    """`xlagen export` of a Whisper checkpoint: features and audio signatures (see xlagen.speech_export)."""
+    from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
+    from xlagen.processing import WhisperProcessor
+    from xlagen.speech_export import export_whisper
+
+    model = TFAutoModelForSpeechSeq2Seq.from_pretrained(args.model, **hub)
+    processor = WhisperProcessor.from_pretrained(args.model, **hub)
+    strategies = tuple(s for s in export.strategies if s != "sample")
+    if not strategies:
+        raise UsageError("Whisper export supports the greedy and beam strategies")
+    try:
+        signatures = export_whisper(model, args.output, processor,
+                                    export=dataclasses.replace(export, strategies=strategies), language=args.language,
+                                    task=args.task, return_timestamps=args.timestamps)
+    except ValueError as error:
+        raise UsageError(str(error)) from None
+    _print(signatures, args.output)
+    return 0
+
+
+def _print(signatures, output: str) -> None:
     for signature in signatures:
         print(f"{signature.name}:")
         for name, spec in signature.inputs.items():
             print(f"  input  {name}: {spec}")
         for name, spec in signature.outputs.items():
             print(f"  output {name}: {spec}")
-    print(f"wrote {args.output}")
-    return 0
+    print(f"wrote {output}")
