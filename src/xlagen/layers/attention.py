@@ -59,12 +59,13 @@ def merge_heads(x):
     return ops.reshape(ops.transpose(x, (0, 2, 1, 3)), (batch, length, heads * head_dim))
 
 
-def attend(query, key, value, mask, scale: float, bias=None):
+def attend(query, key, value, mask, scale: float, bias=None, key_transposed: bool = False):
     """Softmax attention weights of `query` over `key`, before dropout.
 
     Args:
         query: `[B, H, T, D]`.
-        key: `[B, H, S, D]`.
+        key: `[B, H, S, D]`, or `[B, H, D, S]` with `key_transposed` (no transpose per call: XLA's CPU
+            dot wants the contracted axis first on the right-hand side, and would copy it every step).
         value: `[B, H, S, D]`, only for the output dtype.
         mask: bool, broadcastable to `[B, H, T, S]`.
         scale: Multiplier of the query-key scores.
@@ -74,7 +75,8 @@ def attend(query, key, value, mask, scale: float, bias=None):
     Returns:
         Weights `[B, H, T, S]` in the dtype of `value` (the softmax runs in float32).
     """
-    scores = ops.cast(ops.matmul(query, ops.transpose(key, (0, 1, 3, 2))) * scale, "float32")
+    keys = key if key_transposed else ops.transpose(key, (0, 1, 3, 2))
+    scores = ops.cast(ops.matmul(query, keys) * scale, "float32")
     if bias is not None:
         scores = scores + ops.cast(bias, "float32")
     scores = ops.where(mask, scores, MASK_VALUE)
@@ -120,9 +122,9 @@ class _MultiHead(keras.layers.Layer):
         """`[B, T, parts * H * D]` -> `parts` tensors `[B, H, T, D]`."""
         return [split_heads(p, self.num_heads, self.head_dim) for p in ops.split(x, parts, axis=-1)]
 
-    def _attend(self, query, key, value, mask, bias, training):
+    def _attend(self, query, key, value, mask, bias, training, key_transposed=False):
         """Attention of `[B, H, T, D]` queries -> `[B, T, hidden]`."""
-        weights = self.dropout(attend(query, key, value, mask, self.scale, bias), training=training)
+        weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed), training=training)
         return self.output_projection(merge_heads(ops.matmul(weights, value)))
 
 
@@ -159,8 +161,10 @@ class CrossAttention(_MultiHead):
     PROJECTIONS = (("query", 1), ("key_value", 2))
 
     def project_memory(self, encoder_output) -> cache_lib.LayerCache:
-        """The keys and values of the encoder output `[B, L, hidden]`, each `[B, H, L, D]` (computed once)."""
-        return cache_lib.LayerCache(*self._heads(self.key_value(encoder_output), 2))
+        """The keys `[B, H, D, L]` (transposed once here rather than at every decoding step) and values
+        `[B, H, L, D]` of the encoder output `[B, L, hidden]`."""
+        key, value = self._heads(self.key_value(encoder_output), 2)
+        return cache_lib.LayerCache(ops.transpose(key, (0, 1, 3, 2)), value)
 
     def call(self, x, memory: cache_lib.LayerCache, mask, training=False):
         """Attends from `x` `[B, T, hidden]` over `memory` (from `project_memory`) with mask `[B, 1, 1, L]`.
@@ -169,4 +173,4 @@ class CrossAttention(_MultiHead):
             `[B, T, hidden]`.
         """
         (query,) = self._heads(self.query(x), 1)
-        return self._attend(query, memory.key, memory.value, mask, None, training)
+        return self._attend(query, memory.key, memory.value, mask, None, training, key_transposed=True)

@@ -82,7 +82,8 @@ class EncoderContext(NamedTuple):
     """An encoder's output as the decoder's cross-attention sees it, computed once per generation.
 
     Attributes:
-        memory: Per decoder layer, the cross-attention keys and values `LayerCache` `[B, H, L, D]`.
+        memory: Per decoder layer, the cross-attention keys `[B, H, D, L]` (transposed once) and values
+            `[B, H, L, D]` as a `LayerCache` (see `CrossAttention.project_memory`).
         mask: int32 `[B, L]`, the encoder input's attention mask.
     """
 
