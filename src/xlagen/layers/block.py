@@ -65,7 +65,7 @@ class CrossInputs(NamedTuple):
     """What a block's cross-attention attends to.
 
     Attributes:
-        memory: The encoder output's keys and values for this layer, `LayerCache` `[B, H, L, D]`.
+        memory: The encoder output's keys `[B, H, D, L]` and values `[B, H, L, D]` for this layer (`LayerCache`).
         mask: bool `[B, 1, 1, L]`, see `attention.padding_mask`.
     """
 
