@@ -91,6 +91,24 @@ class EncoderContext(NamedTuple):
     mask: object
 
 
+def decoder_prompt(batch, default_start, decoder_start_token_id=None, decoder_input_ids=None,
+                   decoder_attention_mask=None):
+    """An encoder-decoder model's decoder prompt `(ids [B, P'], mask [B, P'])`: `decoder_input_ids` (mask
+    all ones unless given), else the start token (`decoder_start_token_id`, or the model's `default_start`).
+
+    Raises:
+        ValueError: when there is no decoder prompt and no start token.
+    """
+    if decoder_input_ids is not None:
+        mask = ops.ones_like(decoder_input_ids) if decoder_attention_mask is None else decoder_attention_mask
+        return decoder_input_ids, mask
+    start = default_start if decoder_start_token_id is None else decoder_start_token_id
+    if start is None:
+        raise ValueError("generate() needs a decoder_start_token_id (in generation_config.json, config.json "
+                         "or as an argument)")
+    return ops.full((batch, 1), start, "int32"), ops.ones((batch, 1), "int32")
+
+
 def extend_mask(attention_mask, total_length: int):
     """The prompt's mask `[B, P]` followed by ones up to `[B, total_length]` (the generated tokens)."""
     batch, prompt_length = ops.shape(attention_mask)[0], attention_mask.shape[1]

@@ -26,7 +26,8 @@ from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
-from xlagen.models.base import CausalDecoding, EncoderContext, Seq2SeqLMOutput, positions_at, positions_from_mask
+from xlagen.models.base import (CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_prompt, positions_at,
+                                positions_from_mask)
 from xlagen.models.training import Seq2SeqLMTraining
 
 logger = logging.getLogger(__name__)
@@ -313,15 +314,9 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         """
         self._check_features(input_features)
         encoder = {"input_features": input_features}
-        if decoder_input_ids is not None:
-            mask = ops.ones_like(decoder_input_ids) if decoder_attention_mask is None else decoder_attention_mask
-            return decoder_input_ids, mask, encoder
-        start = self.config.decoder_start_token_id if decoder_start_token_id is None else decoder_start_token_id
-        if start is None:
-            raise ValueError("generate() needs a decoder_start_token_id (in generation_config.json, config.json "
-                             "or as an argument)")
-        batch = ops.shape(input_features)[0]
-        return ops.full((batch, 1), start, "int32"), ops.ones((batch, 1), "int32"), encoder
+        ids, mask = decoder_prompt(ops.shape(input_features)[0], self.config.decoder_start_token_id,
+                                   decoder_start_token_id, decoder_input_ids, decoder_attention_mask)
+        return ids, mask, encoder
 
     def encode_context(self, input_features) -> EncoderContext:
         """Runs the encoder once and projects its output to every decoder block's cross-attention keys/values."""
