@@ -36,53 +36,34 @@ def _load_harness():
 bench = _load_harness()
 
 
-def _gpt2(dtype: str, **config):
-    """transformers' TFGPT2LMHeadModel, random weights; EOS cleared so generation never stops early."""
-    from transformers import GPT2Config, TFGPT2LMHeadModel
+def _random_model(model_class: str, config_class: str, dtype: str, **config):
+    """A transformers TF model with random weights; EOS cleared so generation never stops early.
+
+    Args:
+        model_class, config_class: transformers class names (imported here, in the peer environment).
+        dtype: Only "float32": the seed system is measured in float32.
+        **config: Config values; the config class's defaults are the smallest public checkpoint's shapes
+            (gpt2, opt-125m, t5-small, whisper-tiny).
+    """
+    import transformers
 
     if dtype != "float32":
         raise ValueError(f"the seed system is measured in float32 only, not {dtype}")
-    model = TFGPT2LMHeadModel(GPT2Config(**config))
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
     model.build_in_name_scope()
     # TF generate falls back to generation_config.eos_token_id when eos_token_id=None is passed.
     model.generation_config.eos_token_id = None
     return model
 
 
-def _opt(dtype: str):
-    """transformers' TFOPTForCausalLM with OPT-125m's shapes (OPTConfig's defaults), random weights."""
-    from transformers import OPTConfig, TFOPTForCausalLM
-
-    if dtype != "float32":
-        raise ValueError(f"the seed system is measured in float32 only, not {dtype}")
-    model = TFOPTForCausalLM(OPTConfig())
-    model.build_in_name_scope()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _t5(dtype: str):
-    """transformers' TFT5ForConditionalGeneration with t5-small's shapes (T5Config's defaults), random weights."""
-    from transformers import T5Config, TFT5ForConditionalGeneration
-
-    if dtype != "float32":
-        raise ValueError(f"the seed system is measured in float32 only, not {dtype}")
-    model = TFT5ForConditionalGeneration(T5Config(decoder_start_token_id=0))  # as the t5-small checkpoint
-    model.build_in_name_scope()
-    model.generation_config.eos_token_id = None
-    return model
-
-
-def _whisper(dtype: str):
-    """transformers' TFWhisperForConditionalGeneration with whisper-tiny's shapes (WhisperConfig's defaults)."""
-    from transformers import TFWhisperForConditionalGeneration, WhisperConfig
-
-    if dtype != "float32":
-        raise ValueError(f"the seed system is measured in float32 only, not {dtype}")
-    model = TFWhisperForConditionalGeneration(WhisperConfig())
-    model.build_in_name_scope()
-    model.generation_config.eos_token_id = None
-    return model
+MODELS = {
+    "gpt2": ("TFGPT2LMHeadModel", "GPT2Config", {}),
+    "opt": ("TFOPTForCausalLM", "OPTConfig", {}),
+    "t5": ("TFT5ForConditionalGeneration", "T5Config", {"decoder_start_token_id": 0}),  # as t5-small's config
+    "whisper": ("TFWhisperForConditionalGeneration", "WhisperConfig", {}),
+    "tiny-gpt2": ("TFGPT2LMHeadModel", "GPT2Config",
+                  {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64}),
+}
 
 
 class SeedSystem(bench.TFSystem):
@@ -90,11 +71,7 @@ class SeedSystem(bench.TFSystem):
 
     name = "seed"
     models: ClassVar[dict] = {
-        "gpt2": _gpt2,
-        "opt": _opt,
-        "t5": _t5,
-        "whisper": _whisper,
-        "tiny-gpt2": lambda dtype: _gpt2(dtype, vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)}
+        name: (lambda dtype, spec=spec: _random_model(spec[0], spec[1], dtype, **spec[2])) for name, spec in MODELS.items()}
     distributions: ClassVar[tuple[str, ...]] = ("tensorflow-cpu", "tensorflow", "tf-keras", "transformers", "numpy")
 
 
