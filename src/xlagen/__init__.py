@@ -1,4 +1,4 @@
-"""xlagen: XLA-compiled text generation for TensorFlow with the transformers 4.x TF API.
+"""xlagen: XLA-compiled text and speech generation for TensorFlow with the transformers 4.x TF API.
 
 Names are imported lazily (PEP 562), so `from xlagen import AutoTokenizer` does not load TensorFlow.
 """

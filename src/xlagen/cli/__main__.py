@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser; `parse_args` gives a namespace with `command`, `verbose`, `quiet` and `run`.
     """
-    parser = argparse.ArgumentParser(prog=PROG, description="XLA-compiled text generation with TensorFlow "
+    parser = argparse.ArgumentParser(prog=PROG, description="XLA-compiled text and speech generation with TensorFlow "
                                      "on Hugging Face checkpoints.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)

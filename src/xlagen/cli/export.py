@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     from xlagen import AutoTokenizer
     from xlagen.export import ExportConfig, export_saved_model
     from xlagen.hub import resolve_model_dir
-    from xlagen.weights.checkpoint import read_json
     from xlagen.modeling import TFAutoModelForGeneration
+    from xlagen.weights.checkpoint import read_json
 
     try:
         export = ExportConfig(strategies=args.strategies, max_new_tokens=args.max_new_tokens,

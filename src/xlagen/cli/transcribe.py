@@ -48,7 +48,7 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
 
 
 def _clock(seconds: float, separator: str) -> str:
-    millis = int(round(seconds * 1000))
+    millis = round(seconds * 1000)
     hours, millis = divmod(millis, 3_600_000)
     minutes, millis = divmod(millis, 60_000)
     secs, millis = divmod(millis, 1000)

@@ -12,10 +12,10 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from xlagen.generation import whisper
 from xlagen.generation.beam_search import BeamOptions, beam_search
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Plan, Prompt, decode, repeat_rows
-from xlagen.generation import whisper
 from xlagen.generation.sampling import Runtime, build_processors, select_greedy, select_sample
 
 logger = logging.getLogger(__name__)
