@@ -91,7 +91,7 @@ class EncoderContext(NamedTuple):
     mask: object
 
 
-def decoder_prompt(batch, default_start, decoder_start_token_id=None, decoder_input_ids=None,
+def decoder_start_prompt(batch, default_start, decoder_start_token_id=None, decoder_input_ids=None,
                    decoder_attention_mask=None):
     """An encoder-decoder model's decoder prompt `(ids [B, P'], mask [B, P'])`: `decoder_input_ids` (mask
     all ones unless given), else the start token (`decoder_start_token_id`, or the model's `default_start`).
@@ -107,6 +107,13 @@ def decoder_prompt(batch, default_start, decoder_start_token_id=None, decoder_in
         raise ValueError("generate() needs a decoder_start_token_id (in generation_config.json, config.json "
                          "or as an argument)")
     return ops.full((batch, 1), start, "int32"), ops.ones((batch, 1), "int32")
+
+
+def encoder_context(decoder_blocks, encoder_output, attention_mask) -> EncoderContext:
+    """The `EncoderContext` of an encoder output `[B, L, hidden]`: each decoder block's cross-attention
+    keys/values (projected once) and the encoder mask `[B, L]`."""
+    memory = tuple(block.cross_attention.project_memory(encoder_output) for block in decoder_blocks)
+    return EncoderContext(memory, ops.cast(attention_mask, "int32"))
 
 
 def extend_mask(attention_mask, total_length: int):

@@ -33,7 +33,7 @@ from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock
 from xlagen.layers.embeddings import TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import rms_norm
-from xlagen.models.base import CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_prompt
+from xlagen.models.base import CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_start_prompt, encoder_context
 from xlagen.models.training import Seq2SeqLMTraining
 
 logger = logging.getLogger(__name__)
@@ -290,8 +290,7 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         return self.dropout(self.encoder_final_norm(x), training=training)
 
     def _context(self, encoder_output, attention_mask) -> EncoderContext:
-        memory = tuple(block.cross_attention.project_memory(encoder_output) for block in self.decoder_blocks)
-        return EncoderContext(memory, ops.cast(attention_mask, "int32"))
+        return encoder_context(self.decoder_blocks, encoder_output, attention_mask)
 
     def _decode(self, token_ids, attention_mask, context: EncoderContext, cache=None, cache_index=None,
                 last_only=False, training=False):
@@ -368,8 +367,8 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         # Padding positions hold id 0 (their outputs are masked) so that any pad id is a valid index.
         encoder = {"encoder_ids": ops.where(ops.cast(attention_mask, "bool"), input_ids, 0),
                    "encoder_mask": attention_mask}
-        ids, mask = decoder_prompt(ops.shape(input_ids)[0], self.config.decoder_start_token_id,
-                                   decoder_start_token_id, decoder_input_ids, decoder_attention_mask)
+        ids, mask = decoder_start_prompt(ops.shape(input_ids)[0], self.config.decoder_start_token_id,
+                                         decoder_start_token_id, decoder_input_ids, decoder_attention_mask)
         return ids, mask, encoder
 
     def encode_context(self, encoder_ids, encoder_mask) -> EncoderContext:

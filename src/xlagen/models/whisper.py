@@ -26,8 +26,8 @@ from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
-from xlagen.models.base import (CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_prompt, positions_at,
-                                positions_from_mask)
+from xlagen.models.base import (CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_start_prompt, encoder_context,
+                                positions_at, positions_from_mask)
 from xlagen.models.training import Seq2SeqLMTraining
 
 logger = logging.getLogger(__name__)
@@ -246,8 +246,7 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         return self.encoder_final_norm(x)
 
     def _context(self, encoder_output) -> EncoderContext:
-        memory = tuple(block.cross_attention.project_memory(encoder_output) for block in self.decoder_blocks)
-        return EncoderContext(memory, ops.ones(ops.shape(encoder_output)[:2], "int32"))
+        return encoder_context(self.decoder_blocks, encoder_output, ops.ones(ops.shape(encoder_output)[:2], "int32"))
 
     def _decode(self, token_ids, positions, mask, context: EncoderContext, cache=None, cache_index=None,
                 last_only=False, training=False):
@@ -314,8 +313,8 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         """
         self._check_features(input_features)
         encoder = {"input_features": input_features}
-        ids, mask = decoder_prompt(ops.shape(input_features)[0], self.config.decoder_start_token_id,
-                                   decoder_start_token_id, decoder_input_ids, decoder_attention_mask)
+        ids, mask = decoder_start_prompt(ops.shape(input_features)[0], self.config.decoder_start_token_id,
+                                         decoder_start_token_id, decoder_input_ids, decoder_attention_mask)
         return ids, mask, encoder
 
     def encode_context(self, input_features) -> EncoderContext:
