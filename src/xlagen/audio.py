@@ -37,8 +37,8 @@ logger = logging.getLogger(__name__)
 
 FEATURE_EXTRACTOR_NAME = "preprocessor_config.json"
 _MAX_MEL_FREQUENCY = 8000.0  # Whisper's filter bank stops at 8 kHz whatever the sampling rate.
-_LOG_FLOOR = 1e-10
-_DYNAMIC_RANGE = 8.0  # decades (80 dB) below the loudest bin of each example
+LOG_FLOOR = 1e-10
+DYNAMIC_RANGE = 8.0  # decades (80 dB) below the loudest bin of each example
 # The settings of preprocessor_config.json that WhisperFeatureExtractor takes.
 _SETTINGS = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "padding_value", "dither",
              "return_attention_mask", "padding_side")
@@ -389,8 +389,8 @@ class WhisperFeatureExtractor:
         frames = frames[:-1]  # Whisper drops the last frame: [length // hop, n_fft]
         spectrum = np.fft.rfft(frames * self.window, axis=-1)  # [T, F]
         power = spectrum.real ** 2 + spectrum.imag ** 2
-        log_mel = np.log10(np.maximum(power @ self.mel_filters, _LOG_FLOOR))  # [T, M]
-        log_mel = np.maximum(log_mel, log_mel.max() - _DYNAMIC_RANGE)
+        log_mel = np.log10(np.maximum(power @ self.mel_filters, LOG_FLOOR))  # [T, M]
+        log_mel = np.maximum(log_mel, log_mel.max() - DYNAMIC_RANGE)
         return ((log_mel + 4.0) / 4.0).T.astype(np.float32)
 
 

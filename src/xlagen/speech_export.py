@@ -22,14 +22,11 @@ import numpy as np
 import tensorflow as tf
 
 from xlagen import graph_tokenizer
+from xlagen.audio import DYNAMIC_RANGE, LOG_FLOOR
 from xlagen.export import ExportConfig, ExportedSignature, export_saved_model
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Prompt
 from xlagen.generation.whisper import decoder_prompt
-
-_LOG_FLOOR = 1e-10
-_DYNAMIC_RANGE = 8.0
-
 
 def log_mel(audio: tf.Tensor, feature_extractor) -> tf.Tensor:
     """Whisper's log-mel features of 16 kHz audio with TensorFlow ops.
@@ -51,8 +48,8 @@ def log_mel(audio: tf.Tensor, feature_extractor) -> tf.Tensor:
     spectrum = tf.signal.rfft(frames * window)  # [B, T, F]
     power = tf.math.real(spectrum) ** 2 + tf.math.imag(spectrum) ** 2
     mel = tf.matmul(power, tf.constant(feature_extractor.mel_filters, tf.float32))  # [B, T, M]
-    logs = tf.math.log(tf.maximum(mel, _LOG_FLOOR)) / np.log(10.0)
-    logs = tf.maximum(logs, tf.reduce_max(logs, axis=[1, 2], keepdims=True) - _DYNAMIC_RANGE)
+    logs = tf.math.log(tf.maximum(mel, LOG_FLOOR)) / np.log(10.0)
+    logs = tf.maximum(logs, tf.reduce_max(logs, axis=[1, 2], keepdims=True) - DYNAMIC_RANGE)
     return tf.transpose((logs + 4.0) / 4.0, [0, 2, 1])
 
 

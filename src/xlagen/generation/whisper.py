@@ -15,6 +15,7 @@ from __future__ import annotations
 import tensorflow as tf
 
 from xlagen.generation.config import GenerationConfig
+from xlagen.generation.loop import batch_size
 from xlagen.generation.sampling import NEG_INF, Context, Processor
 from xlagen.whisper_tokens import LANGUAGE_CODES, LANGUAGES
 
@@ -145,8 +146,7 @@ def detect_language(model, input_features, config: GenerationConfig) -> tf.Tenso
     Returns:
         int32 `[B]`.
     """
-    batch = tf.shape(input_features)[0] if input_features.shape[0] is None else input_features.shape[0]
-    start = tf.fill([batch, 1], tf.constant(config.decoder_start_token_id, tf.int32))
+    start = tf.fill([batch_size(input_features), 1], tf.constant(config.decoder_start_token_id, tf.int32))
     logits, _ = model.prefill(start, tf.ones_like(start), 1, input_features=input_features)
     languages = _mask(config.lang_to_id.values(), logits.shape[-1])
     return tf.argmax(tf.where(languages[None, :], logits, NEG_INF), axis=-1, output_type=tf.int32)
@@ -160,7 +160,6 @@ def decoder_prompt(model, input_features, config: GenerationConfig) -> tf.Tensor
     if config.decoder_start_token_id is None:  # a model built from its config: its own start token
         config = config.update(decoder_start_token_id=model.config.decoder_start_token_id)
     check_options(config)
-    batch = input_features.shape[0] if input_features.shape[0] is not None else tf.shape(input_features)[0]
     columns: list = [config.decoder_start_token_id]
     if config.task is None and config.language is None and config.forced_decoder_ids:
         forced = list(config.forced_decoder_ids)
@@ -204,5 +203,6 @@ def decoder_prompt(model, input_features, config: GenerationConfig) -> tf.Tensor
     elif config.return_timestamps and isinstance(columns[-1], int) and columns[-1] == no_timestamps:
         columns.pop()
     columns = [c for c in columns if c is not None]
+    batch = batch_size(input_features)
     return tf.stack([tf.fill([batch], tf.constant(c, tf.int32)) if isinstance(c, int)
                      else tf.broadcast_to(tf.cast(c, tf.int32), [batch]) for c in columns], axis=1)
