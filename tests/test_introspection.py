@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from xlagen.cli.__main__ import main
 from xlagen.generation.introspect import generate_ir
@@ -17,6 +20,29 @@ def test_generate_is_one_program_with_one_while_loop(gpt2_model):
     assert hlo.count(" while(") == 1  # the whole decode is one loop inside one module
     optimized = generate_ir(gpt2_model, max_new_tokens=6, pad_token_id=1, stage="optimized_hlo")
     assert "dynamic-update-slice" in optimized  # the static cache is written in place, never concatenated
+
+
+def _loop_body(hlo: str) -> str:
+    """The text of the computation that is the (single) while loop's body in an HLO module."""
+    body = re.search(r" while\(.*?body=(%[\w.\-]+)", hlo).group(1)
+    start = hlo.index(f"\n{body} ") + 1
+    return hlo[start:hlo.index("\n}", start)]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_decoding_step_updates_the_cache_in_place(gpt2_model, batch_size):
+    # A greedy decoding step must neither copy nor transpose the key/value cache (XLA used to copy each
+    # layer's cache buffers every step: a cost that grows with the cache length); the only cache-sized
+    # work left is the in-place write. (Beam search also gathers the cache rows of the surviving beams
+    # every step, which XLA cannot do in place.)
+    config = gpt2_model.config
+    shape = f"f32[{batch_size},{config.num_heads},{8 + 20},{config.hidden_size // config.num_heads}]"
+    hlo = generate_ir(gpt2_model, batch_size=batch_size, max_new_tokens=20, pad_token_id=1, stage="optimized_hlo")
+    cache_ops = [line for line in _loop_body(hlo).splitlines()
+                 if f"= {shape}" in line and "get-tuple-element(" not in line]
+    assert cache_ops, "the cache shape was not found in the loop body"
+    assert not [line for line in cache_ops if " copy(" in line or "transpose" in line.split("=")[0]], cache_ops
+    assert sum("dynamic-update-slice" in line.split("=")[0] for line in cache_ops) == 2 * config.num_layers
 
 
 def test_hlo_command_writes_both_stages(gpt2_checkpoint, tmp_path, capsys):
