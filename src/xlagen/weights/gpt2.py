@@ -17,7 +17,7 @@ IGNORE = (r"h\.\d+\.attn\.(masked_)?bias",)
 
 def rules(config) -> list[Rule]:
     """The conversion table for a `GPT2Config`."""
-    table = [Rule("token_embedding/embeddings", ("wte.weight",)),
+    table = [Rule("token_embedding/kernel", ("wte.weight",), transpose),
              Rule("position_embedding/embeddings", ("wpe.weight",)),
              Rule("final_norm/gamma", ("ln_f.weight",)),
              Rule("final_norm/beta", ("ln_f.bias",))]

@@ -28,7 +28,7 @@ def _dense(target: str, source: str, config) -> list[Rule]:
 
 def rules(config) -> list[Rule]:
     """The conversion table for an `OPTConfig`."""
-    table = [Rule("token_embedding/embeddings", ("decoder.embed_tokens.weight",)),
+    table = [Rule("token_embedding/kernel", ("decoder.embed_tokens.weight",), transpose),
              Rule("position_embedding/embeddings", ("decoder.embed_positions.weight",))]
     if config.projects_embeddings:
         table += [Rule("project_in/kernel", ("decoder.project_in.weight",), transpose),

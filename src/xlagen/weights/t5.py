@@ -52,7 +52,7 @@ def _norm(target: str, source: str) -> Rule:
 def rules(config) -> list[Rule]:
     """The conversion table for a `T5Config`."""
     bias = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    table = [Rule("token_embedding/embeddings", ("shared.weight",)),
+    table = [Rule("token_embedding/kernel", ("shared.weight",), transpose),
              Rule("encoder_position_bias/embeddings", (f"encoder.{bias}",)),
              Rule("decoder_position_bias/embeddings", (f"decoder.{bias}",)),
              _norm("encoder_final_norm", "encoder.final_layer_norm"),

@@ -56,7 +56,7 @@ def rules(config) -> list[Rule]:
              Rule("stem/conv2/bias", ("encoder.conv2.bias",)),
              Rule("encoder_positions/embeddings", ("encoder.embed_positions.weight",)),
              *_norm("encoder_final_norm", "encoder.layer_norm"),
-             Rule("token_embedding/embeddings", ("decoder.embed_tokens.weight",)),
+             Rule("token_embedding/kernel", ("decoder.embed_tokens.weight",), transpose),
              Rule("position_embedding/embeddings", ("decoder.embed_positions.weight",)),
              *_norm("decoder_final_norm", "decoder.layer_norm")]
     for i in range(config.encoder_layers):
