@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from xlagen import cache as cache_lib
+from xlagen.layers.dense import Dense
 
 # Added to the scores of masked keys; finite so that a fully masked row (a left-padding query) stays
 # finite instead of turning into NaN.
@@ -106,9 +107,9 @@ class _MultiHead(keras.layers.Layer):
         self.head_dim = head_dim
         self.scale = scale
         for name, parts in self.PROJECTIONS:
-            setattr(self, name, keras.layers.Dense(parts * num_heads * head_dim, use_bias=use_bias, name=name,
+            setattr(self, name, Dense(parts * num_heads * head_dim, use_bias=use_bias, name=name,
                                                    dtype=self.dtype_policy))
-        self.output_projection = keras.layers.Dense(hidden_size, use_bias=use_bias, name="output_projection",
+        self.output_projection = Dense(hidden_size, use_bias=use_bias, name="output_projection",
                                                     dtype=self.dtype_policy)
         self.dropout = keras.layers.Dropout(dropout)
 

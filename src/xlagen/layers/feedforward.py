@@ -7,6 +7,8 @@ import math
 import keras
 from keras import ops
 
+from xlagen.layers.dense import Dense
+
 
 def _gelu_tanh(x):
     # GPT-2's "gelu_new": the tanh approximation of GELU.
@@ -59,13 +61,13 @@ class FeedForward(keras.layers.Layer):
                  gated: bool = False, dropout: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self.activation = get_activation(activation)
-        self.input_projection = keras.layers.Dense(intermediate_size, use_bias=use_bias, name="input_projection",
+        self.input_projection = Dense(intermediate_size, use_bias=use_bias, name="input_projection",
                                                    dtype=self.dtype_policy)
         self.gate_projection = None
         if gated:
-            self.gate_projection = keras.layers.Dense(intermediate_size, use_bias=use_bias, name="gate_projection",
+            self.gate_projection = Dense(intermediate_size, use_bias=use_bias, name="gate_projection",
                                                       dtype=self.dtype_policy)
-        self.output_projection = keras.layers.Dense(hidden_size, use_bias=use_bias, name="output_projection",
+        self.output_projection = Dense(hidden_size, use_bias=use_bias, name="output_projection",
                                                     dtype=self.dtype_policy)
         self.dropout = keras.layers.Dropout(dropout)
         self.hidden_size = hidden_size
