@@ -122,8 +122,8 @@ class PreTrainedTokenizerFast:
         hf_config = read_json_or_empty(folder / "tokenizer_config.json")
         overrides = dict(special_token_overrides, pad_token=pad_token, padding_side=padding_side)
         values = merge_settings(hf_config, read_json_or_empty(folder / "special_tokens_map.json"),
-                                 read_json_or_empty(folder / "config.json").get("model_type"),
-                                 {key: value for key, value in overrides.items() if value is not None})
+                                read_json_or_empty(folder / "config.json").get("model_type"),
+                                {key: value for key, value in overrides.items() if value is not None})
         given = {key for key, value in special_token_overrides.items() if value is not None}
         misplaced = given & _ALL_CLASS_KEYWORDS - set(_CLASS_KEYWORDS.get(values["tokenizer_class"], ()))
         if misplaced:

@@ -108,9 +108,9 @@ class _MultiHead(keras.layers.Layer):
         self.scale = scale
         for name, parts in self.PROJECTIONS:
             setattr(self, name, Dense(parts * num_heads * head_dim, use_bias=use_bias, name=name,
-                                                   dtype=self.dtype_policy))
+                                      dtype=self.dtype_policy))
         self.output_projection = Dense(hidden_size, use_bias=use_bias, name="output_projection",
-                                                    dtype=self.dtype_policy)
+                                       dtype=self.dtype_policy)
         self.dropout = keras.layers.Dropout(dropout)
 
     def build(self, input_shape):
@@ -171,7 +171,8 @@ class Attention(_MultiHead):
         """
         length = ops.shape(layer_cache.key)[2]
         index = ops.cast(cache_index, "int32")
-        at_index = ops.arange(length, dtype="int32") == index  # [S]
+        positions = ops.arange(length, dtype="int32")  # [S]
+        at_index = positions == index
         old = ops.transpose(ops.matmul(layer_cache.key, ops.transpose(query, (0, 1, 3, 2))), (0, 1, 3, 2))
         new = ops.sum(query * key, axis=-1, keepdims=True)  # [B, H, 1, 1]
         scores = ops.cast(ops.concatenate([old, new], axis=-1) * self.scale, "float32")
@@ -180,7 +181,7 @@ class Attention(_MultiHead):
             bias_new = ops.sum(ops.where(at_index, bias, 0.0), axis=-1, keepdims=True)
             scores = scores + ops.concatenate([bias, bias_new], axis=-1)
         visible_new = ops.any(ops.logical_and(mask, at_index), axis=-1, keepdims=True)
-        visible_old = ops.logical_and(mask, ops.arange(length, dtype="int32") < index)
+        visible_old = ops.logical_and(mask, positions < index)
         scores = ops.where(ops.concatenate([visible_old, visible_new], axis=-1), scores, MASK_VALUE)
         weights = ops.cast(ops.softmax(scores, axis=-1), value.dtype)
         weights = self.dropout(weights, training=training)

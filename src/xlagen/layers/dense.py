@@ -12,7 +12,7 @@ class Dense(keras.layers.Dense):
     Why: XLA's CPU backend fuses an add that follows a one-row matrix product (a batch-1 decoding step)
     into the product, and emits the fused product as a single-threaded loop; a subtraction is not
     fused, so the product runs on the thread pool. GPT-2-small's 12 layers of decode-step products:
-    11.9 -> 11.0 ms (`benchmarks/dot_forms.py`). Weights, names and serialization are Keras' Dense.
+    13.6 -> 11.7 ms (`benchmarks/dot_forms.py`). Weights, names and serialization are Keras' Dense.
     """
 
     def call(self, inputs, training=None):

@@ -10,11 +10,11 @@ class TokenEmbedding(keras.layers.Layer):
     """A token embedding that is also the tied output projection (`attend`), stored in the output
     projection's layout: `kernel` `[hidden, V]` (the checkpoint's `[V, hidden]` matrix transposed).
 
-    Why not the checkpoint's layout: for more than one row (beams, batches), XLA's CPU dot reads a
-    `[V, hidden]` matrix contracted on its minor axis through a much slower path than a `[hidden, V]`
-    one (GPT-2-small's head, 2 rows: 9.1 vs 5.1 ms; 8 rows: 9.3 vs 6.1 ms; one row: about equal), and
-    the head is the largest matrix a decoding step reads. A lookup reads one column per token instead of
-    one row, which costs nothing measurable.
+    Why not the checkpoint's layout: XLA's CPU dot reads a `[V, hidden]` matrix contracted on its
+    minor axis through a slower path than a `[hidden, V]` one, and the head is the largest matrix a
+    decoding step reads (GPT-2-small's head for 1 / 2 / 8 rows: 5.9 / 8.6 / 10.1 ms against
+    4.7 / 3.7 / 5.7 ms, `benchmarks/dot_forms.py`). A lookup reads one column per token instead of one
+    row, which costs nothing measurable.
 
     Args:
         input_dim: V, the vocabulary size.

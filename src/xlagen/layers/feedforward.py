@@ -62,13 +62,13 @@ class FeedForward(keras.layers.Layer):
         super().__init__(**kwargs)
         self.activation = get_activation(activation)
         self.input_projection = Dense(intermediate_size, use_bias=use_bias, name="input_projection",
-                                                   dtype=self.dtype_policy)
+                                      dtype=self.dtype_policy)
         self.gate_projection = None
         if gated:
             self.gate_projection = Dense(intermediate_size, use_bias=use_bias, name="gate_projection",
-                                                      dtype=self.dtype_policy)
+                                         dtype=self.dtype_policy)
         self.output_projection = Dense(hidden_size, use_bias=use_bias, name="output_projection",
-                                                    dtype=self.dtype_policy)
+                                       dtype=self.dtype_policy)
         self.dropout = keras.layers.Dropout(dropout)
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
