@@ -92,7 +92,7 @@ class EncoderContext(NamedTuple):
 
 
 def decoder_start_prompt(batch, default_start, decoder_start_token_id=None, decoder_input_ids=None,
-                   decoder_attention_mask=None):
+                         decoder_attention_mask=None):
     """An encoder-decoder model's decoder prompt `(ids [B, P'], mask [B, P'])`: `decoder_input_ids` (mask
     all ones unless given), else the start token (`decoder_start_token_id`, or the model's `default_start`).
 
