@@ -29,19 +29,22 @@ def _loop_body(hlo: str) -> str:
     return hlo[start:hlo.index("\n}", start)]
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_decoding_step_updates_the_cache_in_place(gpt2_model, batch_size):
-    # A greedy decoding step must neither copy nor transpose the key/value cache (XLA used to copy each
-    # layer's cache buffers every step: a cost that grows with the cache length); the only cache-sized
-    # work left is the in-place write. (Beam search also gathers the cache rows of the surviving beams
-    # every step, which XLA cannot do in place.)
+@pytest.mark.parametrize(("batch_size", "num_beams"), [(1, 1), (3, 1), (1, 2), (2, 3)])
+def test_decoding_step_updates_the_cache_in_place(gpt2_model, batch_size, num_beams):
+    # A decoding step must neither copy nor transpose the key/value cache (XLA used to copy each layer's
+    # cache buffers every step, and beam search gathered every layer's cache rows: costs that grow with
+    # the cache length); the only cache-sized work left is the in-place write. Beam search keeps its
+    # cache in the beam layout [B, H, K, S, D] and reorders only the slots table.
     config = gpt2_model.config
-    shape = f"f32[{batch_size},{config.num_heads},{8 + 20},{config.hidden_size // config.num_heads}]"
-    hlo = generate_ir(gpt2_model, batch_size=batch_size, max_new_tokens=20, pad_token_id=1, stage="optimized_hlo")
+    beams = f"{num_beams}," if num_beams > 1 else ""
+    shape = f"f32[{batch_size},{config.num_heads},{beams}{8 + 20},{config.hidden_size // config.num_heads}]"
+    hlo = generate_ir(gpt2_model, batch_size=batch_size, max_new_tokens=20, pad_token_id=1, num_beams=num_beams,
+                      stage="optimized_hlo")
     cache_ops = [line for line in _loop_body(hlo).splitlines()
                  if f"= {shape}" in line and "get-tuple-element(" not in line]
     assert cache_ops, "the cache shape was not found in the loop body"
-    assert not [line for line in cache_ops if " copy(" in line or "transpose" in line.split("=")[0]], cache_ops
+    assert not [line for line in cache_ops if " copy(" in line or "transpose" in line.split("=")[0]
+                or "gather" in line.split("=")[0]], cache_ops
     assert sum("dynamic-update-slice" in line.split("=")[0] for line in cache_ops) == 2 * config.num_layers
 
 

@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from xlagen import cache as cache_lib
 from xlagen.generation.loop import Plan, Prompt, batch_size, is_eos, prefill, prompt_buffer, write_column
 from xlagen.generation.sampling import Context, Runtime, apply_processors
 
@@ -48,7 +47,7 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
     """Beam search over a left-padded batch.
 
     Args:
-        model: Anything with `prefill` / `decode_step` / `reorder_state` (see
+        model: Anything with `prefill` / `expand_beams` / `decode_step` / `reorder_state` (see
             `xlagen.models.base.CausalDecoding`).
         prompt: The prompt and the model's other inputs.
         plan: Static options shared with greedy decoding (`select` is unused).
@@ -67,8 +66,8 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
     logits, decoder_state = prefill(model, prompt, total)
     vocab = logits.shape[-1]
     # Every beam starts from the same prompt (and encoder output): run it once, then repeat rows K times.
-    repeat = tf.repeat(tf.range(batch), num_beams)
-    logits, decoder_state = tf.gather(logits, repeat), cache_lib.batch_gather(decoder_state, repeat)
+    logits = tf.repeat(logits, num_beams, axis=0)
+    decoder_state = model.expand_beams(decoder_state, num_beams)
     running = tf.repeat(prompt_buffer(prompt.ids, plan.max_new_tokens, runtime.pad_id)[:, None, :], num_beams, axis=1)
     first_only = tf.concat([tf.zeros([batch, 1]), tf.fill([batch, num_beams - 1], BIG_NEGATIVE)], axis=1)
     score_steps = plan.max_new_tokens if plan.output_scores else 0

@@ -71,11 +71,14 @@ class DecoderState(NamedTuple):
         attention_mask: int32 `[B, S]`, the prompt's mask followed by ones for new tokens.
         context: Read-only tensors the decoder attends to besides its cache, from `encode_context`:
             `()` for decoder-only models, an `EncoderContext` for encoder-decoder models.
+        slots: `()`, or with the cache in the beam layout (`expand_beams`), int32 `[G, K, S]`: which of
+            its prompt's K slots holds each position of each beam's history.
     """
 
     cache: tuple
     attention_mask: object
     context: object = ()
+    slots: object = ()
 
 
 class EncoderContext(NamedTuple):
@@ -180,14 +183,31 @@ class CausalDecoding:
                                              context=context)
         return logits[:, -1], DecoderState(cache, mask, context)
 
+    def expand_beams(self, state: DecoderState, num_beams: int) -> DecoderState:
+        """The state of K = `num_beams` beams per row of a prompt's state (rows `[G]` -> `[G * K]`).
+
+        The attention mask and encoder context are repeated per beam; the cache goes to the beam layout
+        (`xlagen.cache.expand_beams`), where each beam starts from a copy of the prompt in its own slot.
+        """
+        groups, length = ops.shape(state.attention_mask)[0], state.attention_mask.shape[1]
+        rows = ops.repeat(ops.arange(groups, dtype="int32"), num_beams)
+        repeated = cache_lib.batch_gather((state.attention_mask, state.context), rows)
+        slots = ops.broadcast_to(ops.arange(num_beams, dtype="int32")[None, :, None], (groups, num_beams, length))
+        return DecoderState(cache_lib.expand_beams(state.cache, num_beams), *repeated, slots=slots)
+
     def reorder_state(self, state: DecoderState, rows) -> DecoderState:
         """The state of the rows `rows` `[B]` (beam search: each beam continues a parent beam).
 
         Beams never move to another prompt, and the attention mask and encoder context are the same for
-        every beam of a prompt, so only the cache is gathered (copying an encoder's keys and values
-        every step would cost a speech model about one more weight read per step).
+        every beam of a prompt, so neither is gathered (copying an encoder's keys and values every step
+        would cost a speech model about one more weight read per step). In the beam layout only the
+        slots table is gathered, never the cache; otherwise the cache rows are.
         """
-        return state._replace(cache=cache_lib.batch_gather(state.cache, rows))
+        if isinstance(state.slots, tuple):
+            return state._replace(cache=cache_lib.batch_gather(state.cache, rows))
+        _, beams, length = state.slots.shape
+        slots = ops.take(ops.reshape(state.slots, (-1, length)), rows, axis=0)
+        return state._replace(slots=ops.reshape(slots, (-1, beams, length)))
 
     def decode_step(self, token_ids, index, state: DecoderState):
         """Runs one token per row written at `index`.
@@ -195,14 +215,22 @@ class CausalDecoding:
         Args:
             token_ids: int32 `[B, 1]`.
             index: int32 scalar, the token's position in the cache.
-            state: From `prefill` (or a previous step).
+            state: From `prefill` (or a previous step), or `expand_beams`.
 
         Returns:
             `(logits float32 [B, V], new state)`.
         """
+        if isinstance(state.slots, tuple):
+            logits, cache = self.call_with_cache(token_ids, state.cache, index, state.attention_mask,
+                                                 context=state.context)
+            return logits[:, -1], state._replace(cache=cache)
+        # Each beam writes its token into its own slot.
+        _, beams, length = state.slots.shape
+        own = ops.arange(length, dtype="int32") == ops.cast(index, "int32")
+        slots = ops.where(own, ops.arange(beams, dtype="int32")[None, :, None], state.slots)
         logits, cache = self.call_with_cache(token_ids, state.cache, index, state.attention_mask,
-                                             context=state.context)
-        return logits[:, -1], state._replace(cache=cache)
+                                             context=state.context, slots=slots)
+        return logits[:, -1], state._replace(cache=cache, slots=slots)
 
 
 class DecoderOnlyLM(CausalDecoding):
@@ -268,21 +296,24 @@ class DecoderOnlyLM(CausalDecoding):
         return cache_lib.init_cache(self.config.num_layers, batch_size, self.config.num_heads, max_length,
                                     self.config.head_dim, dtype or self.compute_dtype)
 
-    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=()):
+    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=(),
+                        slots=None):
         """Runs `token_ids` written at `cache_index` against the static cache.
 
         Args:
             token_ids: int32 `[B, T]` (the prompt on the first call, one token per step after).
-            cache: From `init_cache`, `[B, H, S, D]` per layer.
+            cache: From `init_cache`, `[B, H, S, D]` per layer (or the beam layout, see `slots`).
             cache_index: int32 scalar tensor, the write offset.
             attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
             last_only: Compute logits for the last token only (`T` becomes 1 in the output).
             context: Unused (decoder-only models attend to nothing else), see `encode_context`.
+            slots: For a decoding step over a cache in the beam layout: int32 `[G, K, S]`, see
+                `attention.causal_mask`.
 
         Returns:
             `(logits float32 [B, T, V], updated cache)`.
         """
         num_tokens = token_ids.shape[1]
         positions = positions_at(attention_mask, cache_index, num_tokens)
-        mask = causal_mask(attention_mask, cache_index, num_tokens)
+        mask = causal_mask(attention_mask, cache_index, num_tokens, slots)
         return self._forward(token_ids, positions, mask, cache, cache_index, last_only)

@@ -293,14 +293,14 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         return encoder_context(self.decoder_blocks, encoder_output, attention_mask)
 
     def _decode(self, token_ids, attention_mask, context: EncoderContext, cache=None, cache_index=None,
-                last_only=False, training=False):
+                last_only=False, training=False, slots=None):
         """The decoder and LM head on `token_ids` `[B, T]` at positions cache_index.. (0.. without a cache),
         attending over `attention_mask` `[B, S]` (the whole cache, or the T tokens)."""
         start = 0 if cache_index is None else cache_index
         num_tokens = token_ids.shape[1]
         queries = ops.cast(start, "int32") + ops.arange(num_tokens, dtype="int32")
         bias = self.decoder_position_bias.bias(queries, ops.arange(ops.shape(attention_mask)[1], dtype="int32"))
-        mask, cross_mask = causal_mask(attention_mask, start, num_tokens), padding_mask(context.mask)
+        mask, cross_mask = causal_mask(attention_mask, start, num_tokens, slots), padding_mask(context.mask)
         x = self.dropout(self.token_embedding(token_ids), training=training)
         new_cache = []
         for i, block in enumerate(self.decoder_blocks):
@@ -380,20 +380,23 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         return cache_lib.init_cache(self.config.num_decoder_layers, batch_size, self.config.num_heads, max_length,
                                     self.config.head_dim, dtype or self.compute_dtype)
 
-    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=None):
+    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=None,
+                        slots=None):
         """Runs decoder tokens written at `cache_index` against the static cache and the encoder context.
 
         Args:
             token_ids: int32 `[B, T]`.
-            cache: From `init_cache`, `[B, H, S, D]` per layer.
+            cache: From `init_cache`, `[B, H, S, D]` per layer (or the beam layout, see `slots`).
             cache_index: int32 scalar tensor, the write offset (and the first token's position).
             attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
             last_only: Compute logits for the last token only (`T` becomes 1 in the output).
             context: The `EncoderContext` from `encode_context`.
+            slots: For a decoding step over a cache in the beam layout: int32 `[G, K, S]`, see
+                `attention.causal_mask`.
 
         Returns:
             `(logits float32 [B, T, V], updated cache)`.
         """
         if not isinstance(context, EncoderContext):
             raise TypeError("T5 decodes against its encoder: pass context=model.encode_context(ids, mask)")
-        return self._decode(token_ids, attention_mask, context, cache, cache_index, last_only)
+        return self._decode(token_ids, attention_mask, context, cache, cache_index, last_only, slots=slots)

@@ -327,16 +327,19 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         return cache_lib.init_cache(self.config.decoder_layers, batch_size, heads, max_length,
                                     self.config.hidden_size // heads, dtype or self.compute_dtype)
 
-    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=None):
+    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=None,
+                        slots=None):
         """Runs decoder tokens written at `cache_index` against the static cache and the encoder context.
 
         Args:
             token_ids: int32 `[B, T]`.
-            cache: From `init_cache`, `[B, H, S, D]` per layer.
+            cache: From `init_cache`, `[B, H, S, D]` per layer (or the beam layout, see `slots`).
             cache_index: int32 scalar tensor, the write offset.
             attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
             last_only: Compute logits for the last token only (`T` becomes 1 in the output).
             context: The `EncoderContext` from `encode_context`.
+            slots: For a decoding step over a cache in the beam layout: int32 `[G, K, S]`, see
+                `attention.causal_mask`.
 
         Returns:
             `(logits float32 [B, T, V], updated cache)`.
@@ -345,5 +348,5 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
             raise TypeError("Whisper decodes against its encoder: pass context=model.encode_context(features)")
         num_tokens = token_ids.shape[1]
         positions = positions_at(attention_mask, cache_index, num_tokens)
-        mask = causal_mask(attention_mask, cache_index, num_tokens)
+        mask = causal_mask(attention_mask, cache_index, num_tokens, slots)
         return self._decode(token_ids, positions, mask, context, cache, cache_index, last_only)
