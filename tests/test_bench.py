@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import textwrap
 
@@ -112,3 +113,15 @@ def test_missing_peer_environment_is_a_usage_error(tmp_path, capsys):
                  "--output-dir", str(tmp_path)])
     assert code == 2
     assert "setup_seed_env.sh" in capsys.readouterr().err
+
+
+def test_profile_step_script_sums_xla_instructions_per_step():
+    # benchmarks/profile_step.py on a tiny model: the profiler's XLA thunk events are found and summed.
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "profile_step.py")
+    out = subprocess.run([sys.executable, script, "--model", "tiny-gpt2", "--strategy", "beam2", "--new-tokens", "4",
+                          "--top", "40", "--timeline", "0.5"], capture_output=True, text=True, check=True).stdout
+    table = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| instruction")]
+    assert "tiny-gpt2 beam2 b1 n4 xla" in out and len(table) >= 5, out
+    assert any(line.startswith("| dot |") for line in table), table  # the attention / projection products
+    assert any("dynamic-update-slice" in line for line in table), table  # the cache writes
+    assert "thread" in out.split("share of the call")[-1], "the --timeline window printed no events"
