@@ -69,6 +69,32 @@ def test_prefill_plus_cached_steps_equal_full_forward(gpt2_model):
         np.testing.assert_allclose(logits.numpy()[:, 0], full[:, t], atol=1e-5)
 
 
+def test_beam_layout_steps_follow_each_beams_own_history(gpt2_model):
+    # Two prompts x three beams in the beam layout: after each step the beams continue other beams of
+    # their prompt (only the slots table moves), and every row's logits must equal a full forward pass
+    # over that row's own token history.
+    ids = random_ids((2, 5), 64, seed=4)
+    _, state = gpt2_model.prefill(tf.constant(ids), tf.ones((2, 5), tf.int32), 8)
+    state = gpt2_model.expand_beams(state, 3)
+    histories = [list(ids[row // 3]) for row in range(6)]
+    for index, (tokens, parents) in enumerate([([7, 8, 9, 10, 11, 12], [2, 0, 0, 4, 5, 3]),
+                                               ([13, 14, 15, 16, 17, 18], [1, 1, 2, 3, 3, 4]),
+                                               ([19, 20, 21, 22, 23, 24], None)], start=5):
+        logits, state = gpt2_model.decode_step(tf.constant(tokens, tf.int32)[:, None], tf.constant(index), state)
+        histories = [history + [token] for history, token in zip(histories, tokens)]
+        full = gpt2_model(np.array(histories, np.int32)).logits.numpy()[:, -1]
+        np.testing.assert_allclose(logits.numpy(), full, atol=1e-5)
+        if parents is not None:
+            state = gpt2_model.reorder_state(state, tf.constant(parents, tf.int32))
+            histories = [list(histories[parent]) for parent in parents]
+
+
+def test_reorder_state_needs_the_beam_layout(gpt2_model):
+    _, state = gpt2_model.prefill(tf.constant(random_ids((1, 3), 64)), tf.ones((1, 3), tf.int32), 5)
+    with pytest.raises(ValueError, match="expand_beams"):
+        gpt2_model.reorder_state(state, tf.constant([0]))
+
+
 def test_keras_model_surface(gpt2_model):
     import keras
 

@@ -64,7 +64,8 @@ def positions_at(attention_mask, cache_index, num_tokens: int):
 
 
 class DecoderState(NamedTuple):
-    """What a model carries between decoding steps; every tensor has the batch on axis 0.
+    """What a model carries between decoding steps; every tensor has the batch on axis 0 (in the beam
+    layout, the cache and slots have the prompts on axis 0, each prompt's K beams inside).
 
     Attributes:
         cache: The static KV cache of the (decoder's) self-attention (`xlagen.cache`).
@@ -130,9 +131,9 @@ class CausalDecoding:
     """The decoding contract, built on `init_cache` / `call_with_cache`.
 
     Generation calls `generation_inputs`, then `prefill` and `decode_step`; the state they pass around
-    is an opaque nest whose tensors all have the batch on axis 0, so beam search can reorder it
-    generically. Decoder-only models use everything as is; an encoder-decoder model overrides
-    `generation_inputs` and `encode_context`.
+    is an opaque nest (a `DecoderState`). Beam search turns it into K beams per prompt with
+    `expand_beams` and continues chosen beams with `reorder_state`. Decoder-only models use everything
+    as is; an encoder-decoder model overrides `generation_inputs` and `encode_context`.
     """
 
     def generation_inputs(self, input_ids, attention_mask, decoder_start_token_id=None, decoder_input_ids=None,
@@ -196,15 +197,18 @@ class CausalDecoding:
         return DecoderState(cache_lib.expand_beams(state.cache, num_beams), *repeated, slots=slots)
 
     def reorder_state(self, state: DecoderState, rows) -> DecoderState:
-        """The state of the rows `rows` `[B]` (beam search: each beam continues a parent beam).
+        """The state of `expand_beams`' rows `rows` `[B * K]` (beam search: each beam continues a parent
+        beam of the same prompt).
 
-        Beams never move to another prompt, and the attention mask and encoder context are the same for
-        every beam of a prompt, so neither is gathered (copying an encoder's keys and values every step
-        would cost a speech model about one more weight read per step). In the beam layout only the
-        slots table is gathered, never the cache; otherwise the cache rows are.
+        Only the slots table is gathered: the cache never moves, and the attention mask and encoder
+        context are the same for every beam of a prompt (copying an encoder's keys and values every step
+        would cost a speech model about one more weight read per step).
+
+        Raises:
+            ValueError: for a state that is not in the beam layout.
         """
         if isinstance(state.slots, tuple):
-            return state._replace(cache=cache_lib.batch_gather(state.cache, rows))
+            raise ValueError("reorder_state takes a state from expand_beams (the cache in the beam layout)")
         _, beams, length = state.slots.shape
         slots = ops.take(ops.reshape(state.slots, (-1, length)), rows, axis=0)
         return state._replace(slots=ops.reshape(slots, (-1, beams, length)))
