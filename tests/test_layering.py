@@ -23,6 +23,9 @@ UPWARD = {
     "models": ("xlagen.generation", "xlagen.modeling", "xlagen.cli"),
     "generation": ("xlagen.modeling", "xlagen.cli"),
     "weights": ("xlagen.models", "xlagen.layers", "xlagen.generation", "xlagen.modeling", "xlagen.cli"),
+    # The native kernels sit below the layers that call them.
+    "native": ("xlagen.models", "xlagen.layers", "xlagen.generation", "xlagen.modeling", "xlagen.cli",
+               "xlagen.weights"),
 }
 
 

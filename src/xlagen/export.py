@@ -107,6 +107,14 @@ def _strategy_config(base: GenerationConfig, strategy: str, export: ExportConfig
         raise ValueError(f"cannot export the {strategy!r} signature with these options: {error}") from None
 
 
+def _refuse_packed(model, what: str) -> None:
+    """Packed bfloat16 weights run through xlagen's native kernel, which a serving process lacks."""
+    if getattr(model, "packed_weights", False):
+        raise ValueError(f"{what} cannot hold a model with packed bfloat16 weights: its program calls "
+                         "xlagen's native kernel, which a process without xlagen does not have; load the "
+                         "model without weight_dtype to export it")
+
+
 def _default_buckets(limit: int | None, new_tokens: int, encoder_decoder: bool) -> tuple[int, ...]:
     room = 512 if limit is None else min(512, limit if encoder_decoder else limit - new_tokens)
     sizes, size = [], 8
@@ -367,6 +375,7 @@ def export_saved_model(model, export_dir: str | Path, *, tokenizer=None, export:
             do not fit the model's positions.
         FileExistsError: if `export_dir` holds files.
     """
+    _refuse_packed(model, "a SavedModel")
     export = export or ExportConfig()
     export_dir = Path(export_dir)
     if export_dir.exists() and any(export_dir.iterdir()):

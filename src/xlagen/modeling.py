@@ -23,7 +23,7 @@ from xlagen.weights.loader import convert, export, normalize_prefix
 logger = logging.getLogger(__name__)
 
 
-def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype):
+def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype, weight_dtype=None):
     config = architecture.config_class.from_hf_config(hf_config)
     model = cls(config, dtype=dtype) if dtype else cls(config)
     tensors = normalize_prefix(read_checkpoint(folder), architecture.weights.PREFIX)
@@ -37,6 +37,8 @@ def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_confi
     model.generation_config = (GenerationConfig.from_model_config(config) if generation is None
                                else GenerationConfig.from_dict(generation))
     model.name_or_path = str(folder)
+    if weight_dtype not in (None, "float32"):
+        model.pack_weights(weight_dtype)
     return model
 
 
@@ -48,7 +50,8 @@ class PreTrainedModel(GenerationMixin):
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | Path, *, revision: str | None = None,
-                        cache_dir: str | Path | None = None, local_files_only: bool = False, dtype=None):
+                        cache_dir: str | Path | None = None, local_files_only: bool = False, dtype=None,
+                        weight_dtype: str | None = None):
         """Loads a Hugging Face checkpoint (config.json + safetensors).
 
         Args:
@@ -57,6 +60,8 @@ class PreTrainedModel(GenerationMixin):
             cache_dir: HF cache folder (default: huggingface_hub's).
             local_files_only: Never touch the network.
             dtype: Keras dtype policy for the weights and compute, e.g. "float32" (default).
+            weight_dtype: "bfloat16": the matrix products read their weights rounded to bfloat16 and
+                compute in float32 (`pack_weights`); None or "float32": as stored.
 
         Returns:
             The model, weights loaded, with `generation_config` from generation_config.json.
@@ -64,13 +69,45 @@ class PreTrainedModel(GenerationMixin):
         Raises:
             OSError: missing folder/files, or a pickle-only checkpoint.
             ValueError: unsupported model_type or config values, or tensors that do not match.
+            xlagen.native.NativeUnavailable: `weight_dtype="bfloat16"` on a machine that cannot run it.
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
         hf_config = read_json(folder, "config.json")
         architecture = registry.lookup(hf_config.get("model_type"), cls.architectures, cls.task)
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
-        return _load(architecture, target, folder, hf_config, dtype)
+        return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
+
+    packed_weights = False  # True after pack_weights
+
+    def pack_weights(self, weight_dtype: str = "bfloat16") -> None:
+        """Makes every matrix product of the model (projections and LM head) read its weights rounded to
+        bfloat16, multiplying in float32 (`xlagen.native`).
+
+        A decoding step reads every weight once, so halving the bytes nearly halves its time (GPT-2-small:
+        docs/performance.md); the logits move by bfloat16's rounding of the weights. Embedding lookups,
+        layer norms and biases stay float32. Call it before the first `generate` (compiled programs keep
+        the weights they were traced with). For inference: training, SavedModel export and `xlagen aot`
+        refuse a packed model; `save_pretrained` writes the float32 weights.
+
+        Raises:
+            ValueError: for a weight dtype other than "bfloat16", a model whose dtype policy is not
+                float32, or a model already packed.
+            xlagen.native.NativeUnavailable: this machine cannot run the kernel (the message says why).
+        """
+        from xlagen.layers.dense import Dense
+        from xlagen.layers.embeddings import TokenEmbedding
+
+        if weight_dtype != "bfloat16":
+            raise ValueError(f"weight_dtype must be 'bfloat16' (or None / 'float32' at load time), "
+                             f"got {weight_dtype!r}")
+        if self.packed_weights:
+            raise ValueError("the model's weights are already packed as bfloat16")
+        layers = [layer for layer in self._flatten_layers() if isinstance(layer, (Dense, TokenEmbedding))]
+        for layer in layers:
+            layer.pack_bfloat16()
+        self.packed_weights = True
+        self.trainable = False
 
     def save_pretrained(self, save_directory: str | Path, overwrite: bool = False) -> tuple[str, ...]:
         """Writes config.json, generation_config.json and model.safetensors in Hugging Face format.

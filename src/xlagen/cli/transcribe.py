@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from xlagen.cli.generate import UsageError, _positive_int
+from xlagen.cli.generate import WEIGHT_DTYPE_HELP, WEIGHT_DTYPES, UsageError, _positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,7 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                         help="output file (one input) or folder (one FILE.<format> per input); default: stdout")
     parser.add_argument("--num-beams", type=_positive_int, metavar="K", help="beam search with K beams")
     parser.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="token limit per 30 s window")
+    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32", help=WEIGHT_DTYPE_HELP)
     parser.set_defaults(run=run)
     return parser
 
@@ -92,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from xlagen.transcribe import Transcriber
 
     hub = dict(revision=args.revision, cache_dir=args.cache_dir, local_files_only=args.local_files_only)
-    model = TFAutoModelForSpeechSeq2Seq.from_pretrained(args.model, **hub)
+    model = TFAutoModelForSpeechSeq2Seq.from_pretrained(args.model, weight_dtype=args.weight_dtype, **hub)
     processor = WhisperProcessor.from_pretrained(args.model, **hub)
     transcriber = Transcriber(model, processor)
     options = {key: value for key, value in (("num_beams", args.num_beams), ("max_new_tokens", args.max_new_tokens))

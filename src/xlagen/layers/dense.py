@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from xlagen import native
+
 
 class Dense(keras.layers.Dense):
     """`keras.layers.Dense` with the bias subtracted negated: `x @ W - (-b)`, bit for bit `x @ W + b`.
@@ -13,12 +15,37 @@ class Dense(keras.layers.Dense):
     into the product, and emits the fused product as a single-threaded loop; a subtraction is not
     fused, so the product runs on the thread pool. GPT-2-small's 12 layers of decode-step products:
     13.6 -> 11.7 ms (`benchmarks/dot_forms.py`). Weights, names and serialization are Keras' Dense.
+
+    `pack_bfloat16()` makes the layer multiply by its kernel rounded to bfloat16, read by xlagen's native
+    kernel (`xlagen.native`): inference only, for float32 layers.
     """
 
+    packed_kernel = None  # set by pack_bfloat16: the kernel's packed bfloat16 words
+
+    def pack_bfloat16(self):
+        """From now on multiply by the kernel rounded to bfloat16 (`xlagen.native.matmul`).
+
+        The float32 kernel stays as the layer's weight (saving writes it); the packed copy is a constant
+        taken now, so later changes to the kernel are not seen. Not differentiable: inference only.
+        """
+        _check_packable(self)
+        self.packed_kernel = native.pack_tensor(self.kernel)
+
     def call(self, inputs, training=None):
-        x = ops.matmul(inputs, self.kernel)
+        if self.packed_kernel is not None:
+            x = native.matmul(inputs, self.packed_kernel, self.units)
+        else:
+            x = ops.matmul(inputs, self.kernel)
         if self.bias is not None:
             x = ops.subtract(x, ops.negative(self.bias))
         if self.activation is not None:
             x = self.activation(x)
         return x
+
+
+def _check_packable(layer) -> None:
+    if not layer.built:
+        raise ValueError(f"{layer.name}: build the layer (load the model) before packing its weights")
+    if layer.compute_dtype != "float32" or layer.variable_dtype != "float32":
+        raise ValueError(f"{layer.name}: bfloat16 weights need a float32 model (dtype policy "
+                         f"{layer.dtype_policy.name!r})")

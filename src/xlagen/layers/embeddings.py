@@ -5,6 +5,9 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from xlagen import native
+from xlagen.layers.dense import _check_packable
+
 
 class TokenEmbedding(keras.layers.Layer):
     """A token embedding that is also the tied output projection (`attend`), stored in the output
@@ -21,10 +24,20 @@ class TokenEmbedding(keras.layers.Layer):
         output_dim: The embedding width.
     """
 
+    packed_kernel = None  # set by pack_bfloat16: the kernel's packed bfloat16 words, used by `attend`
+
     def __init__(self, input_dim: int, output_dim: int, **kwargs):
         super().__init__(**kwargs)
         self.input_dim = input_dim
         self.output_dim = output_dim
+
+    def pack_bfloat16(self):
+        """From now on `attend` multiplies by the kernel rounded to bfloat16 (`xlagen.native.matmul`).
+
+        Lookups keep reading the float32 kernel. Inference only, as `Dense.pack_bfloat16`.
+        """
+        _check_packable(self)
+        self.packed_kernel = native.pack_tensor(self.kernel)
 
     def build(self, input_shape=None):
         # keras.layers.Embedding's default initializer.
@@ -42,6 +55,8 @@ class TokenEmbedding(keras.layers.Layer):
 
     def attend(self, hidden):
         """hidden `[..., output_dim]` -> logits `[..., V]`."""
+        if self.packed_kernel is not None:
+            return native.matmul(hidden, self.packed_kernel, self.input_dim)
         return ops.matmul(hidden, ops.cast(self.kernel, hidden.dtype))
 
     def get_config(self):

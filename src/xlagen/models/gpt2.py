@@ -18,6 +18,7 @@ import keras
 from keras import ops
 
 from xlagen.layers.block import BlockSpec, TransformerBlock
+from xlagen.layers.dense import Dense
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
@@ -163,8 +164,7 @@ class GPT2LMHead(CausalLMTraining, DecoderOnlyLM, keras.Model):
         self.final_norm = layer_norm(config.layer_norm_eps, "final_norm", self.dtype_policy)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = keras.layers.Dense(config.vocab_size, use_bias=False, name="lm_head",
-                                              dtype=self.dtype_policy)
+            self.lm_head = Dense(config.vocab_size, use_bias=False, name="lm_head", dtype=self.dtype_policy)
         self.build_all()
 
     def build_all(self):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import keras
 
 from xlagen.layers.block import BlockSpec, TransformerBlock
+from xlagen.layers.dense import Dense
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
@@ -168,9 +169,8 @@ class OPTLM(CausalLMTraining, DecoderOnlyLM, keras.Model):
                                                     name="position_embedding", dtype=policy)
         self.project_in = self.project_out = None
         if config.projects_embeddings:
-            self.project_in = keras.layers.Dense(config.hidden_size, use_bias=False, name="project_in", dtype=policy)
-            self.project_out = keras.layers.Dense(config.embedding_size, use_bias=False, name="project_out",
-                                                  dtype=policy)
+            self.project_in = Dense(config.hidden_size, use_bias=False, name="project_in", dtype=policy)
+            self.project_out = Dense(config.embedding_size, use_bias=False, name="project_out", dtype=policy)
         spec = block_spec(config)
         self.blocks = [TransformerBlock(spec, name=f"block_{i}", dtype=policy) for i in range(config.num_layers)]
         self.final_norm = None
@@ -178,7 +178,7 @@ class OPTLM(CausalLMTraining, DecoderOnlyLM, keras.Model):
             self.final_norm = layer_norm(config.layer_norm_eps, "final_norm", policy, config.norm_affine)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = keras.layers.Dense(config.vocab_size, use_bias=False, name="lm_head", dtype=policy)
+            self.lm_head = Dense(config.vocab_size, use_bias=False, name="lm_head", dtype=policy)
         self.build_all()
 
     def build_all(self):

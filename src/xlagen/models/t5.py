@@ -30,6 +30,7 @@ from keras import ops
 from xlagen import cache as cache_lib
 from xlagen.layers.attention import causal_mask, padding_mask
 from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock
+from xlagen.layers.dense import Dense
 from xlagen.layers.embeddings import TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import rms_norm
@@ -252,7 +253,7 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         self.dropout = keras.layers.Dropout(config.dropout)
         self.lm_head = None
         if not config.tie_word_embeddings:
-            self.lm_head = keras.layers.Dense(config.vocab_size, use_bias=False, name="lm_head", dtype=policy)
+            self.lm_head = Dense(config.vocab_size, use_bias=False, name="lm_head", dtype=policy)
         self.build_all()
 
     def build_all(self):

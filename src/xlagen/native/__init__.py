@@ -1,0 +1,184 @@
+"""Native kernels: a bfloat16-weight matrix product that XLA calls as a custom call.
+
+A decoding step reads every weight once, so its time is the time to stream the weights from memory.
+XLA's CPU dot does not read bfloat16 weights directly (it multiplies an upcast float32 copy, which is no
+faster than float32 weights: docs/performance.md), so xlagen brings its own product for the few-row
+case: `bf16_matmul.cc` reads weights stored as bfloat16 in a packed panel layout, widens them in
+registers and multiplies in float32. It computes exactly `x @ float32(W)` with half the bytes read.
+
+The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
+cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source. It needs
+Linux on x86-64 with AVX-512 (`avx512f`). `XLAGEN_NATIVE_THREADS` sets its thread count (default: the
+CPUs this process may use, at most 8).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).with_name("bf16_matmul.cc")
+TARGET = "xlagen_bf16_matmul"
+PANEL = 32  # output columns per packed panel (bf16_matmul.cc's kPanel)
+MAX_ROWS = 32  # products with more rows (long prompts, encoders) unpack the weights and use XLA's dot
+_FLAGS = ["-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared", "-pthread"]
+
+
+class NativeUnavailable(RuntimeError):
+    """The native kernels cannot run on this machine; the message says why."""
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot run here, or None if they can (before trying to build them)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"bfloat16 weights need Linux on x86-64; this is {platform.system()} on {platform.machine()}"
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    if "avx512f" not in flags:
+        return "bfloat16 weights need a CPU with AVX-512 (avx512f); this CPU does not report it"
+    if _compiler() is None:
+        return ("bfloat16 weights need a C++ compiler to build xlagen's kernel once (set CXX, or install g++, "
+                "e.g. `apt-get install g++`)")
+    return None
+
+
+def _compiler() -> str | None:
+    for candidate in (os.environ.get("CXX"), "g++", "c++"):
+        if candidate and shutil.which(candidate):
+            return shutil.which(candidate)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XLAGEN_CACHE") or Path.home() / ".cache" / "xlagen"
+    return Path(root) / "native"
+
+
+def _build() -> Path:
+    """Compiles bf16_matmul.cc once per source and flags; returns the cached library's path."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"bf16_matmul-{key}.so"
+    if library.exists():
+        return library
+    try:
+        library.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise NativeUnavailable(f"cannot create the kernel cache folder {library.parent} ({error}); set "
+                                "XLAGEN_CACHE to a writable folder") from error
+    # Build beside the target and rename: processes building at once each install a whole library.
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = Path(scratch) / library.name
+        command = [_compiler(), *_FLAGS, str(SOURCE), "-o", str(built), "-ldl"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise NativeUnavailable(f"building xlagen's bfloat16 kernel failed ({' '.join(command)}):\n"
+                                    f"{result.stderr[-2000:]}")
+        os.replace(built, library)
+    return library
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ctypes.CDLL:
+    """Builds (once) and loads the kernel library and registers its XLA custom-call target.
+
+    Raises:
+        NativeUnavailable: the machine cannot run it (see `unavailable_reason`) or the build failed.
+    """
+    reason = unavailable_reason()
+    if reason:
+        raise NativeUnavailable(reason)
+    import tensorflow as tf  # noqa: F401  (loads libtensorflow_cc, whose registry the kernel joins)
+
+    library = ctypes.CDLL(str(_build()))
+    library.xlagen_register.argtypes = [ctypes.c_char_p]
+    code = library.xlagen_register(b"libtensorflow_cc.so.2")
+    if code != 0:
+        raise NativeUnavailable(f"registering xlagen's bfloat16 kernel with XLA failed (code {code}): this "
+                                "TensorFlow build does not export XLA's custom-call registry")
+    return library
+
+
+def pack_bfloat16(kernel: np.ndarray) -> np.ndarray:
+    """A float `[K, N]` kernel -> the kernel's packed bfloat16 words, int32 `[ceil(N / 32), K, 16]`.
+
+    Each weight is rounded to the nearest bfloat16 (ties to even). Word `[p, k, j]` holds column `32p + j`
+    in its low half and column `32p + 16 + j` in its high half; columns past N are zero.
+    """
+    import ml_dtypes
+
+    k, n = kernel.shape
+    panels = -(-n // PANEL)
+    padded = np.zeros((k, panels * PANEL), np.float32)
+    padded[:, :n] = kernel
+    bits = padded.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32).reshape(k, panels, PANEL)
+    words = bits[:, :, :PANEL // 2] | (bits[:, :, PANEL // 2:] << 16)
+    return np.ascontiguousarray(words.transpose(1, 0, 2)).view(np.int32)
+
+
+def pack_tensor(kernel):
+    """`pack_bfloat16` of a variable or tensor, as a TensorFlow constant (loads the kernel library first, so
+    that a machine that cannot run it fails here, with the reason, rather than at compile time)."""
+    import tensorflow as tf
+
+    load()
+    return tf.constant(pack_bfloat16(np.asarray(kernel.numpy() if hasattr(kernel, "numpy") else kernel,
+                                                np.float32)))
+
+
+def unpack(words, n: int):
+    """Packed words `[P, K, 16]` -> the float32 kernel `[K, n]` (TensorFlow ops, exact)."""
+    import tensorflow as tf
+
+    low = tf.bitcast(tf.bitwise.left_shift(words, 16), tf.float32)
+    high = tf.bitcast(tf.bitwise.bitwise_and(words, tf.constant(-65536, tf.int32)), tf.float32)  # 0xFFFF0000
+    panels = tf.concat([low, high], axis=-1)  # [P, K, 32]
+    k = tf.shape(words)[1]
+    return tf.reshape(tf.transpose(panels, (1, 0, 2)), (k, -1))[:, :n]
+
+
+def _in_xla_context() -> bool:
+    import tensorflow as tf
+    from tensorflow.python.framework import ops as tf_ops
+    from tensorflow.python.ops import control_flow_util
+
+    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
+
+
+def matmul(x, words, n: int):
+    """`x [..., K] @ W` for W packed by `pack_bfloat16` (N = n columns), in float32.
+
+    Under XLA compilation with at most `MAX_ROWS` rows of x (a decoding step), this is the native
+    kernel's custom call; otherwise (prompts, encoders, eager or non-XLA graphs) the weights are unpacked
+    to float32 and multiplied by TensorFlow's matmul. Both compute `x @ float32(W)`.
+    """
+    import tensorflow as tf
+
+    x = tf.convert_to_tensor(x)
+    k = x.shape[-1]
+    leading = x.shape[:-1]
+    rows = leading.num_elements()
+    if x.dtype != tf.float32:
+        raise TypeError(f"bfloat16 weights multiply float32 activations; got {x.dtype.name}")
+    if rows is None or rows > MAX_ROWS or rows == 0 or not _in_xla_context():
+        return tf.matmul(x, unpack(words, n)) if x.shape.rank == 2 else tf.tensordot(x, unpack(words, n), 1)
+    load()
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    flat = tf.reshape(x, (rows, k))
+    (y,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[flat, words], call_target_name=TARGET, backend_config=f"{rows},{k},{n}",
+        has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, n])])
+    return tf.reshape(y, [*leading, n])

@@ -1,0 +1,286 @@
+"""xlagen.native: the bfloat16-weight matrix product (an XLA custom call) and models that use it.
+
+The kernel must compute exactly `x @ float32(bfloat16(W))`: checked against float64 numpy, against the
+unpacking fallback, and end to end against the same model whose float32 weights were rounded to
+bfloat16 beforehand (tokens equal, scores equal to float32 rounding).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import random_ids
+from xlagen import native
+
+# Skipped on machines that cannot run the kernel, except in CI (XLAGEN_CI=1, set by .ci/run), where they
+# must run: a missing compiler or CPU feature fails there instead of silently skipping.
+pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None and not os.environ.get("XLAGEN_CI"),
+                                reason=str(native.unavailable_reason()))
+
+
+def _rounded(w: np.ndarray) -> np.ndarray:
+    return w.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _xla(function, *args):
+    return tf.function(function, jit_compile=True)(*args).numpy()
+
+
+def test_packing_rounds_to_nearest_even_and_unpacks_exactly():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((5, 70)).astype(np.float32)
+    # Ties: 1 + 2^-8 lies halfway between two bfloat16 values and rounds to the even one (1.0).
+    w[0, :3] = [1 + 2 ** -8, 1 + 3 * 2 ** -8, -0.0]
+    words = native.pack_bfloat16(w)
+    assert words.shape == (3, 5, 16) and words.dtype == np.int32  # ceil(70 / 32) panels
+    unpacked = native.unpack(tf.constant(words), 70).numpy()
+    np.testing.assert_array_equal(unpacked, _rounded(w))
+    assert unpacked[0, 0] == 1.0 and unpacked[0, 1] == 1 + 4 * 2 ** -8
+    assert np.signbit(unpacked[0, 2])
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 768, 2304), (1, 64, 50), (3, 37, 19), (8, 96, 1000), (9, 40, 70),
+                                      (16, 256, 33), (32, 300, 100)])
+def test_kernel_computes_x_times_rounded_weights(rows, k, n):
+    rng = np.random.default_rng(rows + k + n)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    words = tf.constant(native.pack_bfloat16(w))
+    reference = x.astype(np.float64) @ _rounded(w).astype(np.float64)
+    compiled = _xla(lambda x: native.matmul(x, words, n), x)
+    eager = native.matmul(x, words, n).numpy()  # the fallback: unpack + tf.matmul
+    scale = np.abs(reference).max()
+    assert compiled.shape == (rows, n)
+    np.testing.assert_allclose(compiled, reference, atol=2e-6 * scale * np.sqrt(k), rtol=0)
+    np.testing.assert_allclose(eager, reference, atol=2e-6 * scale * np.sqrt(k), rtol=0)
+
+
+def test_kernel_runs_as_a_custom_call_only_for_few_rows():
+    rng = np.random.default_rng(1)
+    words = tf.constant(native.pack_bfloat16(rng.standard_normal((32, 48)).astype(np.float32)))
+
+    def hlo(rows):
+        function = tf.function(lambda x: native.matmul(x, words, 48), jit_compile=True)
+        return function.experimental_get_compiler_ir(tf.zeros((rows, 32)))(stage="optimized_hlo")
+
+    assert f'custom_call_target="{native.TARGET}"' in hlo(native.MAX_ROWS)
+    assert native.TARGET not in hlo(native.MAX_ROWS + 1)
+    # Leading axes are flattened into rows: [2, 3, K] is 6 rows.
+    x = rng.standard_normal((2, 3, 32)).astype(np.float32)
+    expected = x @ native.unpack(words, 48).numpy()
+    np.testing.assert_allclose(_xla(lambda x: native.matmul(x, words, 48), x), expected, atol=1e-5)
+
+
+def test_concurrent_products_from_two_threads_are_each_right():
+    """The pool runs one product at a time; a call that finds it busy computes on its own thread."""
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((512, 4096)).astype(np.float32)
+    words = tf.constant(native.pack_bfloat16(w))
+    function = tf.function(lambda x: tf.stack([native.matmul(x + float(i), words, 4096) for i in range(4)]),
+                           jit_compile=True)
+    inputs = [rng.standard_normal((2, 512)).astype(np.float32) for _ in range(4)]
+    expected = [np.stack([(x + i) @ _rounded(w) for i in range(4)]) for x in inputs]
+    function(inputs[0])  # compile once
+    results, errors = [None] * 4, []
+
+    def work(index):
+        try:
+            for _ in range(20):
+                results[index] = function(inputs[index]).numpy()
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    for result, reference in zip(results, expected):
+        np.testing.assert_allclose(result, reference, rtol=1e-4, atol=1e-3)
+
+
+def test_matmul_refuses_non_float32_activations():
+    words = tf.constant(native.pack_bfloat16(np.ones((4, 4), np.float32)))
+    with pytest.raises(TypeError, match="float32"):
+        native.matmul(tf.ones((1, 4), tf.bfloat16), words, 4)
+
+
+# ----------------------------------------------------------------------------- models
+
+def _round_kernels(model) -> None:
+    from xlagen.layers.dense import Dense
+    from xlagen.layers.embeddings import TokenEmbedding
+
+    for layer in model._flatten_layers():
+        if isinstance(layer, (Dense, TokenEmbedding)):
+            layer.kernel.assign(_rounded(layer.kernel.numpy()))
+
+
+def _pair(load):
+    """(packed model, float32 model with the same bfloat16-rounded weights)."""
+    packed, reference = load(), load()
+    for model in (packed, reference):
+        _round_kernels(model)
+    packed.pack_weights()
+    return packed, reference
+
+
+def _generate(model, inputs: dict, **options):
+    function = tf.function(lambda inputs: model.generate(**inputs, output_scores=True, return_dict_in_generate=True,
+                                                         **options), jit_compile=True)
+    return function(inputs)
+
+
+def _assert_same_generation(packed, reference, inputs: dict, **options):
+    a, b = _generate(packed, inputs, **options), _generate(reference, inputs, **options)
+    np.testing.assert_array_equal(a.sequences.numpy(), b.sequences.numpy())
+    for x, y in zip(a.scores, b.scores):
+        finite = np.isfinite(y.numpy())
+        np.testing.assert_array_equal(np.isfinite(x.numpy()), finite)
+        np.testing.assert_allclose(x.numpy()[finite], y.numpy()[finite], atol=1e-4, rtol=1e-5)
+    program = tf.function(lambda inputs: packed.generate(**inputs, **options), jit_compile=True)
+    hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+    assert f'custom_call_target="{native.TARGET}"' in hlo  # the packed model really uses the kernel
+
+
+@pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3}])
+def test_gpt2_with_packed_weights_generates_as_float32_with_rounded_weights(gpt2_checkpoint, options):
+    from xlagen import TFAutoModelForCausalLM
+
+    packed, reference = _pair(lambda: TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0]))
+    ids = random_ids((2, 7), 300, seed=3)
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0  # left padding
+    _assert_same_generation(packed, reference, {"input_ids": ids, "attention_mask": mask}, **options)
+    # Eager calls (the unpacking fallback) give the same logits.
+    np.testing.assert_allclose(packed(ids).logits.numpy(), reference(ids).logits.numpy(), atol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["projected_pre_norm", "untied_head"])
+def test_opt_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path, variant):
+    from models.test_opt import VARIANTS, save_tiny_opt
+    from xlagen import TFAutoModelForCausalLM
+
+    save_tiny_opt(tmp_path, **VARIANTS[variant])  # project_in / project_out, or an untied LM head
+    packed, reference = _pair(lambda: TFAutoModelForCausalLM.from_pretrained(tmp_path))
+    ids = random_ids((2, 6), 50, seed=4)
+    _assert_same_generation(packed, reference, {"input_ids": ids, "attention_mask": np.ones_like(ids)},
+                            max_new_tokens=8, num_beams=2)
+
+
+@pytest.mark.parametrize("variant", ["v1_0", "v1_1"])  # tied and rescaled head, or untied (gated MLP)
+def test_t5_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path, variant):
+    from models.test_t5 import save_tiny_t5
+    from xlagen import TFAutoModelForSeq2SeqLM
+
+    save_tiny_t5(tmp_path, variant)
+    packed, reference = _pair(lambda: TFAutoModelForSeq2SeqLM.from_pretrained(tmp_path))
+    ids = random_ids((2, 6), 50, seed=5)
+    _assert_same_generation(packed, reference, {"input_ids": ids, "attention_mask": np.ones_like(ids)},
+                            max_new_tokens=8)
+
+
+def test_whisper_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path):
+    from models.test_whisper import save_tiny_whisper
+    from xlagen import TFWhisperForConditionalGeneration
+
+    save_tiny_whisper(tmp_path)
+    packed, reference = _pair(lambda: TFWhisperForConditionalGeneration.from_pretrained(tmp_path))
+    features = np.random.default_rng(6).standard_normal((1, packed.config.num_mel_bins, 3000)).astype(np.float32)
+    _assert_same_generation(packed, reference, {"input_features": features}, max_new_tokens=6, num_beams=2)
+
+
+def test_weight_dtype_at_load_time(gpt2_checkpoint):
+    from xlagen import TFAutoModelForCausalLM
+
+    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="bfloat16")
+    assert model.packed_weights and not model.trainable
+    assert not TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="float32").packed_weights
+    with pytest.raises(ValueError, match="already packed"):
+        model.pack_weights()
+    with pytest.raises(ValueError, match="weight_dtype must be"):
+        TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="int8")
+
+
+def test_packing_needs_a_float32_model(gpt2_checkpoint):
+    from xlagen import TFAutoModelForCausalLM
+
+    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], dtype="bfloat16")
+    with pytest.raises(ValueError, match="float32 model"):
+        model.pack_weights()
+
+
+def test_packed_models_are_not_exported(gpt2_checkpoint, tmp_path):
+    from xlagen import TFAutoModelForCausalLM
+    from xlagen.aot import aot_compile
+    from xlagen.export import export_saved_model
+
+    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="bfloat16")
+    with pytest.raises(ValueError, match="native kernel"):
+        export_saved_model(model, tmp_path / "saved")
+    with pytest.raises(ValueError, match="native kernel"):
+        aot_compile(model, tmp_path / "aot", prompt_length=4, max_new_tokens=2)
+    assert not (tmp_path / "saved").exists() or not any((tmp_path / "saved").iterdir())
+
+
+def test_save_pretrained_of_a_packed_model_writes_the_float32_weights(gpt2_checkpoint, tmp_path):
+    from xlagen import TFAutoModelForCausalLM
+
+    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="bfloat16")
+    model.save_pretrained(tmp_path)
+    again = TFAutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = random_ids((1, 5), 300)
+    np.testing.assert_array_equal(again(ids).logits.numpy(),
+                                  TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0])(ids).logits.numpy())
+
+
+def test_unavailable_reason_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+    assert "x86-64" in native.unavailable_reason()
+    monkeypatch.undo()
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    assert "C++ compiler" in native.unavailable_reason()
+
+
+def test_cli_generate_with_bfloat16_weights_matches_the_api(gpt2_checkpoint, capsys):
+    from xlagen import AutoTokenizer, TFAutoModelForCausalLM
+    from xlagen.cli.__main__ import main
+
+    prompts = ["Hello world", "XLA compiles"]
+    code = main(["generate", "--model", gpt2_checkpoint[0], *prompts, "--max-new-tokens", "5",
+                 "--weight-dtype", "bfloat16"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="bfloat16")
+    tokenizer = AutoTokenizer.from_pretrained(gpt2_checkpoint[0], padding_side="left", pad_token="<|endoftext|>")
+    encoding = tokenizer(prompts, padding=True, pad_to_multiple_of=8, return_tensors="tf")
+    program = tf.function(lambda inputs: model.generate(**inputs, max_new_tokens=5), jit_compile=True)
+    sequences = program(dict(encoding))
+    new = tokenizer.batch_decode(sequences[:, encoding["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert out == "".join(p + c + "\n" for p, c in zip(prompts, new))
+
+
+def test_bench_measures_packed_weights_beside_float32(tmp_path):
+    import json
+
+    from xlagen.cli.__main__ import main
+
+    code = main(["bench", "--tiny", "--quiet", "--modes", "xla", "--strategies", "greedy", "--dtype", "float32",
+                 "bfloat16-weights", "--output-dir", str(tmp_path), "--name", "packed", "--no-plot"])
+    assert code == 0
+    report = json.loads((tmp_path / "packed.json").read_text())
+    results = {r["dtype"]: r for r in report["results"]}
+    assert set(results) == {"float32", "bfloat16-weights"} and not any("error" in r for r in results.values())
+    # The packed model's step reads 2 bytes per weight of its projections and head, 4 of the rest.
+    full, packed = results["float32"]["weight_bytes"], results["bfloat16-weights"]["weight_bytes"]
+    projections = 2 * (12 * 32 * 32) + 64 * 32  # tiny GPT-2: 2 blocks' qkv/out/MLP kernels and the tied head
+    assert full - packed == 2 * projections
+    assert report["command"][report["command"].index("--dtype") + 1:][:2] == ["float32", "bfloat16-weights"]
+    assert "tokens/s bfloat16-weights / float32 = " in (tmp_path / "packed.md").read_text()
