@@ -101,6 +101,40 @@ def test_seed_worker_protocol_alternates_runs_and_pairs_results(tiny_report, tmp
     assert "seed tokens/s" in text and "| 2.00x |" in text
 
 
+def test_seed_runs_float32_beside_a_packed_scenario_and_pairs_with_it(tiny_report, tmp_path):
+    """--dtype bfloat16-weights with --peer: the seed system runs float32 beside it, and each xlagen result is
+    paired with the seed run of its own scenario."""
+    _, report = tiny_report
+    xla = next(r for r in report["results"] if r["mode"] == "xla" and r["strategy"] == "greedy")
+    argv = _stub_seed(tmp_path, f"""
+        import json, sys
+        assert json.loads(sys.argv[-1])["dtype"] == "float32"
+        def emit(record):
+            print({bench.RESULT_PREFIX!r} + json.dumps(record), flush=True)
+        emit({{"kind": "system", "system": "seed", "versions": {{}}, "env": {{}},
+              "threads": {{"tf_intra_op": 2, "tf_inter_op": 2}}}})
+        emit({{"kind": "ready", "first_call_s": 10.0, "weight_bytes": {xla["weight_bytes"]}}})
+        for line in sys.stdin:
+            emit({{"kind": "run", "seconds": 0.5}})
+    """)
+    args = bench.resolve_arguments(build_parser().parse_args([*argv, "--repeats", "1"]))
+    fields = {k: xla[k] for k in bench.Scenario.__dataclass_fields__}
+    (beside,) = bench.run_interleaved(bench.Scenario(**{**fields, "dtype": bench.PACKED_BF16}), ["seed"], args, {})
+    assert beside["dtype"] == "float32" and beside["paired_dtype"] == bench.PACKED_BF16
+
+    full = dict(xla, tokens_per_s=100.0)
+    packed = dict(xla, dtype=bench.PACKED_BF16, tokens_per_s=300.0)
+    seed_full = dict(beside, tokens_per_s=50.0)
+    del seed_full["paired_dtype"]
+    seed_packed = dict(beside, tokens_per_s=60.0)
+    results = [full, seed_full, packed, seed_packed]
+    ratios = {r["dtype"]: r["speed_ratio"] for r in bench.ratios(results)}
+    assert ratios == {"float32": pytest.approx(2.0), bench.PACKED_BF16: pytest.approx(5.0)}
+    text = bench.markdown(dict(report, results=results, ratios=[]))
+    assert "| 2.00x |" in text and "| 5.00x |" in text
+    assert f"tokens/s {bench.PACKED_BF16} / float32 = 3.00" in text
+
+
 def test_failing_seed_worker_is_recorded_not_raised(tmp_path):
     argv = _stub_seed(tmp_path, "import sys; sys.stderr.write('no transformers here\\n'); sys.exit(3)\n")
     args = bench.resolve_arguments(build_parser().parse_args(argv))

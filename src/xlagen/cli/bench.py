@@ -35,7 +35,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -59,6 +59,7 @@ PRESETS = {
 _ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "XLA_FLAGS",
              "TF_XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS")
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
+PACKED_BF16 = "bfloat16-weights"
 _GPT2_TINY = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_positions": 64}
 
 
@@ -72,7 +73,8 @@ class Scenario:
         batch_size: Prompts per call (B).
         new_tokens: Tokens generated per row (N).
         mode: "xla" (`tf.function(jit_compile=True)`) or "eager".
-        dtype: Weight and compute dtype.
+        dtype: Weight and compute dtype policy, or `PACKED_BF16` (xlagen only: a float32 model whose
+            matrix products read bfloat16 weights, `model.pack_weights()`).
         prompt_tokens: Prompt length (P), no padding.
     """
 
@@ -89,7 +91,8 @@ class Scenario:
         return STRATEGIES[self.strategy]
 
     def label(self) -> str:
-        return f"{self.model} {self.strategy} b{self.batch_size} n{self.new_tokens} {self.mode}"
+        dtype = "" if self.dtype == "float32" else f" {self.dtype}"
+        return f"{self.model} {self.strategy} b{self.batch_size} n{self.new_tokens} {self.mode}{dtype}"
 
 
 def scenarios_from(args: argparse.Namespace) -> list[Scenario]:
@@ -100,7 +103,8 @@ def scenarios_from(args: argparse.Namespace) -> list[Scenario]:
             lengths = args.new_tokens if mode == "xla" else [args.eager_new_tokens]
             for strategy in args.strategies:
                 for batch_size in args.batch_sizes:
-                    scenarios += [Scenario(model, strategy, batch_size, n, mode, args.dtype) for n in lengths]
+                    for dtype in args.dtype:
+                        scenarios += [Scenario(model, strategy, batch_size, n, mode, dtype) for n in lengths]
     return scenarios
 
 
@@ -140,7 +144,10 @@ class TFSystem:
         import tensorflow as tf
 
         unique = {id(v): v for v in model.weights}.values()
-        return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in unique
+        # A packed layer's step reads its bfloat16 words, not its float32 kernel.
+        packed = {id(layer.kernel) for layer in getattr(model, "_flatten_layers", list)()
+                  if getattr(layer, "packed_kernel", None) is not None}
+        return sum(int(np.prod(v.shape)) * (2 if id(v) in packed else tf.as_dtype(v.dtype).size) for v in unique
                    if not _read_once(getattr(v, "path", None) or v.name))
 
     @staticmethod
@@ -199,6 +206,13 @@ class XlagenSystem(TFSystem):
         "gpt2": _xlagen_gpt2, "opt": _xlagen_opt, "t5": _xlagen_t5, "whisper": _xlagen_whisper,
         "tiny-gpt2": lambda dtype: _xlagen_gpt2(dtype, **_GPT2_TINY)}
     distributions = ("tensorflow", "keras", "numpy", "xlagen")
+
+    def build(self, model: str, dtype: str):
+        if dtype != PACKED_BF16:
+            return super().build(model, dtype)
+        built = super().build(model, "float32")
+        built.pack_weights("bfloat16")
+        return built
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -548,6 +562,13 @@ class Worker:
         self.stderr.close()
 
 
+def _as_run_by(system: str, scenario: Scenario) -> Scenario:
+    """The scenario as `system` runs it: the seed system has no packed bfloat16 weights and runs float32,
+    so that the xlagen/seed ratio of a packed scenario is against the seed's float32."""
+    return replace(scenario, dtype="float32") if system != "xlagen" and scenario.dtype == PACKED_BF16 \
+        else scenario
+
+
 def run_interleaved(scenario: Scenario, names: list[str], args: argparse.Namespace,
                     systems: dict[str, dict]) -> list[dict]:
     """Runs one scenario with a worker per system, alternating their timed calls (A B, B A, A B, ...).
@@ -560,7 +581,7 @@ def run_interleaved(scenario: Scenario, names: list[str], args: argparse.Namespa
     try:
         for name in names:
             try:
-                workers[name] = Worker(name, scenario, args)
+                workers[name] = Worker(name, _as_run_by(name, scenario), args)
                 systems.setdefault(name, {k: v for k, v in workers[name].info.items() if k != "kind"})
             except RuntimeError as error:
                 errors[name] = str(error)
@@ -591,11 +612,13 @@ def run_interleaved(scenario: Scenario, names: list[str], args: argparse.Namespa
             worker.close()
     for name in names:
         if name in errors:
-            results[name] = {"system": name, **asdict(scenario), "error": errors[name]}
+            results[name] = {"system": name, **asdict(_as_run_by(name, scenario)), "error": errors[name]}
         else:
             ready = workers[name].ready
-            results[name] = summarise(name, scenario, ready["weight_bytes"], ready["first_call_s"], runs[name],
-                                      short[name])
+            results[name] = summarise(name, _as_run_by(name, scenario), ready["weight_bytes"], ready["first_call_s"],
+                                      runs[name], short[name])
+        if _as_run_by(name, scenario) != scenario:  # Paired with xlagen's scenario of this dtype.
+            results[name]["paired_dtype"] = scenario.dtype
         results[name]["isolated"] = True
     return [results[name] for name in names]
 
@@ -663,13 +686,15 @@ def command_line(args: argparse.Namespace, system: str) -> list[str]:
     for name in DEFAULTS:
         value = getattr(args, name)
         command += [f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
-    command += ["--dtype", args.dtype, "--threads", str(args.threads)]
+    command += ["--dtype", *args.dtype, "--threads", str(args.threads)]
     return command + [flag for flag in ("--ttft", "--peer", "--isolate") if getattr(args, flag[2:])]
 
 
 def _label(result: dict) -> str:
-    """The scenario label of a result (or ratio) record."""
-    return Scenario(**{k: result[k] for k in Scenario.__dataclass_fields__ if k in result}).label()
+    """The scenario label of a result (or ratio) record; a seed result run beside a packed xlagen scenario
+    carries that scenario's dtype (`paired_dtype`), so that the two pair up."""
+    fields = {k: result[k] for k in Scenario.__dataclass_fields__ if k in result}
+    return Scenario(**{**fields, "dtype": result.get("paired_dtype", result.get("dtype", "float32"))}).label()
 
 
 def add_rooflines(report: dict) -> None:
@@ -690,17 +715,15 @@ def add_rooflines(report: dict) -> None:
 
 
 def ratios(results: list[dict]) -> list[dict]:
-    """xlagen / seed for each scenario both systems measured (float32 seed against any xlagen dtype)."""
-    def key(result: dict) -> tuple:
-        return tuple(result[k] for k in ("model", "strategy", "batch_size", "new_tokens", "mode"))
-
-    seed = {key(r): r for r in results if r["system"] == "seed" and "error" not in r}
+    """xlagen / seed for each scenario both systems measured (float32 seed against any xlagen dtype, from the
+    seed run interleaved with that scenario)."""
+    seed = {_label(r): r for r in results if r["system"] == "seed" and "error" not in r}
     paired = []
     for result in results:
-        other = seed.get(key(result))
+        other = seed.get(_label(result))
         if result["system"] != "xlagen" or "error" in result or other is None:
             continue
-        paired.append({**dict(zip(("model", "strategy", "batch_size", "new_tokens", "mode"), key(result))),
+        paired.append({**{k: result[k] for k in ("model", "strategy", "batch_size", "new_tokens", "mode")},
                        "dtype": result["dtype"], "speed_ratio": result["tokens_per_s"] / other["tokens_per_s"],
                        "first_call_ratio": result["first_call_s"] / other["first_call_s"]})
     return paired
@@ -723,21 +746,28 @@ def _cells(result: dict | None, columns: list[tuple[str, str, str]]) -> list[str
 def _derived(results: list[dict]) -> list[str]:
     """Per system, XLA: beam / greedy ms/token, and ms/token at N / at the shortest N (issue 7 targets)."""
     ok = [r for r in results if "error" not in r and r["mode"] == "xla"]
-    index = {(r["system"], r["dtype"]) + tuple(r[k] for k in _KEY): r for r in ok}
+    index = {(r["system"], r.get("paired_dtype", r["dtype"])) + tuple(r[k] for k in _KEY): r for r in ok}
     lines = []
     for r in ok:
-        where = f"{r['system']} {r['model']} {r['dtype']} b{r['batch_size']}"
-        greedy = index.get((r["system"], r["dtype"], r["model"], "greedy", r["batch_size"], r["new_tokens"], "xla"))
+        where = f"{r['system']} {r['model']} {r['dtype']} b{r['batch_size']}" + (
+            f" (run beside {r['paired_dtype']})" if "paired_dtype" in r else "")
+        dtype = r.get("paired_dtype", r["dtype"])
+        greedy = index.get((r["system"], dtype, r["model"], "greedy", r["batch_size"], r["new_tokens"], "xla"))
         if r["strategy"] != "greedy" and greedy:
             lines.append(f"- {where} n{r['new_tokens']}: {r['strategy']} / greedy ms/token = "
                          f"{r['ms_per_token'] / greedy['ms_per_token']:.2f}")
-        shortest = min(o["new_tokens"] for o in ok if (o["system"], o["dtype"], o["model"], o["strategy"],
-                                                       o["batch_size"]) == (r["system"], r["dtype"], r["model"],
-                                                                            r["strategy"], r["batch_size"]))
-        base = index.get((r["system"], r["dtype"], r["model"], r["strategy"], r["batch_size"], shortest, "xla"))
+        shortest = min(o["new_tokens"] for o in ok
+                       if (o["system"], o.get("paired_dtype", o["dtype"]), o["model"], o["strategy"], o["batch_size"])
+                       == (r["system"], dtype, r["model"], r["strategy"], r["batch_size"]))
+        base = index.get((r["system"], dtype, r["model"], r["strategy"], r["batch_size"], shortest, "xla"))
         if r["new_tokens"] > shortest and base:
             lines.append(f"- {where} {r['strategy']}: ms/token n{r['new_tokens']} / n{shortest} = "
                          f"{r['ms_per_token'] / base['ms_per_token']:.2f}")
+        if r["dtype"] == PACKED_BF16:
+            full = index.get((r["system"], "float32") + tuple(r[k] for k in _KEY))
+            if full:
+                lines.append(f"- {where} {r['strategy']} n{r['new_tokens']}: tokens/s {PACKED_BF16} / float32 = "
+                             f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}")
     return ["", "Ratios within a system (XLA):", "", *lines] if lines else []
 
 
@@ -767,7 +797,7 @@ def markdown(report: dict) -> str:
               "roofline: steps/s over BLAS bandwidth / weight bytes."), ""]
     results = report["results"]
     columns = [c for c in _COLUMNS if any(c[1] in r for r in results)] or _COLUMNS[:4]
-    by_system = {(r["system"],) + tuple(r[k] for k in _KEY): r for r in results}
+    by_system = {(r["system"], _label(r)): r for r in results}
     rows = [r for r in results if r["system"] != "seed"] or results
     has_seed = any(r["system"] == "seed" for r in results) and rows is not results
     header = ["model", "dtype", "strategy", "batch", "new", "mode", *(name for name, _, _ in columns)]
@@ -778,7 +808,7 @@ def markdown(report: dict) -> str:
         cells = [result["model"], result["dtype"], result["strategy"], str(result["batch_size"]),
                  str(result["new_tokens"]), result["mode"], *_cells(result, columns)]
         if has_seed:
-            seed = by_system.get(("seed",) + tuple(result[k] for k in _KEY))
+            seed = by_system.get(("seed", _label(result)))
             both = seed is not None and "error" not in seed and "error" not in result
             cells += [*_cells(seed, columns), f"{result['tokens_per_s'] / seed['tokens_per_s']:.2f}x" if both else ""]
         lines.append("| " + " | ".join(cells) + " |")
@@ -862,7 +892,10 @@ def add_arguments(parser: argparse.ArgumentParser, models: list[str]) -> None:
     what.add_argument("--batch-sizes", nargs="+", type=_positive_int, metavar="B", help="default: 1 8")
     what.add_argument("--new-tokens", nargs="+", type=_positive_int, metavar="N", help="XLA; default: 32 128 512")
     what.add_argument("--modes", nargs="+", choices=MODES, help="default: xla eager")
-    what.add_argument("--dtype", default="float32", help="weights and compute dtype (default: float32)")
+    what.add_argument("--dtype", nargs="+", default=["float32"],
+                      help=f"weights and compute dtype policies, each scenario once per dtype (default: float32); "
+                           f"{PACKED_BF16!r}: xlagen's float32 model with its matrix products reading bfloat16 "
+                           f"weights (the seed system runs float32 for it)")
     timing = parser.add_argument_group("timing")
     timing.add_argument("--repeats", type=_positive_int, help="timed XLA runs, median reported (default: 5)")
     timing.add_argument("--warmup", type=int, help="untimed XLA runs after the first call (default: 1)")
