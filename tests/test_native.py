@@ -61,7 +61,7 @@ def test_kernel_computes_x_times_rounded_weights(rows, k, n):
     np.testing.assert_allclose(eager, reference, atol=2e-6 * scale * np.sqrt(k), rtol=0)
 
 
-def test_kernel_runs_as_a_custom_call_only_for_few_rows():
+def test_kernel_runs_as_a_custom_call_for_few_rows_and_inside_loops():
     rng = np.random.default_rng(1)
     words = tf.constant(native.pack_bfloat16(rng.standard_normal((32, 48)).astype(np.float32)))
 
@@ -71,6 +71,16 @@ def test_kernel_runs_as_a_custom_call_only_for_few_rows():
 
     assert f'custom_call_target="{native.TARGET}"' in hlo(native.MAX_ROWS)
     assert native.TARGET not in hlo(native.MAX_ROWS + 1)
+    # Inside a loop the kernel runs whatever the rows: unpacking there would repeat every iteration.
+    x = rng.standard_normal((native.MAX_ROWS + 8, 32)).astype(np.float32)
+
+    def loop(x):
+        return tf.while_loop(lambda i, y: i < 2, lambda i, y: (i + 1, y + native.matmul(x, words, 48)),
+                             (0, tf.zeros((x.shape[0], 48))))[1]
+
+    looped = tf.function(loop, jit_compile=True)
+    assert f'custom_call_target="{native.TARGET}"' in looped.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    np.testing.assert_allclose(looped(x).numpy(), 2 * (x @ native.unpack(words, 48).numpy()), rtol=1e-5, atol=1e-4)
     # Leading axes are flattened into rows: [2, 3, K] is 6 rows.
     x = rng.standard_normal((2, 3, 32)).astype(np.float32)
     expected = x @ native.unpack(words, 48).numpy()

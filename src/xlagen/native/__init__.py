@@ -29,7 +29,7 @@ import numpy as np
 SOURCE = Path(__file__).with_name("bf16_matmul.cc")
 TARGET = "xlagen_bf16_matmul"
 PANEL = 32  # output columns per packed panel (bf16_matmul.cc's kPanel)
-MAX_ROWS = 32  # products with more rows (long prompts, encoders) unpack the weights and use XLA's dot
+MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders) unpack and use XLA's dot
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared", "-pthread"]
 
 
@@ -149,20 +149,30 @@ def unpack(words, n: int):
     return tf.reshape(tf.transpose(panels, (1, 0, 2)), (k, -1))[:, :n]
 
 
-def _in_xla_context() -> bool:
+def _context() -> tuple[bool, bool]:
+    """(inside an XLA compilation, inside a `tf.while_loop` body) for the op being traced."""
     import tensorflow as tf
     from tensorflow.python.framework import ops as tf_ops
     from tensorflow.python.ops import control_flow_util
 
-    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
+    if tf.executing_eagerly():
+        return False, False
+    graph = tf_ops.get_default_graph()
+    in_loop = False
+    while graph is not None:
+        in_loop = in_loop or type(graph).__name__ == "WhileBodyFuncGraph"
+        graph = getattr(graph, "outer_graph", None)
+    return control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph()), in_loop
 
 
 def matmul(x, words, n: int):
     """`x [..., K] @ W` for W packed by `pack_bfloat16` (N = n columns), in float32.
 
-    Under XLA compilation with at most `MAX_ROWS` rows of x (a decoding step), this is the native
-    kernel's custom call; otherwise (prompts, encoders, eager or non-XLA graphs) the weights are unpacked
-    to float32 and multiplied by TensorFlow's matmul. Both compute `x @ float32(W)`.
+    Under XLA compilation this is the native kernel's custom call, inside a `tf.while_loop` (a decoding
+    step) always and elsewhere for at most `MAX_ROWS` rows of x. Otherwise (long prompts, encoders, eager
+    or non-XLA graphs) the weights are unpacked to float32 and multiplied by TensorFlow's matmul: faster
+    once the product is compute-bound, but never inside a loop, where XLA would unpack every iteration
+    (10x slower than the kernel at 16 rows). Both compute `x @ float32(W)`.
     """
     import tensorflow as tf
 
@@ -172,7 +182,8 @@ def matmul(x, words, n: int):
     rows = leading.num_elements()
     if x.dtype != tf.float32:
         raise TypeError(f"bfloat16 weights multiply float32 activations; got {x.dtype.name}")
-    if rows is None or rows > MAX_ROWS or rows == 0 or not _in_xla_context():
+    xla, in_loop = _context()
+    if rows is None or rows == 0 or not xla or (rows > MAX_ROWS and not in_loop):
         return tf.matmul(x, unpack(words, n)) if x.shape.rank == 2 else tf.tensordot(x, unpack(words, n), 1)
     load()
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
