@@ -10,7 +10,9 @@ GPT-2-small decode step (95 M weights). Each variant stores the weights differen
 * `int8-dot`: int8 weights and dynamically quantised int8 activations, an s8 x s8 -> s32 dot
   (`BatchMatMulV3` with `Tout=int32`);
 * `int8-reduce`: int8 weights stored `[out, in]`, the product written as an elementwise multiply and
-  a row reduction (a form XLA can fuse with the int8 -> float conversion).
+  a row reduction (a form XLA can fuse with the int8 -> float conversion);
+* `bfloat16-native`: bfloat16 weights in xlagen's packed layout, multiplied by xlagen's native kernel
+  (`xlagen.native`, an XLA custom call) in float32: what `weight_dtype="bfloat16"` runs.
 
 Run it twice to compare XLA's default CPU dot emitter with its oneDNN custom calls:
 
@@ -31,7 +33,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("float32", "bfloat16", "int8-upcast", "int8-dot", "int8-reduce")
+VARIANTS = ("float32", "bfloat16", "int8-upcast", "int8-dot", "int8-reduce", "bfloat16-native")
 LAYERS, WIDTH, INNER, VOCAB = 12, 768, 3072, 50257
 
 
@@ -39,6 +41,10 @@ def _weights(variant: str, shape, tf):
     w = tf.random.normal(shape, seed=0) * 0.02
     if variant in ("float32", "bfloat16"):
         return tf.Variable(tf.cast(w, variant)), None
+    if variant == "bfloat16-native":
+        from xlagen import native
+
+        return native.pack_tensor(w), shape[1]
     if variant == "int8-reduce":
         w = tf.transpose(w)  # [out, in]
         scale = tf.reduce_max(tf.abs(w), axis=1) / 127.0
@@ -52,6 +58,10 @@ def _product(variant: str, x, weights, tf):
     w, scale = weights
     if variant in ("float32", "bfloat16"):
         return tf.cast(tf.matmul(tf.cast(x, w.dtype), w), tf.float32)
+    if variant == "bfloat16-native":
+        from xlagen import native
+
+        return native.matmul(x, w, scale)  # `scale` holds the column count here
     if variant == "int8-upcast":
         return tf.matmul(x, tf.cast(w, tf.float32)) * scale
     if variant == "int8-dot":
@@ -86,7 +96,7 @@ def run_variant(variant: str, steps: int, repeats: int) -> dict:
         started = time.perf_counter()
         decode(x, tf.constant(steps)).numpy()
         times.append((time.perf_counter() - started) / steps * 1000.0)
-    variables = [v for pair in (*up, *down, head) for v in pair if v is not None]
+    variables = [v for pair in (*up, *down, head) for v in pair if v is not None and not isinstance(v, int)]
     weight_bytes = sum(int(np.prod(v.shape)) * v.dtype.size for v in variables)
     median = statistics.median(times)
     return {"variant": variant, "ms_per_step": round(median, 2), "weight_mb": round(weight_bytes / 1e6, 1),

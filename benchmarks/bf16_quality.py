@@ -1,0 +1,132 @@
+"""What bfloat16 weights cost in quality: float32 vs `weight_dtype="bfloat16"` on one checkpoint.
+
+Loads the checkpoint twice (float32, and with its matrix products reading bfloat16 weights), then:
+
+* teacher-forced logits over some texts: max and mean |difference|, the logits' own spread (std) for
+  scale, the mean KL divergence of the bfloat16 model's next-token distribution from float32's, and how
+  often the top-1 token agrees;
+* greedy generation from each text's start: the share of new tokens that agree position by position,
+  and where the first difference is.
+
+    python benchmarks/bf16_quality.py                 # the built-in default model
+    python benchmarks/bf16_quality.py --model PATH    # any causal LM checkpoint folder (or Hub id)
+
+Writes benchmarks/results/bf16-quality.{json,md} unless --no-write.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+TEXTS = (
+    "In the beginning God created the heaven and the earth.",
+    "And it came to pass, when the king heard the words of the book of the law, that he rent his clothes.",
+    "Blessed are the meek: for they shall inherit the earth.",
+    "The Lord is my shepherd; I shall not want. He maketh me to lie down in green pastures.",
+    "Then said Jesus unto his disciples, If any man will come after me, let him deny himself.",
+    "For God so loved the world, that he gave his only begotten Son.",
+    "And the LORD spake unto Moses, saying, Speak unto the children of Israel.",
+    "Now the serpent was more subtil than any beast of the field which the LORD God had made.",
+)
+
+
+def measure(model_name: str, new_tokens: int, prompt_words: int) -> dict:
+    import numpy as np
+    import tensorflow as tf
+
+    from xlagen import AutoTokenizer, TFAutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    full = TFAutoModelForCausalLM.from_pretrained(model_name)
+    packed = TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype="bfloat16")
+    logits = {"max_abs_diff": 0.0, "sum_abs_diff": 0.0, "count": 0, "kl_sum": 0.0, "positions": 0, "agree": 0}
+    spreads = []
+    generation = {"agree": 0, "tokens": 0, "first_difference": []}
+    greedy = {name: tf.function(lambda ids, model=model: model.generate(
+        ids, attention_mask=tf.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        repetition_penalty=1.0, eos_token_id=None, pad_token_id=0), jit_compile=True)
+              for name, model in (("full", full), ("packed", packed))}
+    forward = {name: tf.function(lambda ids, model=model: model(ids).logits, jit_compile=True)
+               for name, model in (("full", full), ("packed", packed))}
+    for text in TEXTS:
+        ids = np.asarray([tokenizer(text)["input_ids"]], np.int32)
+        a, b = (forward[name](ids).numpy()[0].astype(np.float64) for name in ("full", "packed"))
+        difference = np.abs(a - b)
+        logits["max_abs_diff"] = max(logits["max_abs_diff"], float(difference.max()))
+        logits["sum_abs_diff"] += float(difference.sum())
+        logits["count"] += difference.size
+        spreads.append(float(a.std()))
+        p = np.exp(a - a.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        log_q = b - b.max(-1, keepdims=True)
+        log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+        logits["kl_sum"] += float((p * (np.log(p + 1e-300) - log_q)).sum())
+        logits["positions"] += a.shape[0]
+        logits["agree"] += int((a.argmax(-1) == b.argmax(-1)).sum())
+
+        prompt = np.asarray([tokenizer(" ".join(text.split()[:prompt_words]))["input_ids"]], np.int32)
+        x, y = (greedy[name](prompt).numpy()[0, prompt.shape[1]:] for name in ("full", "packed"))
+        same = x == y
+        generation["agree"] += int(same.sum())
+        generation["tokens"] += same.size
+        generation["first_difference"].append(int(np.argmin(same)) if not same.all() else None)
+    return {
+        "model": model_name, "texts": len(TEXTS), "new_tokens": new_tokens, "prompt_words": prompt_words,
+        "logits_max_abs_diff": logits["max_abs_diff"],
+        "logits_mean_abs_diff": logits["sum_abs_diff"] / logits["count"],
+        "logits_std": float(np.mean(spreads)),
+        "mean_kl": logits["kl_sum"] / logits["positions"],
+        "top1_agreement": logits["agree"] / logits["positions"], "positions": logits["positions"],
+        "greedy_token_agreement": generation["agree"] / generation["tokens"],
+        "greedy_first_difference": generation["first_difference"],
+    }
+
+
+def markdown(result: dict) -> str:
+    first = ", ".join("none" if i is None else str(i) for i in result["greedy_first_difference"])
+    return "\n".join([
+        f"# bfloat16 weights vs float32: {result['model']}", "",
+        f"Command: `python benchmarks/bf16_quality.py{result['arguments']}`", "",
+        "| measure | value |", "|---|---|",
+        f"| teacher-forced positions ({result['texts']} texts) | {result['positions']} |",
+        f"| max abs logit difference | {result['logits_max_abs_diff']:.4f} |",
+        f"| mean abs logit difference | {result['logits_mean_abs_diff']:.5f} |",
+        f"| logits' std (scale) | {result['logits_std']:.3f} |",
+        f"| mean KL(float32 \\|\\| bfloat16), nats | {result['mean_kl']:.2e} |",
+        f"| top-1 agreement | {100 * result['top1_agreement']:.2f} % |",
+        f"| greedy tokens agreeing ({result['new_tokens']} new per text) | "
+        f"{100 * result['greedy_token_agreement']:.2f} % |",
+        f"| first differing greedy token per text | {first} |", ""])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="checkpoint folder or Hub id (default: the built-in default model)")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-words", type=int, default=4, help="words of each text that prompt greedy runs")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    from xlagen.cli.generate import default_model_path
+
+    model = args.model or default_model_path()
+    result = measure(model, args.new_tokens, args.prompt_words)
+    result["model"] = args.model or "the built-in default model"
+    result["arguments"] = "".join(f" {flag} {value}" for flag, value in (
+        ("--model", args.model), ("--new-tokens", args.new_tokens), ("--prompt-words", args.prompt_words))
+        if value is not None)
+    text = markdown(result)
+    print(text)
+    if not args.no_write:
+        out = Path(__file__).resolve().parent / "results"
+        (out / "bf16-quality.json").write_text(json.dumps(result, indent=2) + "\n")
+        (out / "bf16-quality.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
