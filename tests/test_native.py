@@ -294,3 +294,16 @@ def test_bench_measures_packed_weights_beside_float32(tmp_path):
     assert full - packed == 2 * projections
     assert report["command"][report["command"].index("--dtype") + 1:][:2] == ["float32", "bfloat16-weights"]
     assert "tokens/s bfloat16-weights / float32 = " in (tmp_path / "packed.md").read_text()
+
+
+def test_the_kernel_library_builds_into_the_cache_folder_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("XLAGEN_CACHE", str(tmp_path))
+    library = native._build()
+    assert library.parent == tmp_path / "native" and library.suffix == ".so"
+    built = library.stat().st_mtime_ns
+    assert native._build() == library and library.stat().st_mtime_ns == built  # cached: not rebuilt
+    assert [p.name for p in library.parent.iterdir()] == [library.name]  # no scratch left behind
+    monkeypatch.setenv("XLAGEN_CACHE", str(tmp_path / "file"))
+    (tmp_path / "file").write_text("")  # a file where the folder should be
+    with pytest.raises(native.NativeUnavailable, match="XLAGEN_CACHE"):
+        native._build()
