@@ -578,10 +578,11 @@ def run_interleaved(scenario: Scenario, names: list[str], args: argparse.Namespa
     the machine hits both alike.
     """
     workers, results, errors = {}, {}, {}
+    run_as = {name: _as_run_by(name, scenario) for name in names}
     try:
         for name in names:
             try:
-                workers[name] = Worker(name, _as_run_by(name, scenario), args)
+                workers[name] = Worker(name, run_as[name], args)
                 systems.setdefault(name, {k: v for k, v in workers[name].info.items() if k != "kind"})
             except RuntimeError as error:
                 errors[name] = str(error)
@@ -612,12 +613,12 @@ def run_interleaved(scenario: Scenario, names: list[str], args: argparse.Namespa
             worker.close()
     for name in names:
         if name in errors:
-            results[name] = {"system": name, **asdict(_as_run_by(name, scenario)), "error": errors[name]}
+            results[name] = {"system": name, **asdict(run_as[name]), "error": errors[name]}
         else:
             ready = workers[name].ready
-            results[name] = summarise(name, _as_run_by(name, scenario), ready["weight_bytes"], ready["first_call_s"],
-                                      runs[name], short[name])
-        if _as_run_by(name, scenario) != scenario:  # Paired with xlagen's scenario of this dtype.
+            results[name] = summarise(name, run_as[name], ready["weight_bytes"], ready["first_call_s"], runs[name],
+                                      short[name])
+        if run_as[name] != scenario:  # Paired with xlagen's scenario of this dtype.
             results[name]["paired_dtype"] = scenario.dtype
         results[name]["isolated"] = True
     return [results[name] for name in names]

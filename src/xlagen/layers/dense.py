@@ -28,8 +28,7 @@ class Dense(keras.layers.Dense):
         The float32 kernel stays as the layer's weight (saving writes it); the packed copy is a constant
         taken now, so later changes to the kernel are not seen. Not differentiable: inference only.
         """
-        _check_packable(self)
-        self.packed_kernel = native.pack_tensor(self.kernel)
+        self.packed_kernel = packed_kernel_of(self)
 
     def call(self, inputs, training=None):
         if self.packed_kernel is not None:
@@ -43,9 +42,11 @@ class Dense(keras.layers.Dense):
         return x
 
 
-def _check_packable(layer) -> None:
+def packed_kernel_of(layer):
+    """A built float32 layer's `kernel` packed as bfloat16 words for `xlagen.native.matmul`."""
     if not layer.built:
         raise ValueError(f"{layer.name}: build the layer (load the model) before packing its weights")
     if layer.compute_dtype != "float32" or layer.variable_dtype != "float32":
         raise ValueError(f"{layer.name}: bfloat16 weights need a float32 model (dtype policy "
                          f"{layer.dtype_policy.name!r})")
+    return native.pack_tensor(layer.kernel)

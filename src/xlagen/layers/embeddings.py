@@ -6,7 +6,7 @@ import keras
 from keras import ops
 
 from xlagen import native
-from xlagen.layers.dense import _check_packable
+from xlagen.layers.dense import packed_kernel_of
 
 
 class TokenEmbedding(keras.layers.Layer):
@@ -36,8 +36,7 @@ class TokenEmbedding(keras.layers.Layer):
 
         Lookups keep reading the float32 kernel. Inference only, as `Dense.pack_bfloat16`.
         """
-        _check_packable(self)
-        self.packed_kernel = native.pack_tensor(self.kernel)
+        self.packed_kernel = packed_kernel_of(self)
 
     def build(self, input_shape=None):
         # keras.layers.Embedding's default initializer.
