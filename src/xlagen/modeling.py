@@ -87,8 +87,9 @@ class PreTrainedModel(GenerationMixin):
         A decoding step reads every weight once, so halving the bytes nearly halves its time (GPT-2-small:
         docs/performance.md); the logits move by bfloat16's rounding of the weights. Embedding lookups,
         layer norms and biases stay float32. Call it before the first `generate` (compiled programs keep
-        the weights they were traced with). For inference: training, SavedModel export and `xlagen aot`
-        refuse a packed model; `save_pretrained` writes the float32 weights.
+        the weights they were traced with). For inference: the model becomes non-trainable (the kernel
+        has no gradient), SavedModel export and `xlagen aot` refuse a packed model, and `save_pretrained`
+        writes the float32 weights.
 
         Raises:
             ValueError: for a weight dtype other than "bfloat16", a model whose dtype policy is not
@@ -103,9 +104,9 @@ class PreTrainedModel(GenerationMixin):
                              f"got {weight_dtype!r}")
         if self.packed_weights:
             raise ValueError("the model's weights are already packed as bfloat16")
-        layers = [layer for layer in self._flatten_layers() if isinstance(layer, (Dense, TokenEmbedding))]
-        for layer in layers:
-            layer.pack_bfloat16()
+        for layer in self._flatten_layers():
+            if isinstance(layer, (Dense, TokenEmbedding)):
+                layer.pack_bfloat16()
         self.packed_weights = True
         self.trainable = False
 

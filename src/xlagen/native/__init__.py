@@ -184,7 +184,7 @@ def matmul(x, words, n: int):
         raise TypeError(f"bfloat16 weights multiply float32 activations; got {x.dtype.name}")
     xla, in_loop = _context()
     if rows is None or rows == 0 or not xla or (rows > MAX_ROWS and not in_loop):
-        return tf.matmul(x, unpack(words, n)) if x.shape.rank == 2 else tf.tensordot(x, unpack(words, n), 1)
+        return tf.tensordot(x, unpack(words, n), 1)
     load()
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
