@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("float32", "bfloat16", "int8-upcast", "int8-dot", "int8-reduce", "bfloat16-native")
+VARIANTS = ("float32", "bfloat16", "int8-upcast", "int8-dot", "int8-reduce", "bfloat16-native", "float32-native")
 LAYERS, WIDTH, INNER, VOCAB = 12, 768, 3072, 50257
 
 
@@ -41,6 +41,8 @@ def _weights(variant: str, shape, tf):
     w = tf.random.normal(shape, seed=0) * 0.02
     if variant in ("float32", "bfloat16"):
         return tf.Variable(tf.cast(w, variant)), None
+    if variant == "float32-native":
+        return tf.Variable(w), None
     if variant == "bfloat16-native":
         from xlagen import native
 
@@ -58,6 +60,10 @@ def _product(variant: str, x, weights, tf):
     w, scale = weights
     if variant in ("float32", "bfloat16"):
         return tf.cast(tf.matmul(tf.cast(x, w.dtype), w), tf.float32)
+    if variant == "float32-native":
+        from xlagen import native
+
+        return native.matmul_float32(x, w)
     if variant == "bfloat16-native":
         from xlagen import native
 

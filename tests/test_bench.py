@@ -49,6 +49,9 @@ def test_tiny_bench_writes_json_with_machine_versions_bandwidth_and_results(tiny
         assert RESULT_FIELDS <= set(result)
         assert result["model"] == "tiny-gpt2" and result["batch_size"] == 1 and len(result["runs_s"]) == 1
         assert result["new_tokens"] == (8 if result["mode"] == "xla" else 4)
+        assert ("compile_s" in result) == (result["mode"] == "xla")
+        if result["mode"] == "xla":
+            assert result["compile_s"] == pytest.approx(result["first_call_s"] - result["median_s"])
         # Tiny GPT-2: (64 + 64 positions) x 32 embeddings, 2 blocks, final norm; the tied head counted once.
         assert result["weight_bytes"] == 4 * (64 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
     assert report["ratios"] == []
@@ -57,7 +60,8 @@ def test_tiny_bench_writes_json_with_machine_versions_bandwidth_and_results(tiny
 def test_tiny_bench_writes_markdown_and_plot(tiny_report):
     folder, _ = tiny_report
     text = (folder / "tiny.md").read_text()
-    assert "| model | dtype | strategy | batch | new | mode | first call s | ms/token | tokens/s | roofline |" in text
+    assert ("| model | dtype | strategy | batch | new | mode | first call s | trace + compile s | ms/token | tokens/s "
+            "| roofline |") in text
     assert text.count("| tiny-gpt2 |") == 4 and "BLAS matrix-vector" in text
     assert "beam2 / greedy ms/token" in text
     assert (folder / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -307,3 +307,113 @@ def test_the_kernel_library_builds_into_the_cache_folder_once(tmp_path, monkeypa
     (tmp_path / "file").write_text("")  # a file where the folder should be
     with pytest.raises(native.NativeUnavailable, match="XLAGEN_CACHE"):
         native._build()
+
+
+# ----------------------------------------------------------------------------- the float32 kernel
+
+@pytest.fixture
+def float32_kernel():
+    """A switch for the float32 kernel (`native.set_float32_kernel`), restored afterwards."""
+    yield native.set_float32_kernel
+    native.set_float32_kernel(True)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k, n", [(64, 2304), (515, 300), (37, 19), (16, 50257)])
+def test_float32_kernel_matches_float64_numpy(rows, k, n):
+    # (515, 300): two column blocks, the last one narrow, and K split four ways with a partial last chunk;
+    # (16, 50257): many blocks and a masked tail; (37, 19): a single narrow block.
+    rng = np.random.default_rng(rows * 7 + k)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    y = _xla(lambda x: native.matmul_float32(x, tf.constant(w)), x)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def _float32_generate(model, inputs: dict, enabled: bool, **options):
+    """(sequences, scores, optimized HLO) of a compiled generate traced with the float32 kernel on or off."""
+    native.set_float32_kernel(enabled)
+    program = tf.function(lambda inputs: model.generate(**inputs, output_scores=True, return_dict_in_generate=True,
+                                                        **options), jit_compile=True)
+    out = program(inputs)
+    return out.sequences.numpy(), [s.numpy() for s in out.scores], \
+        program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+
+
+def _assert_kernel_changes_nothing(model, inputs: dict, **options):
+    with_kernel, without = _float32_generate(model, inputs, True, **options), \
+        _float32_generate(model, inputs, False, **options)
+    np.testing.assert_array_equal(with_kernel[0], without[0])
+    for x, y in zip(with_kernel[1], without[1]):
+        finite = np.isfinite(y)
+        np.testing.assert_array_equal(np.isfinite(x), finite)
+        np.testing.assert_allclose(x[finite], y[finite], atol=1e-4, rtol=1e-5)
+    assert f'custom_call_target="{native.FLOAT32_TARGET}"' in with_kernel[2]
+    assert native.FLOAT32_TARGET not in without[2]
+
+
+@pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3}])
+def test_gpt2_generates_the_same_with_the_float32_kernel(gpt2_model, float32_kernel, options):
+    ids = random_ids((2, 7), 300, seed=3)
+    mask = np.ones_like(ids)
+    mask[1, :3] = 0
+    _assert_kernel_changes_nothing(gpt2_model, {"input_ids": ids, "attention_mask": mask}, **options)
+
+
+@pytest.mark.parametrize("family", ["opt", "t5", "whisper"])
+def test_other_models_generate_the_same_with_the_float32_kernel(tmp_path, float32_kernel, family):
+    from xlagen import TFAutoModelForCausalLM, TFAutoModelForSeq2SeqLM, TFWhisperForConditionalGeneration
+
+    if family == "opt":
+        from models.test_opt import VARIANTS, save_tiny_opt
+
+        save_tiny_opt(tmp_path, **VARIANTS["projected_pre_norm"])
+        model, ids = TFAutoModelForCausalLM.from_pretrained(tmp_path), random_ids((2, 6), 50, seed=4)
+        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    elif family == "t5":
+        from models.test_t5 import save_tiny_t5
+
+        save_tiny_t5(tmp_path, "v1_1")
+        model, ids = TFAutoModelForSeq2SeqLM.from_pretrained(tmp_path), random_ids((2, 6), 50, seed=5)
+        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    else:
+        from models.test_whisper import save_tiny_whisper
+
+        save_tiny_whisper(tmp_path)
+        model = TFWhisperForConditionalGeneration.from_pretrained(tmp_path)
+        rng = np.random.default_rng(6)
+        inputs = {"input_features": rng.standard_normal((1, model.config.num_mel_bins, 3000)).astype(np.float32)}
+    _assert_kernel_changes_nothing(model, inputs, max_new_tokens=6, num_beams=2)
+
+
+def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model, float32_kernel):
+    ids = random_ids((3, 5), 300, seed=1)
+
+    def hlo(function, *args):
+        return tf.function(function, jit_compile=True).experimental_get_compiler_ir(*args)(stage="optimized_hlo")
+
+    # A forward pass (prefill, training, predict) is not a decoding loop: XLA's own dot.
+    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model(ids).logits, ids)
+    # 3 rows x 3 beams = 9 rows per product, above FLOAT32_MAX_ROWS.
+    assert native.FLOAT32_MAX_ROWS < 9
+    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=3), ids)
+    assert native.FLOAT32_TARGET in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=2), ids)
+    with native.portable():
+        assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
+    float32_kernel(False)
+    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
+
+
+def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_model, caplog):
+    ids = random_ids((1, 5), 300, seed=2)
+    expected = gpt2_model.generate(ids, max_new_tokens=4).numpy()  # eager: XLA's kernels are not involved
+    monkeypatch.setattr(native, "unavailable_reason", lambda: "no AVX-512 here")
+    native._float32_kernel_ready.cache_clear()
+    try:
+        program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=4), jit_compile=True)
+        with caplog.at_level("INFO", logger="xlagen.native"):
+            np.testing.assert_array_equal(program(ids).numpy(), expected)
+        assert native.FLOAT32_TARGET not in program.experimental_get_compiler_ir(ids)(stage="optimized_hlo")
+        assert "no AVX-512 here" in caplog.text
+    finally:
+        native._float32_kernel_ready.cache_clear()

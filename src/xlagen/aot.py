@@ -148,7 +148,10 @@ def freeze_generate(model, batch_size: int, prompt_length: int, config: Generati
     def generate(input_ids, attention_mask):
         return model.generate(input_ids, attention_mask=attention_mask, generation_config=config)
 
-    frozen = convert_variables_to_constants_v2(generate.get_concrete_function())
+    from xlagen import native
+
+    with native.portable():  # the binary does not link xlagen's native kernels
+        frozen = convert_variables_to_constants_v2(generate.get_concrete_function())
     return frozen.graph.as_graph_def(), [t.name for t in frozen.inputs], frozen.outputs[0].name
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from xlagen import graph_tokenizer
+from xlagen import graph_tokenizer, native
 from xlagen.generation.api import make_plan, make_runtime, resolve_config, run
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Prompt, is_eos
@@ -402,7 +402,8 @@ def export_saved_model(model, export_dir: str | Path, *, tokenizer=None, export:
                 signatures[name] = function
                 described.append(ExportedSignature(name, _describe_inputs(function, strategy.defaults), outputs))
     signatures["serving_default"] = signatures[export.strategies[0]]
-    tf.saved_model.save(module, str(export_dir), signatures=signatures)
+    with native.portable():  # a serving process does not have xlagen's native kernels
+        tf.saved_model.save(module, str(export_dir), signatures=signatures)
     _write_description(export_dir, export, buckets, described, strategies)
     logger.info("exported %s to %s", ", ".join(signatures), export_dir)
     return described

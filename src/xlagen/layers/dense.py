@@ -16,8 +16,10 @@ class Dense(keras.layers.Dense):
     fused, so the product runs on the thread pool. GPT-2-small's 12 layers of decode-step products:
     13.6 -> 11.7 ms (`benchmarks/dot_forms.py`). Weights, names and serialization are Keras' Dense.
 
-    `pack_bfloat16()` makes the layer multiply by its kernel rounded to bfloat16, read by xlagen's native
-    kernel (`xlagen.native`): inference only, for float32 layers.
+    Inside a compiled decoding loop, a float32 product of a few rows runs xlagen's native float32 kernel
+    (`xlagen.native.use_float32_kernel`); elsewhere Keras' matmul. `pack_bfloat16()` makes the layer
+    multiply by its kernel rounded to bfloat16, read by xlagen's native kernel (`xlagen.native`):
+    inference only, for float32 layers.
     """
 
     packed_kernel = None  # set by pack_bfloat16: the kernel's packed bfloat16 words
@@ -33,6 +35,8 @@ class Dense(keras.layers.Dense):
     def call(self, inputs, training=None):
         if self.packed_kernel is not None:
             x = native.matmul(inputs, self.packed_kernel, self.units)
+        elif native.use_float32_kernel(inputs, self.kernel):
+            x = native.matmul_float32(inputs, self.kernel)
         else:
             x = ops.matmul(inputs, self.kernel)
         if self.bias is not None:

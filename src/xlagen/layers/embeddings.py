@@ -53,9 +53,12 @@ class TokenEmbedding(keras.layers.Layer):
         return (*input_shape, self.output_dim)
 
     def attend(self, hidden):
-        """hidden `[..., output_dim]` -> logits `[..., V]`."""
+        """hidden `[..., output_dim]` -> logits `[..., V]` (in a decoding loop, maybe the native float32 kernel:
+        see `Dense`)."""
         if self.packed_kernel is not None:
             return native.matmul(hidden, self.packed_kernel, self.input_dim)
+        if native.use_float32_kernel(hidden, self.kernel):
+            return native.matmul_float32(hidden, self.kernel)
         return ops.matmul(hidden, ops.cast(self.kernel, hidden.dtype))
 
     def get_config(self):

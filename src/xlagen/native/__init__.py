@@ -1,22 +1,32 @@
-"""Native kernels: a bfloat16-weight matrix product that XLA calls as a custom call.
+"""Native kernels: the matrix products of a decoding step, called by XLA as custom calls (`matmul.cc`).
 
 A decoding step reads every weight once, so its time is the time to stream the weights from memory.
-XLA's CPU dot does not read bfloat16 weights directly (it multiplies an upcast float32 copy, which is no
-faster than float32 weights: docs/performance.md), so xlagen brings its own product for the few-row
-case: `bf16_matmul.cc` reads weights stored as bfloat16 in a packed panel layout, widens them in
-registers and multiplies in float32. It computes exactly `x @ float32(W)` with half the bytes read.
+xlagen brings its own product for the few rows of a decoding step, in two forms:
+
+- float32 weights as XLA stores them (`matmul_float32`): XLA's CPU dot streams a decoding step's
+  weights at about two thirds of the rate this kernel reaches. Used automatically for the products inside
+  a compiled decoding loop with at most `FLOAT32_MAX_ROWS` rows, when the machine can run the kernel;
+  elsewhere, and with `XLAGEN_FLOAT32_KERNEL=0`, XLA's own dot. Only the summation order differs.
+- bfloat16 weights (`matmul`, `pack_bfloat16`): XLA's CPU dot does not read bfloat16 weights directly
+  (it multiplies an upcast float32 copy, no faster than float32 weights: docs/performance.md); this one
+  reads weights stored as bfloat16 in a packed panel layout, widens them in registers and multiplies in
+  float32. It computes exactly `x @ float32(W)` with half the bytes read.
 
 The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
 cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source. It needs
 Linux on x86-64 with AVX-512 (`avx512f`). `XLAGEN_NATIVE_THREADS` sets its thread count (default: the
-CPUs this process may use, at most 8).
+CPUs this process may use, at most 8). Programs that leave the process (SavedModel export, `xlagen aot`)
+are traced under `portable()`, without the kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -26,10 +36,18 @@ from pathlib import Path
 
 import numpy as np
 
-SOURCE = Path(__file__).with_name("bf16_matmul.cc")
+SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "xlagen_bf16_matmul"
-PANEL = 32  # output columns per packed panel (bf16_matmul.cc's kPanel)
+FLOAT32_TARGET = "xlagen_f32_matmul"
+PANEL = 32  # output columns per packed panel (matmul.cc's kPanel)
 MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders) unpack and use XLA's dot
+# Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams); above, the
+# product is compute-bound and XLA's dot is as fast.
+FLOAT32_MAX_ROWS = 8
+
+logger = logging.getLogger(__name__)
+_portable = contextvars.ContextVar("xlagen_native_portable", default=False)
+_float32_enabled = os.environ.get("XLAGEN_FLOAT32_KERNEL", "1") != "0"
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared", "-pthread"]
 
 
@@ -40,16 +58,17 @@ class NativeUnavailable(RuntimeError):
 def unavailable_reason() -> str | None:
     """Why the native kernels cannot run here, or None if they can (before trying to build them)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"bfloat16 weights need Linux on x86-64; this is {platform.system()} on {platform.machine()}"
+        return (f"xlagen's native kernels need Linux on x86-64; this is {platform.system()} on "
+                f"{platform.machine()}")
     try:
         flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
                       if line.startswith("flags")), [])
     except OSError:
         flags = []
     if "avx512f" not in flags:
-        return "bfloat16 weights need a CPU with AVX-512 (avx512f); this CPU does not report it"
+        return "xlagen's native kernels need a CPU with AVX-512 (avx512f); this CPU does not report it"
     if _compiler() is None:
-        return ("bfloat16 weights need a C++ compiler to build xlagen's kernel once (set CXX, or install g++, "
+        return ("xlagen's native kernels need a C++ compiler to build them once (set CXX, or install g++, "
                 "e.g. `apt-get install g++`)")
     return None
 
@@ -67,10 +86,10 @@ def _cache_dir() -> Path:
 
 
 def _build() -> Path:
-    """Compiles bf16_matmul.cc once per source and flags; returns the cached library's path."""
+    """Compiles matmul.cc once per source and flags; returns the cached library's path."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"bf16_matmul-{key}.so"
+    library = _cache_dir() / f"matmul-{key}.so"
     if library.exists():
         return library
     try:
@@ -84,7 +103,7 @@ def _build() -> Path:
         command = [_compiler(), *_FLAGS, str(SOURCE), "-o", str(built), "-ldl"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise NativeUnavailable(f"building xlagen's bfloat16 kernel failed ({' '.join(command)}):\n"
+            raise NativeUnavailable(f"building xlagen's native kernels failed ({' '.join(command)}):\n"
                                     f"{result.stderr[-2000:]}")
         os.replace(built, library)
     return library
@@ -92,7 +111,7 @@ def _build() -> Path:
 
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
-    """Builds (once) and loads the kernel library and registers its XLA custom-call target.
+    """Builds (once) and loads the kernel library and registers its XLA custom-call targets.
 
     Raises:
         NativeUnavailable: the machine cannot run it (see `unavailable_reason`) or the build failed.
@@ -106,7 +125,7 @@ def load() -> ctypes.CDLL:
     library.xlagen_register.argtypes = [ctypes.c_char_p]
     code = library.xlagen_register(b"libtensorflow_cc.so.2")
     if code != 0:
-        raise NativeUnavailable(f"registering xlagen's bfloat16 kernel with XLA failed (code {code}): this "
+        raise NativeUnavailable(f"registering xlagen's native kernels with XLA failed (code {code}): this "
                                 "TensorFlow build does not export XLA's custom-call registry")
     return library
 
@@ -177,19 +196,82 @@ def matmul(x, words, n: int):
     import tensorflow as tf
 
     x = tf.convert_to_tensor(x)
-    k = x.shape[-1]
-    leading = x.shape[:-1]
-    rows = leading.num_elements()
+    rows = x.shape[:-1].num_elements()
     if x.dtype != tf.float32:
         raise TypeError(f"bfloat16 weights multiply float32 activations; got {x.dtype.name}")
     xla, in_loop = _context()
     if rows is None or rows == 0 or not xla or (rows > MAX_ROWS and not in_loop):
         return tf.tensordot(x, unpack(words, n), 1)
     load()
+    return _custom_call(TARGET, x, words, n)
+
+
+def _custom_call(target: str, x, weights, n: int):
+    """The custom call `target` on x `[..., K]` (rows flattened) and the weights -> float32 `[..., n]`."""
+    import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
-    flat = tf.reshape(x, (rows, k))
+    k = x.shape[-1]
+    leading = x.shape[:-1]
+    rows = leading.num_elements()
     (y,) = gen_xla_ops.xla_custom_call_v2(
-        operands=[flat, words], call_target_name=TARGET, backend_config=f"{rows},{k},{n}",
+        operands=[tf.reshape(x, (rows, k)), weights], call_target_name=target, backend_config=f"{rows},{k},{n}",
         has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, n])])
     return tf.reshape(y, [*leading, n])
+
+
+@contextlib.contextmanager
+def portable():
+    """Within this block the float32 products trace as XLA's own dot, never as a native kernel: for
+    programs that leave this process (SavedModel, tfcompile), which would not have the kernels.
+    (Packed bfloat16 weights cannot be traced portably; exporting them is refused.)"""
+    token = _portable.set(True)
+    try:
+        yield
+    finally:
+        _portable.reset(token)
+
+
+def set_float32_kernel(enabled: bool) -> None:
+    """Turns the float32 kernel on or off for products traced from now on (default: on, unless the
+    environment sets XLAGEN_FLOAT32_KERNEL=0). Programs already traced keep what they were traced with."""
+    global _float32_enabled
+    _float32_enabled = bool(enabled)
+
+
+@functools.lru_cache(maxsize=None)
+def _float32_kernel_ready() -> bool:
+    """Whether the kernels load here; the first failure is logged once, then XLA's dot is used."""
+    reason = unavailable_reason()
+    if reason:
+        logger.info("float32 decoding uses XLA's dot: %s", reason)
+        return False
+    try:
+        load()
+    except NativeUnavailable as error:
+        logger.warning("float32 decoding uses XLA's dot: %s", error)
+        return False
+    return True
+
+
+def use_float32_kernel(x, kernel) -> bool:
+    """Whether `x @ kernel` (both float32, x with static leading dimensions) being traced now should be
+    `matmul_float32`: inside a `tf.while_loop` compiled by XLA (a decoding step), at most
+    `FLOAT32_MAX_ROWS` rows, the kernel enabled (`set_float32_kernel`), not `portable()`, and loadable."""
+    import tensorflow as tf
+
+    if not _float32_enabled or _portable.get() or x.dtype != tf.float32 or kernel.dtype != tf.float32:
+        return False
+    rows = x.shape[:-1].num_elements()
+    if rows is None or not 0 < rows <= FLOAT32_MAX_ROWS or len(kernel.shape) != 2:
+        return False
+    xla, in_loop = _context()
+    return xla and in_loop and _float32_kernel_ready()
+
+
+def matmul_float32(x, kernel):
+    """`x [..., K] @ kernel [K, N]`, float32, as the native kernel's custom call (call it under XLA only;
+    see `use_float32_kernel`). Computes the same sums as XLA's dot in another order."""
+    load()
+    return _custom_call(FLOAT32_TARGET, x, kernel, kernel.shape[-1])
+

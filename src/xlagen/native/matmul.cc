@@ -1,0 +1,373 @@
+// xlagen's matrix products for XLA's CPU backend, y[M, N] = x[M, K] @ W[K, N] for the few rows of x of a
+// decoding step, registered as XLA custom-call targets (status-returning API) by xlagen_register;
+// xlagen/native/__init__.py builds this file with the system compiler, registers it and emits the calls.
+//
+// Why: a decoding step reads every weight once, so its time is the time to stream the weights from
+// memory. Two targets:
+//
+// "xlagen_f32_matmul": float32 W as XLA stores it (row-major [K, N]), no copy and no packing. XLA's own dot
+// streams a decoding step's weights at about two thirds of what the cores can read; this kernel reads
+// each weight row in 1 KB runs with software prefetching (see RunF32Units).
+//
+// "xlagen_bf16_matmul": W stored as bfloat16 in a packed panel layout. XLA's own dot upcasts bfloat16
+// weights to a float32 copy before multiplying, which reads more than float32 weights do; this kernel
+// widens each 64-byte load in registers (a bfloat16 is the top half of a float32) and multiplies in
+// float32, so it reads half the bytes of float32 weights and computes exactly x @ float32(W).
+// Layout: panels of 32 output columns, panel p holding rows 0..K-1 of columns 32p..32p+31 contiguously:
+// words[p][k][j] (uint32) = bf16(W[k, 32p + j]) | bf16(W[k, 32p + 16 + j]) << 16, j in 0..15.
+// Columns past N are zero. One 64-byte load gives 16 words: shifting left by 16 yields the float32 values
+// of columns 32p..32p+15, masking the low half yields those of columns 32p+16..32p+31.
+//
+// The backend config (the custom call's opaque string) is "M,K,N". Work is split into units (panels, or
+// column blocks) between the calling thread and the pool's workers (XLAGEN_NATIVE_THREADS, default: the
+// CPUs this process may use, at most 8).
+
+#include <dlfcn.h>
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+struct XlaCustomCallStatus_;
+
+namespace {
+
+constexpr int kPanel = 32;  // output columns per panel
+constexpr int kRows = 8;    // rows of x per pass over a panel (2 * kRows accumulators stay in registers)
+constexpr int kMaxDefaultThreads = 8;
+constexpr int kDefaultSpinMicroseconds = 600;
+
+struct Product {
+  const float* x;
+  const uint32_t* w;
+  float* y;
+  int m, k, n, panels;
+};
+
+void RunPanels(const void* args, int p0, int p1) {
+  const Product& a = *static_cast<const Product*>(args);
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  // Panels outside, blocks of rows inside: a panel (K * 64 bytes) comes from memory once and stays in the
+  // core's cache for the other blocks, so the weights are streamed once whatever the number of rows.
+  for (int p = p0; p < p1; ++p) {
+    const uint32_t* w = a.w + static_cast<size_t>(p) * a.k * 16;
+    const int c0 = p * kPanel;
+    const int nl = a.n - c0 < 16 ? a.n - c0 : 16;
+    int nh = a.n - c0 - 16;
+    nh = nh < 0 ? 0 : (nh > 16 ? 16 : nh);
+    for (int m0 = 0; m0 < a.m; m0 += kRows) {
+      const int rows = a.m - m0 < kRows ? a.m - m0 : kRows;
+      const float* x = a.x + static_cast<size_t>(m0) * a.k;
+      __m512 lo[kRows], hi[kRows];
+      for (int i = 0; i < kRows; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+      for (int kk = 0; kk < a.k; ++kk) {
+        const __m512i words = _mm512_loadu_si512(w + static_cast<size_t>(kk) * 16);
+        const __m512 wl = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+        const __m512 wh = _mm512_castsi512_ps(_mm512_and_si512(words, high));
+        for (int i = 0; i < rows; ++i) {
+          const __m512 xv = _mm512_set1_ps(x[static_cast<size_t>(i) * a.k + kk]);
+          lo[i] = _mm512_fmadd_ps(xv, wl, lo[i]);
+          hi[i] = _mm512_fmadd_ps(xv, wh, hi[i]);
+        }
+      }
+      for (int i = 0; i < rows; ++i) {
+        float* y = a.y + static_cast<size_t>(m0 + i) * a.n + c0;
+        _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << nl) - 1), lo[i]);
+        if (nh) _mm512_mask_storeu_ps(y + 16, static_cast<__mmask16>((1u << nh) - 1), hi[i]);
+      }
+    }
+  }
+}
+
+// The float32 product reads W [K, N] as XLA stores it (row-major), with no packing. A unit of work is a
+// block of 256 output columns (1 KB of each weight row: shorter runs stream at half the rate here) over a
+// range of K. The range is walked in chunks of 8 weight rows (8 KB, which stay in L1); every row of x is
+// multiplied by a chunk, in register tiles (F32Tile), before the next chunk is read, so the weights are
+// streamed once whatever M is. While the first tiles of a chunk are multiplied they prefetch the next
+// chunk's same columns. Narrow products (too few blocks for every thread) also split K; the splits'
+// partial sums go to a scratch buffer that the calling thread adds up once the units are done. Full
+// blocks use plain loads: this CPU runs masked 512-bit loads at a fraction of their speed, so only the
+// last, narrower block of a product uses them.
+constexpr int kBlock = 256;  // output columns per float32 unit
+constexpr int kChunk = 8;    // weight rows per chunk
+
+struct F32Product {
+  const float* x;
+  const float* w;
+  float* y;
+  float* partial;  // [splits - 1, M, N]: the sums of splits 1.. (split 0 writes y)
+  int m, k, n, blocks, split_rows;
+};
+
+// acc[R rows][V vectors] += x[r0.., k0..k0+rows) @ w[k0.., 16 v0 .. 16 (v0 + V)) on a full block; y holds
+// the running sums (zero when first is set).
+template <int R, int V>
+inline void F32Tile(const F32Product& a, const float* w, float* out, int r0, int v0, int k0, int rows, bool first,
+                    const float* next) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r) {
+    const float* y = out + static_cast<size_t>(r0 + r) * a.n + 16 * v0;
+    for (int v = 0; v < V; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + 16 * v);
+  }
+  const float* x = a.x + static_cast<size_t>(r0) * a.k + k0;
+  for (int kk = 0; kk < rows; ++kk) {
+    const float* row = w + static_cast<size_t>(kk) * a.n + 16 * v0;
+    if (next != nullptr) {
+      for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(next + static_cast<size_t>(kk) * a.n + 16 * (v0 + v)), _MM_HINT_T0);
+    }
+    __m512 wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(row + 16 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[static_cast<size_t>(r) * a.k + kk]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* y = out + static_cast<size_t>(r0 + r) * a.n + 16 * v0;
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
+  }
+}
+
+void RunF32Units(const void* args, int u0, int u1) {
+  const F32Product& a = *static_cast<const F32Product*>(args);
+  for (int u = u0; u < u1; ++u) {
+    const int block = u % a.blocks, split = u / a.blocks;
+    const int c0 = block * kBlock;
+    const int k_begin = split * a.split_rows;
+    const int k_end = a.k < k_begin + a.split_rows ? a.k : k_begin + a.split_rows;
+    float* out = (split == 0 ? a.y : a.partial + static_cast<size_t>(split - 1) * a.m * a.n) + c0;
+    const bool full = c0 + kBlock <= a.n;
+    __mmask16 mask[kBlock / 16];  // the last block may be narrower
+    for (int i = 0; i < kBlock / 16; ++i) {
+      const int left = a.n - c0 - 16 * i;
+      mask[i] = left >= 16 ? static_cast<__mmask16>(0xFFFF) : (left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1));
+    }
+    for (int k0 = k_begin; k0 < k_end; k0 += kChunk) {
+      const int rows = k_end - k0 < kChunk ? k_end - k0 : kChunk;
+      const float* w = a.w + static_cast<size_t>(k0) * a.n + c0;
+      const bool first = k0 == k_begin;
+      // The first pass over this chunk asks for the same columns of the next chunk (spread over the pass,
+      // so that the requests do not pile up: 8 rows x 16 lines at once overflow the miss queues).
+      const float* next = k0 + 2 * kChunk <= k_end ? w + static_cast<size_t>(kChunk) * a.n : nullptr;
+      if (full) {
+        int r = 0;
+        if (a.m == 1) {
+          F32Tile<1, 16>(a, w, out, 0, 0, k0, rows, first, next);
+          continue;
+        }
+        for (; r + 4 <= a.m; r += 4) {
+          for (int v = 0; v < 16; v += 4) F32Tile<4, 4>(a, w, out, r, v, k0, rows, first, r == 0 ? next : nullptr);
+        }
+        for (; r + 2 <= a.m; r += 2) {
+          for (int v = 0; v < 16; v += 8) F32Tile<2, 8>(a, w, out, r, v, k0, rows, first, r == 0 ? next : nullptr);
+        }
+        if (r < a.m) F32Tile<1, 16>(a, w, out, r, 0, k0, rows, first, r == 0 ? next : nullptr);
+        continue;
+      }
+      for (int r = 0; r < a.m; ++r) {  // the last, narrower block: masked loads (slower, once per product)
+        float* y = out + static_cast<size_t>(r) * a.n;
+        const float* x = a.x + static_cast<size_t>(r) * a.k + k0;
+        __m512 acc[kBlock / 16];
+        for (int i = 0; i < kBlock / 16; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[i], y + 16 * i);
+        for (int kk = 0; kk < rows; ++kk) {
+          const __m512 xv = _mm512_set1_ps(x[kk]);
+          const float* row = w + static_cast<size_t>(kk) * a.n;
+          for (int i = 0; i < kBlock / 16; ++i) {
+            acc[i] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(mask[i], row + 16 * i), acc[i]);
+          }
+        }
+        for (int i = 0; i < kBlock / 16; ++i) _mm512_mask_storeu_ps(y + 16 * i, mask[i], acc[i]);
+      }
+    }
+  }
+}
+
+// One product for the pool: `units` independent pieces of work, run(args, u0, u1) does units [u0, u1).
+struct Task {
+  const void* args;
+  void (*run)(const void* args, int u0, int u1);
+  int units;
+};
+
+// A fixed pool of workers that help the calling thread with one product at a time. The panels are
+// handed out in chunks from a shared counter, so nobody waits for a worker that the OS has not scheduled
+// (XLA's own threads may hold the cores): the caller takes every chunk left and then waits only for
+// chunks already taken. Idle workers spin for a while (a decoding step issues its products tens of
+// microseconds apart), then sleep on a futex.
+class Pool {
+ public:
+  Pool(int threads, std::chrono::microseconds spin) : threads_(threads), spin_(spin) {
+    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { Loop(); });
+  }
+
+  int threads() const { return threads_; }
+
+  void Run(const Task& a) {
+    // XLA may run independent custom calls concurrently: a call that finds the pool busy computes alone.
+    if (threads_ == 1 || busy_.test_and_set(std::memory_order_acquire)) {
+      a.run(a.args, 0, a.units);
+      return;
+    }
+    const int chunks = 4 * threads_;
+    chunk_ = (a.units + chunks - 1) / chunks;
+    next_.store(0, std::memory_order_relaxed);
+    task_ = &a;
+    open_.store(true, std::memory_order_seq_cst);
+    generation_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+              nullptr, 0);
+    }
+    Work(a);
+    // Dekker-style handshake with Loop: after this store, a worker that has not joined yet sees the task
+    // closed and leaves it alone; one that joined before is counted in active_ and is waited for.
+    open_.store(false, std::memory_order_seq_cst);
+    while (active_.load(std::memory_order_seq_cst) != 0) _mm_pause();
+    busy_.clear(std::memory_order_release);
+  }
+
+ private:
+  void Work(const Task& a) {
+    for (;;) {
+      const int u0 = next_.fetch_add(chunk_, std::memory_order_relaxed);
+      if (u0 >= a.units) return;
+      a.run(a.args, u0, u0 + chunk_ < a.units ? u0 + chunk_ : a.units);
+    }
+  }
+
+  void Loop() {
+    uint32_t seen = 0;  // the generation at construction: a worker that starts late still sees the first task
+    for (;;) {
+      int spins = 0;
+      auto spin_until = std::chrono::steady_clock::now() + spin_;
+      uint32_t now;
+      while ((now = generation_.load(std::memory_order_acquire)) == seen) {
+        if ((++spins & 63) != 0 || std::chrono::steady_clock::now() < spin_until) {
+          _mm_pause();
+          continue;
+        }
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        if (generation_.load(std::memory_order_seq_cst) == seen) {
+          syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAIT_PRIVATE, seen, nullptr,
+                  nullptr, 0);
+        }
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+        spin_until = std::chrono::steady_clock::now() + spin_;
+      }
+      seen = now;
+      active_.fetch_add(1, std::memory_order_seq_cst);
+      if (open_.load(std::memory_order_seq_cst)) Work(*task_);  // the task of the newest generation
+      active_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  const int threads_;
+  const std::chrono::microseconds spin_;  // how long an idle worker spins before it sleeps
+  std::vector<std::thread> workers_;
+  const Task* task_ = nullptr;
+  int chunk_ = 1;                          // units per chunk of the current task
+  std::atomic<int> next_{0};               // the next unit to hand out
+  std::atomic<bool> open_{false};          // whether workers may still join the current task
+  std::atomic<int> active_{0};             // workers inside the current task
+  std::atomic<uint32_t> generation_{0};    // bumped per task; workers wait on it (futex)
+  std::atomic<int> sleepers_{0};
+  std::atomic_flag busy_ = ATOMIC_FLAG_INIT;
+};
+
+Pool& GetPool() {
+  static Pool* pool = [] {
+    int threads = 0;
+    if (const char* env = std::getenv("XLAGEN_NATIVE_THREADS")) threads = std::atoi(env);
+    if (threads < 1) {
+      // The products are bound by memory bandwidth, which a few cores saturate; more threads would only
+      // spin between products.
+      cpu_set_t cpus;
+      threads = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
+      threads = threads > kMaxDefaultThreads ? kMaxDefaultThreads : threads;
+    }
+    int spin = kDefaultSpinMicroseconds;
+    if (const char* env = std::getenv("XLAGEN_NATIVE_SPIN_US")) spin = std::atoi(env);
+    // Never destroyed: its workers live as long as the process.
+    return new Pool(threads < 1 ? 1 : threads, std::chrono::microseconds(spin < 0 ? 0 : spin));
+  }();
+  return *pool;
+}
+
+// The backend config "M,K,N" (xlagen always writes it so).
+void ParseShape(const char* opaque, size_t opaque_len, int* m, int* k, int* n) {
+  char config[64];
+  const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
+  std::memcpy(config, opaque, length);
+  config[length] = '\0';
+  if (std::sscanf(config, "%d,%d,%d", m, k, n) != 3) std::abort();
+}
+
+}  // namespace
+
+extern "C" void xlagen_bf16_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                   XlaCustomCallStatus_* /*status*/) {
+  Product a{static_cast<const float*>(in[0]), static_cast<const uint32_t*>(in[1]), static_cast<float*>(out), 0,
+            0, 0, 0};
+  ParseShape(opaque, opaque_len, &a.m, &a.k, &a.n);
+  a.panels = (a.n + kPanel - 1) / kPanel;
+  GetPool().Run(Task{&a, RunPanels, a.panels});
+}
+
+extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                  XlaCustomCallStatus_* /*status*/) {
+  F32Product a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<float*>(out),
+               nullptr, 0, 0, 0, 0, 0};
+  ParseShape(opaque, opaque_len, &a.m, &a.k, &a.n);
+  Pool& pool = GetPool();
+  a.blocks = (a.n + kBlock - 1) / kBlock;
+  // Enough units for every thread to take several, but at least 64 weight rows per split.
+  const int wanted = 4 * pool.threads();
+  int splits = (wanted + a.blocks - 1) / a.blocks;
+  const int most = a.k / 64 > 1 ? a.k / 64 : 1;
+  splits = splits < most ? splits : most;
+  a.split_rows = (a.k + splits - 1) / splits;
+  a.split_rows = (a.split_rows + kChunk - 1) / kChunk * kChunk;
+  splits = (a.k + a.split_rows - 1) / a.split_rows;
+  thread_local std::vector<float> partial;
+  if (splits > 1) {
+    partial.resize(static_cast<size_t>(splits - 1) * a.m * a.n);
+    a.partial = partial.data();
+  }
+  pool.Run(Task{&a, RunF32Units, a.blocks * splits});
+  const size_t size = static_cast<size_t>(a.m) * a.n;
+  for (int s = 1; s < splits; ++s) {
+    const float* p = a.partial + static_cast<size_t>(s - 1) * size;
+    for (size_t i = 0; i < size; ++i) a.y[i] += p[i];
+  }
+}
+
+// Registers the target with XLA's registry of custom-call targets (xla::CustomCallTargetRegistry, in
+// libtensorflow_cc, which TensorFlow has loaded by the time xlagen calls this). The registry is looked up
+// by its exported symbols rather than linked: linking against the 1 GB library takes longer than
+// compiling this file. Returns 0 on success, or a negative code saying which lookup failed.
+extern "C" int xlagen_register(const char* tensorflow_library) {
+  void* library = dlopen(tensorflow_library, RTLD_NOW | RTLD_NOLOAD);
+  if (library == nullptr) return -1;
+  using Global = void* (*)();
+  // A member function called through its symbol: `this` is the first argument (Itanium C++ ABI).
+  using Register = void (*)(void*, const std::string&, void*, const std::string&);
+  auto global = reinterpret_cast<Global>(dlsym(library, "_ZN3xla24CustomCallTargetRegistry6GlobalEv"));
+  auto add = reinterpret_cast<Register>(dlsym(
+      library, "_ZN3xla24CustomCallTargetRegistry8RegisterERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEEPvS8_"));
+  if (global == nullptr || add == nullptr) return -2;
+  add(global(), std::string("xlagen_bf16_matmul"), reinterpret_cast<void*>(&xlagen_bf16_matmul), std::string("Host"));
+  add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), std::string("Host"));
+  return 0;
+}
