@@ -312,8 +312,10 @@ def test_the_kernel_library_builds_into_the_cache_folder_once(tmp_path, monkeypa
 # ----------------------------------------------------------------------------- the float32 kernel
 
 @pytest.fixture
-def float32_kernel():
-    """A switch for the float32 kernel (`native.set_float32_kernel`), restored afterwards."""
+def float32_kernel(monkeypatch):
+    """A switch for the float32 kernel (`native.set_float32_kernel`), restored afterwards; the tiny test
+    models' matrices are far below `FLOAT32_MIN_BYTES`, so the size floor is lifted meanwhile."""
+    monkeypatch.setattr(native, "FLOAT32_MIN_BYTES", 0)
     yield native.set_float32_kernel
     native.set_float32_kernel(True)
 
@@ -402,12 +404,17 @@ def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model, float32_k
         assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
     float32_kernel(False)
     assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
+    float32_kernel(True)
+    # Matrices below the size floor stay with XLA's dot (the tiny model's are a few kB).
+    native.FLOAT32_MIN_BYTES = 2 * 2**20  # the fixture's monkeypatch restores it
+    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
 
 
 def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_model, caplog):
     ids = random_ids((1, 5), 300, seed=2)
     expected = gpt2_model.generate(ids, max_new_tokens=4).numpy()  # eager: XLA's kernels are not involved
     monkeypatch.setattr(native, "unavailable_reason", lambda: "no AVX-512 here")
+    monkeypatch.setattr(native, "FLOAT32_MIN_BYTES", 0)  # the tiny model would stay with XLA's dot anyway
     native._float32_kernel_ready.cache_clear()
     try:
         program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=4), jit_compile=True)

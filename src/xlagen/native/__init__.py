@@ -4,7 +4,8 @@ A decoding step reads every weight once, so its time is the time to stream the w
 xlagen brings its own product for the few rows of a decoding step, in two forms:
 
 - float32 weights as XLA stores them (`matmul_float32`): XLA's CPU dot streams a decoding step's
-  weights at about two thirds of the rate this kernel reaches. Used automatically for the products inside
+  weights more slowly than the cores can read them (GPT-2-small greedy, batch 1: the whole step is
+  1.09-1.16x faster with this kernel; docs/performance.md). Used automatically for the products inside
   a compiled decoding loop with at most `FLOAT32_MAX_ROWS` rows, when the machine can run the kernel;
   elsewhere, and with `XLAGEN_FLOAT32_KERNEL=0`, XLA's own dot. Only the summation order differs.
 - bfloat16 weights (`matmul`, `pack_bfloat16`): XLA's CPU dot does not read bfloat16 weights directly
@@ -41,9 +42,15 @@ TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
 PANEL = 32  # output columns per packed panel (matmul.cc's kPanel)
 MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders) unpack and use XLA's dot
-# Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams); above, the
-# product is compute-bound and XLA's dot is as fast.
+# Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams). At 8 rows the
+# kernel and XLA's dot are on a par (the product approaches compute-bound); above, XLA's dot.
 FLOAT32_MAX_ROWS = 8
+# Smaller float32 weight matrices stay with XLA's dot: handing a product to the kernel's threads costs a
+# few microseconds, as much as streaming a matrix of about this size gains.
+FLOAT32_MIN_BYTES = 2 * 2**20
+# Wider ones (LM heads: 32k-52k columns) too: the kernel reads a row-major head 1 KB per row and block,
+# rows 130-200 kB apart, and measured slower than XLA's dot there (docs/performance.md).
+FLOAT32_MAX_COLUMNS = 16384
 
 logger = logging.getLogger(__name__)
 _portable = contextvars.ContextVar("xlagen_native_portable", default=False)
@@ -257,13 +264,16 @@ def _float32_kernel_ready() -> bool:
 def use_float32_kernel(x, kernel) -> bool:
     """Whether `x @ kernel` (both float32, x with static leading dimensions) being traced now should be
     `matmul_float32`: inside a `tf.while_loop` compiled by XLA (a decoding step), at most
-    `FLOAT32_MAX_ROWS` rows, the kernel enabled (`set_float32_kernel`), not `portable()`, and loadable."""
+    `FLOAT32_MAX_ROWS` rows, a kernel of at least `FLOAT32_MIN_BYTES` and at most `FLOAT32_MAX_COLUMNS`
+    columns, the kernel enabled (`set_float32_kernel`), not `portable()`, and loadable."""
     import tensorflow as tf
 
     if not _float32_enabled or _portable.get() or x.dtype != tf.float32 or kernel.dtype != tf.float32:
         return False
     rows = x.shape[:-1].num_elements()
     if rows is None or not 0 < rows <= FLOAT32_MAX_ROWS or len(kernel.shape) != 2:
+        return False
+    if kernel.shape[0] * kernel.shape[1] * 4 < FLOAT32_MIN_BYTES or kernel.shape[1] > FLOAT32_MAX_COLUMNS:
         return False
     xla, in_loop = _context()
     return xla and in_loop and _float32_kernel_ready()

@@ -6,8 +6,8 @@
 // memory. Two targets:
 //
 // "xlagen_f32_matmul": float32 W as XLA stores it (row-major [K, N]), no copy and no packing. XLA's own dot
-// streams a decoding step's weights at about two thirds of what the cores can read; this kernel reads
-// each weight row in 1 KB runs with software prefetching (see RunF32Units).
+// streams a decoding step's weights more slowly than the cores can read them; this kernel reads each
+// weight row in 1 KB runs with software prefetching (see RunF32Units).
 //
 // "xlagen_bf16_matmul": W stored as bfloat16 in a packed panel layout. XLA's own dot upcasts bfloat16
 // weights to a float32 copy before multiplying, which reads more than float32 weights do; this kernel
@@ -97,9 +97,9 @@ void RunPanels(const void* args, int p0, int p1) {
 // multiplied by a chunk, in register tiles (F32Tile), before the next chunk is read, so the weights are
 // streamed once whatever M is. While the first tiles of a chunk are multiplied they prefetch the next
 // chunk's same columns. Narrow products (too few blocks for every thread) also split K; the splits'
-// partial sums go to a scratch buffer that the calling thread adds up once the units are done. Full
-// blocks use plain loads: this CPU runs masked 512-bit loads at a fraction of their speed, so only the
-// last, narrower block of a product uses them.
+// partial sums go to a scratch buffer that the calling thread adds up once the units are done. Only the
+// last vector of a product's last, narrower block uses a masked load: this CPU runs masked 512-bit loads
+// at a fraction of their speed (the whole kernel at 13.4 GB/s on one thread instead of 31.6).
 constexpr int kBlock = 256;  // output columns per float32 unit
 constexpr int kChunk = 8;    // weight rows per chunk
 
@@ -114,8 +114,8 @@ struct F32Product {
 // acc[R rows][V vectors] += x[r0.., k0..k0+rows) @ w[k0.., 16 v0 .. 16 (v0 + V)) on a full block; y holds
 // the running sums (zero when first is set).
 template <int R, int V>
-inline void F32Tile(const F32Product& a, const float* w, float* out, int r0, int v0, int k0, int rows, bool first,
-                    const float* next) {
+inline void F32Tile(const F32Product& a, const float* w, float* out, int r0, int v0, int k0, int rows,
+                    bool first, const float* next) {
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r) {
     const float* y = out + static_cast<size_t>(r0 + r) * a.n + 16 * v0;
@@ -125,7 +125,8 @@ inline void F32Tile(const F32Product& a, const float* w, float* out, int r0, int
   for (int kk = 0; kk < rows; ++kk) {
     const float* row = w + static_cast<size_t>(kk) * a.n + 16 * v0;
     if (next != nullptr) {
-      for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(next + static_cast<size_t>(kk) * a.n + 16 * (v0 + v)), _MM_HINT_T0);
+      const float* ahead = next + static_cast<size_t>(kk) * a.n + 16 * v0;
+      for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * v), _MM_HINT_T0);
     }
     __m512 wv[V];
     for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(row + 16 * v);
@@ -140,6 +141,19 @@ inline void F32Tile(const F32Product& a, const float* w, float* out, int r0, int
   }
 }
 
+// Row r's vectors v.. of a narrow block, `whole` of them complete: tiles of V, V / 2, ..., 1 vectors.
+// Returns the first vector left (the partial one, if any).
+template <int V>
+int F32WholeVectors(const F32Product& a, const float* w, float* out, int r, int v, int whole, int k0, int rows,
+                    bool first) {
+  if (whole - v >= V) {
+    F32Tile<1, V>(a, w, out, r, v, k0, rows, first, nullptr);
+    v += V;
+  }
+  if constexpr (V > 1) return F32WholeVectors<V / 2>(a, w, out, r, v, whole, k0, rows, first);
+  return v;
+}
+
 void RunF32Units(const void* args, int u0, int u1) {
   const F32Product& a = *static_cast<const F32Product*>(args);
   for (int u = u0; u < u1; ++u) {
@@ -149,24 +163,15 @@ void RunF32Units(const void* args, int u0, int u1) {
     const int k_end = a.k < k_begin + a.split_rows ? a.k : k_begin + a.split_rows;
     float* out = (split == 0 ? a.y : a.partial + static_cast<size_t>(split - 1) * a.m * a.n) + c0;
     const bool full = c0 + kBlock <= a.n;
-    __mmask16 mask[kBlock / 16];  // the last block may be narrower
-    for (int i = 0; i < kBlock / 16; ++i) {
-      const int left = a.n - c0 - 16 * i;
-      mask[i] = left >= 16 ? static_cast<__mmask16>(0xFFFF) : (left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1));
-    }
     for (int k0 = k_begin; k0 < k_end; k0 += kChunk) {
       const int rows = k_end - k0 < kChunk ? k_end - k0 : kChunk;
       const float* w = a.w + static_cast<size_t>(k0) * a.n + c0;
       const bool first = k0 == k_begin;
-      // The first pass over this chunk asks for the same columns of the next chunk (spread over the pass,
-      // so that the requests do not pile up: 8 rows x 16 lines at once overflow the miss queues).
+      // The tiles of the first rows of x ask for the same columns of the next chunk, spread over the pass
+      // (asking for all 8 x 16 lines at the start of a chunk was no faster than not prefetching at 8 rows).
       const float* next = k0 + 2 * kChunk <= k_end ? w + static_cast<size_t>(kChunk) * a.n : nullptr;
       if (full) {
         int r = 0;
-        if (a.m == 1) {
-          F32Tile<1, 16>(a, w, out, 0, 0, k0, rows, first, next);
-          continue;
-        }
         for (; r + 4 <= a.m; r += 4) {
           for (int v = 0; v < 16; v += 4) F32Tile<4, 4>(a, w, out, r, v, k0, rows, first, r == 0 ? next : nullptr);
         }
@@ -176,19 +181,21 @@ void RunF32Units(const void* args, int u0, int u1) {
         if (r < a.m) F32Tile<1, 16>(a, w, out, r, 0, k0, rows, first, r == 0 ? next : nullptr);
         continue;
       }
-      for (int r = 0; r < a.m; ++r) {  // the last, narrower block: masked loads (slower, once per product)
-        float* y = out + static_cast<size_t>(r) * a.n;
-        const float* x = a.x + static_cast<size_t>(r) * a.k + k0;
-        __m512 acc[kBlock / 16];
-        for (int i = 0; i < kBlock / 16; ++i) acc[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask[i], y + 16 * i);
-        for (int kk = 0; kk < rows; ++kk) {
-          const __m512 xv = _mm512_set1_ps(x[kk]);
-          const float* row = w + static_cast<size_t>(kk) * a.n;
-          for (int i = 0; i < kBlock / 16; ++i) {
-            acc[i] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(mask[i], row + 16 * i), acc[i]);
+      // The last, narrower block (fewer than 16 vectors): whole vectors, then one masked vector.
+      const int whole = (a.n - c0) / 16;
+      for (int r = 0; r < a.m; ++r) {
+        const int v = F32WholeVectors<8>(a, w, out, r, 0, whole, k0, rows, first);
+        if (v * 16 < a.n - c0) {
+          const __mmask16 mask = static_cast<__mmask16>((1u << (a.n - c0 - v * 16)) - 1);
+          float* y = out + static_cast<size_t>(r) * a.n + 16 * v;
+          const float* x = a.x + static_cast<size_t>(r) * a.k + k0;
+          __m512 acc = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y);
+          for (int kk = 0; kk < rows; ++kk) {
+            acc = _mm512_fmadd_ps(_mm512_set1_ps(x[kk]),
+                                  _mm512_maskz_loadu_ps(mask, w + static_cast<size_t>(kk) * a.n + 16 * v), acc);
           }
+          _mm512_mask_storeu_ps(y, mask, acc);
         }
-        for (int i = 0; i < kBlock / 16; ++i) _mm512_mask_storeu_ps(y + 16 * i, mask[i], acc[i]);
       }
     }
   }
