@@ -148,13 +148,17 @@ def _generate(model, inputs: dict, **options):
     return function(inputs)
 
 
-def _assert_same_generation(packed, reference, inputs: dict, **options):
-    a, b = _generate(packed, inputs, **options), _generate(reference, inputs, **options)
+def _assert_same_outputs(a, b):
+    """Two generate outputs (with scores): the same tokens, the same infinite scores, the rest within 1e-4."""
     np.testing.assert_array_equal(a.sequences.numpy(), b.sequences.numpy())
     for x, y in zip(a.scores, b.scores):
         finite = np.isfinite(y.numpy())
         np.testing.assert_array_equal(np.isfinite(x.numpy()), finite)
         np.testing.assert_allclose(x.numpy()[finite], y.numpy()[finite], atol=1e-4, rtol=1e-5)
+
+
+def _assert_same_generation(packed, reference, inputs: dict, **options):
+    _assert_same_outputs(_generate(packed, inputs, **options), _generate(reference, inputs, **options))
     program = tf.function(lambda inputs: packed.generate(**inputs, **options), jit_compile=True)
     hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
     assert f'custom_call_target="{native.TARGET}"' in hlo  # the packed model really uses the kernel
@@ -333,25 +337,19 @@ def test_float32_kernel_matches_float64_numpy(rows, k, n):
 
 
 def _float32_generate(model, inputs: dict, enabled: bool, **options):
-    """(sequences, scores, optimized HLO) of a compiled generate traced with the float32 kernel on or off."""
+    """(generate output with scores, optimized HLO) of a compiled generate traced with the float32 kernel on
+    or off."""
     native.set_float32_kernel(enabled)
-    program = tf.function(lambda inputs: model.generate(**inputs, output_scores=True, return_dict_in_generate=True,
-                                                        **options), jit_compile=True)
-    out = program(inputs)
-    return out.sequences.numpy(), [s.numpy() for s in out.scores], \
-        program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+    program = tf.function(lambda inputs: model.generate(**inputs, **options), jit_compile=True)
+    return _generate(model, inputs, **options), program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
 
 
 def _assert_kernel_changes_nothing(model, inputs: dict, **options):
-    with_kernel, without = _float32_generate(model, inputs, True, **options), \
-        _float32_generate(model, inputs, False, **options)
-    np.testing.assert_array_equal(with_kernel[0], without[0])
-    for x, y in zip(with_kernel[1], without[1]):
-        finite = np.isfinite(y)
-        np.testing.assert_array_equal(np.isfinite(x), finite)
-        np.testing.assert_allclose(x[finite], y[finite], atol=1e-4, rtol=1e-5)
-    assert f'custom_call_target="{native.FLOAT32_TARGET}"' in with_kernel[2]
-    assert native.FLOAT32_TARGET not in without[2]
+    (with_kernel, hlo_with), (without, hlo_without) = (_float32_generate(model, inputs, True, **options),
+                                                       _float32_generate(model, inputs, False, **options))
+    _assert_same_outputs(with_kernel, without)
+    assert f'custom_call_target="{native.FLOAT32_TARGET}"' in hlo_with
+    assert native.FLOAT32_TARGET not in hlo_without
 
 
 @pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3}])
