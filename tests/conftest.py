@@ -106,3 +106,28 @@ def gpt2_model(gpt2_checkpoint):
 def random_ids(shape, vocab: int, seed: int = 0) -> np.ndarray:
     # Ids >= 2: a prompt never contains the tiny models' EOS id 0 or the tests' pad id 1 by accident.
     return np.random.RandomState(seed).randint(2, vocab, shape).astype(np.int32)
+
+
+def tiny_family_model(folder, family: str):
+    """(a tiny random "opt" / "t5" / "whisper" model saved to `folder` and loaded by xlagen, generate inputs
+    for it): OPT with a projected pre-norm stack, T5 v1.1, Whisper on 30 s of random features."""
+    from xlagen import TFAutoModelForCausalLM, TFAutoModelForSeq2SeqLM, TFWhisperForConditionalGeneration
+
+    if family == "opt":
+        from models.test_opt import VARIANTS, save_tiny_opt
+
+        save_tiny_opt(folder, **VARIANTS["projected_pre_norm"])
+        model, ids = TFAutoModelForCausalLM.from_pretrained(folder), random_ids((2, 6), 50, seed=4)
+        return model, {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    if family == "t5":
+        from models.test_t5 import save_tiny_t5
+
+        save_tiny_t5(folder, "v1_1")
+        model, ids = TFAutoModelForSeq2SeqLM.from_pretrained(folder), random_ids((2, 6), 50, seed=5)
+        return model, {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    from models.test_whisper import save_tiny_whisper
+
+    save_tiny_whisper(folder)
+    model = TFWhisperForConditionalGeneration.from_pretrained(folder)
+    features = np.random.default_rng(6).standard_normal((1, model.config.num_mel_bins, 3000)).astype(np.float32)
+    return model, {"input_features": features}

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import random_ids
+from conftest import random_ids, tiny_family_model
 from xlagen import native
 
 # Skipped on machines that cannot run the kernel, except in CI (XLAGEN_CI=1, set by .ci/run), where they
@@ -362,27 +362,7 @@ def test_gpt2_generates_the_same_with_the_float32_kernel(gpt2_model, float32_ker
 
 @pytest.mark.parametrize("family", ["opt", "t5", "whisper"])
 def test_other_models_generate_the_same_with_the_float32_kernel(tmp_path, float32_kernel, family):
-    from xlagen import TFAutoModelForCausalLM, TFAutoModelForSeq2SeqLM, TFWhisperForConditionalGeneration
-
-    if family == "opt":
-        from models.test_opt import VARIANTS, save_tiny_opt
-
-        save_tiny_opt(tmp_path, **VARIANTS["projected_pre_norm"])
-        model, ids = TFAutoModelForCausalLM.from_pretrained(tmp_path), random_ids((2, 6), 50, seed=4)
-        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    elif family == "t5":
-        from models.test_t5 import save_tiny_t5
-
-        save_tiny_t5(tmp_path, "v1_1")
-        model, ids = TFAutoModelForSeq2SeqLM.from_pretrained(tmp_path), random_ids((2, 6), 50, seed=5)
-        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-    else:
-        from models.test_whisper import save_tiny_whisper
-
-        save_tiny_whisper(tmp_path)
-        model = TFWhisperForConditionalGeneration.from_pretrained(tmp_path)
-        rng = np.random.default_rng(6)
-        inputs = {"input_features": rng.standard_normal((1, model.config.num_mel_bins, 3000)).astype(np.float32)}
+    model, inputs = tiny_family_model(tmp_path, family)
     _assert_kernel_changes_nothing(model, inputs, max_new_tokens=6, num_beams=2)
 
 

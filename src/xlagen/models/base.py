@@ -12,6 +12,7 @@ from keras import ops
 
 from xlagen import cache as cache_lib
 from xlagen.layers.attention import causal_mask
+from xlagen.layers.block import run_blocks
 from xlagen.models.training import unpack_inputs
 
 
@@ -259,13 +260,10 @@ class DecoderOnlyLM(CausalDecoding):
 
     def _forward(self, token_ids, positions, mask, cache=None, cache_index=None, last_only=False, training=False):
         x = self._embed(token_ids, positions, training)
-        new_cache = []
-        for i, block in enumerate(self.blocks):
-            x, layer_cache = block(x, mask, None if cache is None else cache[i], cache_index, training=training)
-            new_cache.append(layer_cache)
+        x, new_cache = run_blocks(self.blocks, x, mask, cache, cache_index, training)
         x = self._finish(x[:, -1:] if last_only else x)
         logits = self.token_embedding.attend(x) if self.lm_head is None else self.lm_head(x)
-        return ops.cast(logits, "float32"), (None if cache is None else tuple(new_cache))
+        return ops.cast(logits, "float32"), new_cache
 
     def call(self, input_ids, attention_mask=None, position_ids=None, training=False):
         """Full forward pass (training, scoring, parity).

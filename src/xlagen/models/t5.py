@@ -29,7 +29,7 @@ from keras import ops
 
 from xlagen import cache as cache_lib
 from xlagen.layers.attention import causal_mask, padding_mask
-from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock
+from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock, run_blocks
 from xlagen.layers.dense import Dense
 from xlagen.layers.embeddings import TokenEmbedding
 from xlagen.layers.feedforward import get_activation
@@ -286,8 +286,7 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         bias = self.encoder_position_bias.bias(positions, positions)
         mask = padding_mask(attention_mask)
         x = self.dropout(self.token_embedding(input_ids), training=training)
-        for block in self.encoder_blocks:
-            x, _ = block(x, mask, training=training, position_bias=bias)
+        x, _ = run_blocks(self.encoder_blocks, x, mask, training=training, position_bias=bias)
         return self.dropout(self.encoder_final_norm(x), training=training)
 
     def _context(self, encoder_output, attention_mask) -> EncoderContext:
@@ -303,17 +302,14 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         bias = self.decoder_position_bias.bias(queries, ops.arange(ops.shape(attention_mask)[1], dtype="int32"))
         mask, cross_mask = causal_mask(attention_mask, start, num_tokens, slots), padding_mask(context.mask)
         x = self.dropout(self.token_embedding(token_ids), training=training)
-        new_cache = []
-        for i, block in enumerate(self.decoder_blocks):
-            x, layer_cache = block(x, mask, None if cache is None else cache[i], cache_index, training=training,
-                                   position_bias=bias, cross=CrossInputs(context.memory[i], cross_mask))
-            new_cache.append(layer_cache)
+        cross = [CrossInputs(memory, cross_mask) for memory in context.memory]
+        x, new_cache = run_blocks(self.decoder_blocks, x, mask, cache, cache_index, training, bias, cross)
         x = self.dropout(self.decoder_final_norm(x[:, -1:] if last_only else x), training=training)
         if self.lm_head is None:  # Mesh TensorFlow's rescaling before the tied projection
             logits = self.token_embedding.attend(x * self.config.hidden_size ** -0.5)
         else:
             logits = self.lm_head(x)
-        return ops.cast(logits, "float32"), (None if cache is None else tuple(new_cache))
+        return ops.cast(logits, "float32"), new_cache
 
     def call(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None, labels=None,
              training=False):

@@ -22,7 +22,7 @@ from keras import ops
 
 from xlagen import cache as cache_lib
 from xlagen.layers.attention import causal_mask, padding_mask
-from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock
+from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock, run_blocks
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
@@ -241,8 +241,7 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         x = self.stem(input_features)
         x = self.dropout(x + ops.cast(self.encoder_positions.embeddings, x.dtype)[None], training=training)
         mask = ops.ones((1, 1, 1, 1), "bool")
-        for block in self.encoder_blocks:
-            x, _ = block(x, mask, training=training)
+        x, _ = run_blocks(self.encoder_blocks, x, mask, training=training)
         return self.encoder_final_norm(x)
 
     def _context(self, encoder_output) -> EncoderContext:
@@ -253,14 +252,11 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         """The decoder and the tied output projection on `token_ids` `[B, T]` at `positions` `[B, T]`."""
         x = self.token_embedding(token_ids) + self.position_embedding(positions)
         x = self.dropout(x, training=training)
-        cross = padding_mask(context.mask)
-        new_cache = []
-        for i, block in enumerate(self.decoder_blocks):
-            x, layer_cache = block(x, mask, None if cache is None else cache[i], cache_index, training=training,
-                                   cross=CrossInputs(context.memory[i], cross))
-            new_cache.append(layer_cache)
+        cross_mask = padding_mask(context.mask)
+        cross = [CrossInputs(memory, cross_mask) for memory in context.memory]
+        x, new_cache = run_blocks(self.decoder_blocks, x, mask, cache, cache_index, training, cross=cross)
         x = self.decoder_final_norm(x[:, -1:] if last_only else x)
-        return ops.cast(self.token_embedding.attend(x), "float32"), (None if cache is None else tuple(new_cache))
+        return ops.cast(self.token_embedding.attend(x), "float32"), new_cache
 
     def _check_length(self, length) -> None:
         if length is not None and length > self.config.max_positions:
