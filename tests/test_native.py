@@ -388,6 +388,22 @@ def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model, float32_k
     assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
 
 
+def test_float32_kernel_takes_wide_heads_from_two_rows_on(gpt2_model, float32_kernel, monkeypatch):
+    ids = random_ids((1, 5), 300, seed=1)
+    vocab = gpt2_model.config.vocab_size
+    monkeypatch.setattr(native, "FLOAT32_MAX_COLUMNS", vocab - 1)  # the tiny model's head counts as wide
+
+    def kernel_calls(**options):
+        program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, **options), jit_compile=True)
+        return program.experimental_get_compiler_ir(ids)(stage="optimized_hlo").count(
+            f'custom_call_target="{native.FLOAT32_TARGET}"')
+
+    # One row: the head stays with XLA's dot; two beams: the head too goes through the kernel.
+    projections = kernel_calls()
+    assert projections == 4 * gpt2_model.config.num_layers
+    assert kernel_calls(num_beams=2) == projections + 1
+
+
 def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_model, caplog):
     ids = random_ids((1, 5), 300, seed=2)
     expected = gpt2_model.generate(ids, max_new_tokens=4).numpy()  # eager: XLA's kernels are not involved

@@ -48,8 +48,9 @@ FLOAT32_MAX_ROWS = 8
 # Smaller float32 weight matrices stay with XLA's dot: handing a product to the kernel's threads costs a
 # few microseconds, as much as streaming a matrix of about this size gains.
 FLOAT32_MIN_BYTES = 2 * 2**20
-# Wider ones (LM heads: 32k-52k columns) too: the kernel reads a row-major head 1 KB per row and block,
-# rows 130-200 kB apart, and measured slower than XLA's dot there (docs/performance.md).
+# Wider ones (LM heads: 32k-52k columns) too when x has one row: there XLA's dot reads the head as fast
+# as the kernel does or faster (Whisper-tiny's), while from two rows on (beams, batches) the kernel wins
+# (GPT-2-small beam 2 / beam 4 / batch 8: 1.08-1.17x per step; docs/performance.md).
 FLOAT32_MAX_COLUMNS = 16384
 
 logger = logging.getLogger(__name__)
@@ -264,8 +265,8 @@ def _float32_kernel_ready() -> bool:
 def use_float32_kernel(x, kernel) -> bool:
     """Whether `x @ kernel` (both float32, x with static leading dimensions) being traced now should be
     `matmul_float32`: inside a `tf.while_loop` compiled by XLA (a decoding step), at most
-    `FLOAT32_MAX_ROWS` rows, a kernel of at least `FLOAT32_MIN_BYTES` and at most `FLOAT32_MAX_COLUMNS`
-    columns, the kernel enabled (`set_float32_kernel`), not `portable()`, and loadable."""
+    `FLOAT32_MAX_ROWS` rows, a kernel of at least `FLOAT32_MIN_BYTES` and, for one row, at most
+    `FLOAT32_MAX_COLUMNS` columns, the kernel enabled (`set_float32_kernel`), not `portable()`, and loadable."""
     import tensorflow as tf
 
     if not _float32_enabled or _portable.get() or x.dtype != tf.float32 or kernel.dtype != tf.float32:
@@ -273,7 +274,9 @@ def use_float32_kernel(x, kernel) -> bool:
     rows = x.shape[:-1].num_elements()
     if rows is None or not 0 < rows <= FLOAT32_MAX_ROWS or len(kernel.shape) != 2:
         return False
-    if kernel.shape[0] * kernel.shape[1] * 4 < FLOAT32_MIN_BYTES or kernel.shape[1] > FLOAT32_MAX_COLUMNS:
+    if kernel.shape[0] * kernel.shape[1] * 4 < FLOAT32_MIN_BYTES:
+        return False
+    if rows == 1 and kernel.shape[1] > FLOAT32_MAX_COLUMNS:
         return False
     xla, in_loop = _context()
     return xla and in_loop and _float32_kernel_ready()
