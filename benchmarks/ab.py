@@ -1,0 +1,91 @@
+"""A/B of one tracing choice: one model, `generate` traced twice in one process (choice A, then B), timed
+call by call in alternation.
+
+    python benchmarks/ab.py --compare kernel --model gpt2 --strategy greedy --batch-size 1 --calls 9
+
+--compare:
+  kernel         XLA's dot (A) against xlagen's float32 kernel (B) for the decoding products
+                 (`xlagen.native.set_float32_kernel`).
+  heads          the LM head on XLA's dot (A) against the float32 kernel (B) for any number of rows
+                 (`xlagen.native.FLOAT32_MAX_COLUMNS`); everything else as the rules say.
+  shared-traces  blocks traced block by block (A) against once per spec (B, the default;
+                 `xlagen.layers.block.SHARE_TRACES`).
+
+Prints the median ms/token of each and their ratio (A / B: above 1, B is faster), and checks that both
+programs generate the same tokens. Random weights of the bench's shapes (`xlagen bench` model names),
+8-token prompts, TensorFlow on --threads threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def _choices(compare: str):
+    """{name: function that sets the choice before a trace}, A first; the last one is left in force."""
+    from xlagen import native
+    from xlagen.layers import block
+
+    cap = native.FLOAT32_MAX_COLUMNS
+
+    def columns(value):
+        native.FLOAT32_MAX_COLUMNS = value
+
+    def share(value):
+        block.SHARE_TRACES = value
+
+    return {
+        "kernel": {"xla_dot": lambda: native.set_float32_kernel(False),
+                   "kernel": lambda: native.set_float32_kernel(True)},
+        "heads": {"head_on_xla_dot": lambda: columns(cap), "head_on_kernel": lambda: columns(2**31)},
+        "shared-traces": {"block_by_block": lambda: share(False), "shared": lambda: share(True)},
+    }[compare], (lambda: (columns(cap), share(True), native.set_float32_kernel(True)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--compare", default="kernel", choices=["kernel", "heads", "shared-traces"])
+    parser.add_argument("--model", default="gpt2", help="an `xlagen bench` model: gpt2, opt, t5, whisper")
+    parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=9, help="timed calls of each program")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+
+    import numpy as np
+
+    from xlagen.cli import bench
+
+    bench.configure_threads(args.threads)
+    system = bench.XlagenSystem()
+    model = system.build(args.model, "float32")
+    scenario = bench.Scenario(args.model, args.strategy, args.batch_size, args.new_tokens, "xla")
+    choices, restore = _choices(args.compare)
+    programs, tokens = {}, {}
+    for name, choose in choices.items():
+        choose()  # read while tracing: each program keeps its choice
+        function, inputs, options = bench.prepare(system, model, scenario)
+        bench._timed(function, inputs, options, args.new_tokens)  # trace + compile
+        programs[name] = (function, inputs, options)
+        model_inputs = {k: v for k, v in inputs.items() if k != "_prefix"}
+        tokens[name] = np.asarray(function(**model_inputs, **dict(options, max_new_tokens=args.new_tokens)))
+    restore()
+    times = {name: [] for name in programs}
+    for index in range(args.calls):
+        for name in list(programs)[::-1 if index % 2 else 1]:
+            function, inputs, options = programs[name]
+            times[name].append(1000.0 * bench._timed(function, inputs, options, args.new_tokens) / args.new_tokens)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    a, b = list(medians)
+    print(json.dumps({"compare": args.compare, "scenario": scenario.label(),
+                      "same_tokens": bool(np.array_equal(*tokens.values())),
+                      "ms_per_token": {k: round(v, 2) for k, v in medians.items()},
+                      "runs_ms_per_token": {k: [round(t, 2) for t in v] for k, v in times.items()},
+                      f"{a}_over_{b}": round(medians[a] / medians[b], 3)}))
+
+
+if __name__ == "__main__":
+    main()
