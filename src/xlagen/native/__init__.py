@@ -49,8 +49,9 @@ FLOAT32_MAX_ROWS = 8
 # few microseconds, as much as streaming a matrix of about this size gains.
 FLOAT32_MIN_BYTES = 2 * 2**20
 # Wider ones (LM heads: 32k-52k columns) too when x has one row: there XLA's dot reads the head as fast
-# as the kernel does or faster (Whisper-tiny's), while from two rows on (beams, batches) the kernel wins
-# (GPT-2-small beam 2 / beam 4 / batch 8: 1.08-1.17x per step; docs/performance.md).
+# as the kernel does or faster (Whisper-tiny's), while from two rows on (beams, batches) the kernel was
+# faster for GPT-2-small (beam 2 / beam 4 / batch 8: 1.08-1.17x per step in most A/B runs) and about even
+# for OPT, T5 and Whisper (docs/performance.md).
 FLOAT32_MAX_COLUMNS = 16384
 
 logger = logging.getLogger(__name__)
