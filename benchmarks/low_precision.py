@@ -12,7 +12,10 @@ GPT-2-small decode step (95 M weights). Each variant stores the weights differen
 * `int8-reduce`: int8 weights stored `[out, in]`, the product written as an elementwise multiply and
   a row reduction (a form XLA can fuse with the int8 -> float conversion);
 * `bfloat16-native`: bfloat16 weights in xlagen's packed layout, multiplied by xlagen's native kernel
-  (`xlagen.native`, an XLA custom call) in float32: what `weight_dtype="bfloat16"` runs.
+  (`xlagen.native`, an XLA custom call) in float32: what `weight_dtype="bfloat16"` runs;
+* `int8-native`: int8 weights with a per-column scale in xlagen's packed layout, the same kind of
+  kernel: what `weight_dtype="int8"` runs;
+* `float32-native`: float32 weights through xlagen's float32 kernel (what float32 decoding runs).
 
 Run it twice to compare XLA's default CPU dot emitter with its oneDNN custom calls:
 
@@ -33,7 +36,8 @@ import subprocess
 import sys
 import time
 
-VARIANTS = ("float32", "bfloat16", "int8-upcast", "int8-dot", "int8-reduce", "bfloat16-native", "float32-native")
+VARIANTS = ("float32", "bfloat16", "int8-upcast", "int8-dot", "int8-reduce", "bfloat16-native", "int8-native",
+            "float32-native")
 LAYERS, WIDTH, INNER, VOCAB = 12, 768, 3072, 50257
 
 
@@ -43,10 +47,10 @@ def _weights(variant: str, shape, tf):
         return tf.Variable(tf.cast(w, variant)), None
     if variant == "float32-native":
         return tf.Variable(w), None
-    if variant == "bfloat16-native":
+    if variant in ("bfloat16-native", "int8-native"):
         from xlagen import native
 
-        return native.pack_tensor(w), shape[1]
+        return native.pack_tensor(w, variant.split("-")[0]), shape[1]
     if variant == "int8-reduce":
         w = tf.transpose(w)  # [out, in]
         scale = tf.reduce_max(tf.abs(w), axis=1) / 127.0
@@ -64,7 +68,7 @@ def _product(variant: str, x, weights, tf):
         from xlagen import native
 
         return native.matmul_float32(x, w)
-    if variant == "bfloat16-native":
+    if variant in ("bfloat16-native", "int8-native"):
         from xlagen import native
 
         return native.matmul(x, w, scale)  # `scale` holds the column count here

@@ -1,8 +1,10 @@
-"""xlagen.native: the bfloat16-weight matrix product (an XLA custom call) and models that use it.
+"""xlagen.native: the packed-weight matrix products (XLA custom calls) and models that use them.
 
-The kernel must compute exactly `x @ float32(bfloat16(W))`: checked against float64 numpy, against the
-unpacking fallback, and end to end against the same model whose float32 weights were rounded to
-bfloat16 beforehand (tokens equal, scores equal to float32 rounding).
+The bfloat16 kernel must compute exactly `x @ float32(bfloat16(W))`, the int8 one `x @ (Q * s)` for the
+column-wise quantized Q and scales s (up to float32 rounding): checked against float64 numpy on weights
+rounded or quantized here, independently of the packing code, against the unpacking fallback, and end to
+end against the same model whose float32 weights were rounded or quantized beforehand (tokens equal,
+scores equal to float32 rounding).
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ def _rounded(w: np.ndarray) -> np.ndarray:
     return w.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
+def _quantized(w: np.ndarray) -> np.ndarray:
+    """Each column to int8 steps of max |column| / 127, back in float32 (the weights an int8 layer uses)."""
+    step = np.abs(w).max(axis=0) / np.float32(127)
+    return (np.rint(w / np.where(step > 0, step, 1)) * step).astype(np.float32)
+
+
+# weight dtype -> (what the layer multiplies by, the packing function, the custom-call target)
+FORMATS = {"bfloat16": (_rounded, native.pack_bfloat16, native.TARGET),
+           "int8": (_quantized, native.pack_int8, native.INT8_TARGET)}
+
+
 def _xla(function, *args):
     return tf.function(function, jit_compile=True)(*args).numpy()
 
@@ -45,14 +58,33 @@ def test_packing_rounds_to_nearest_even_and_unpacks_exactly():
     assert np.signbit(unpacked[0, 2])
 
 
+def test_int8_packing_quantizes_each_column_with_its_own_scale():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((5, 70)).astype(np.float32) * np.linspace(0.01, 3, 70, dtype=np.float32)
+    w[:, 7] = 0  # an all-zero column: scale 0, weights 0
+    w[0, 8], w[1, 8] = 2.0, -2.0  # both ends of a column reach +-127
+    packed = native.pack_int8(w)
+    assert packed.shape == (2, 5 + 4, 64) and packed.dtype == np.int8  # ceil(70 / 64) panels, 4 rows of scales
+    unpacked = native.unpack(tf.constant(packed), 70).numpy()
+    np.testing.assert_allclose(unpacked, _quantized(w), rtol=1e-6, atol=0)
+    step = np.abs(w).max(axis=0) / 127
+    assert np.all(np.abs(unpacked - w) <= step / 2 * (1 + 1e-5))
+    assert not unpacked[:, 7].any() and packed[0, :5, 7].tolist() == [0] * 5
+    assert packed[0, 0, 8] == 127 and packed[0, 1, 8] == -127
+    assert not packed[1, :5, 70 - 64:].any()  # columns past N are zero, with zero scales
+    assert not packed[1, 5:, 4 * (70 - 64):].any()
+
+
+@pytest.mark.parametrize("weight_dtype", list(FORMATS))
 @pytest.mark.parametrize("rows,k,n", [(1, 768, 2304), (1, 64, 50), (3, 37, 19), (8, 96, 1000), (9, 40, 70),
                                       (16, 256, 33), (32, 300, 100)])
-def test_kernel_computes_x_times_rounded_weights(rows, k, n):
+def test_kernel_computes_x_times_rounded_weights(rows, k, n, weight_dtype):
+    weights_of, pack, _ = FORMATS[weight_dtype]
     rng = np.random.default_rng(rows + k + n)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
-    words = tf.constant(native.pack_bfloat16(w))
-    reference = x.astype(np.float64) @ _rounded(w).astype(np.float64)
+    words = tf.constant(pack(w))
+    reference = x.astype(np.float64) @ weights_of(w).astype(np.float64)
     compiled = _xla(lambda x: native.matmul(x, words, n), x)
     eager = native.matmul(x, words, n).numpy()  # the fallback: unpack + tf.matmul
     scale = np.abs(reference).max()
@@ -61,16 +93,18 @@ def test_kernel_computes_x_times_rounded_weights(rows, k, n):
     np.testing.assert_allclose(eager, reference, atol=2e-6 * scale * np.sqrt(k), rtol=0)
 
 
-def test_kernel_runs_as_a_custom_call_for_few_rows_and_inside_loops():
+@pytest.mark.parametrize("weight_dtype", list(FORMATS))
+def test_kernel_runs_as_a_custom_call_for_few_rows_and_inside_loops(weight_dtype):
+    _, pack, target = FORMATS[weight_dtype]
     rng = np.random.default_rng(1)
-    words = tf.constant(native.pack_bfloat16(rng.standard_normal((32, 48)).astype(np.float32)))
+    words = tf.constant(pack(rng.standard_normal((32, 48)).astype(np.float32)))
 
     def hlo(rows):
         function = tf.function(lambda x: native.matmul(x, words, 48), jit_compile=True)
         return function.experimental_get_compiler_ir(tf.zeros((rows, 32)))(stage="optimized_hlo")
 
-    assert f'custom_call_target="{native.TARGET}"' in hlo(native.MAX_ROWS)
-    assert native.TARGET not in hlo(native.MAX_ROWS + 1)
+    assert f'custom_call_target="{target}"' in hlo(native.MAX_ROWS)
+    assert target not in hlo(native.MAX_ROWS + 1)
     # Inside a loop the kernel runs whatever the rows: unpacking there would repeat every iteration.
     x = rng.standard_normal((native.MAX_ROWS + 8, 32)).astype(np.float32)
 
@@ -79,7 +113,7 @@ def test_kernel_runs_as_a_custom_call_for_few_rows_and_inside_loops():
                              (0, tf.zeros((x.shape[0], 48))))[1]
 
     looped = tf.function(loop, jit_compile=True)
-    assert f'custom_call_target="{native.TARGET}"' in looped.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    assert f'custom_call_target="{target}"' in looped.experimental_get_compiler_ir(x)(stage="optimized_hlo")
     np.testing.assert_allclose(looped(x).numpy(), 2 * (x @ native.unpack(words, 48).numpy()), rtol=1e-5, atol=1e-4)
     # Leading axes are flattened into rows: [2, 3, K] is 6 rows.
     x = rng.standard_normal((2, 3, 32)).astype(np.float32)
@@ -87,15 +121,17 @@ def test_kernel_runs_as_a_custom_call_for_few_rows_and_inside_loops():
     np.testing.assert_allclose(_xla(lambda x: native.matmul(x, words, 48), x), expected, atol=1e-5)
 
 
-def test_concurrent_products_from_two_threads_are_each_right():
+@pytest.mark.parametrize("weight_dtype", list(FORMATS))
+def test_concurrent_products_from_two_threads_are_each_right(weight_dtype):
     """The pool runs one product at a time; a call that finds it busy computes on its own thread."""
+    weights_of, pack, _ = FORMATS[weight_dtype]
     rng = np.random.default_rng(2)
     w = rng.standard_normal((512, 4096)).astype(np.float32)
-    words = tf.constant(native.pack_bfloat16(w))
+    words = tf.constant(pack(w))
     function = tf.function(lambda x: tf.stack([native.matmul(x + float(i), words, 4096) for i in range(4)]),
                            jit_compile=True)
     inputs = [rng.standard_normal((2, 512)).astype(np.float32) for _ in range(4)]
-    expected = [np.stack([(x + i) @ _rounded(w) for i in range(4)]) for x in inputs]
+    expected = [np.stack([(x + i) @ weights_of(w) for i in range(4)]) for x in inputs]
     function(inputs[0])  # compile once
     results, errors = [None] * 4, []
 
@@ -117,28 +153,36 @@ def test_concurrent_products_from_two_threads_are_each_right():
 
 
 def test_matmul_refuses_non_float32_activations():
-    words = tf.constant(native.pack_bfloat16(np.ones((4, 4), np.float32)))
-    with pytest.raises(TypeError, match="float32"):
-        native.matmul(tf.ones((1, 4), tf.bfloat16), words, 4)
+    for pack in (native.pack_bfloat16, native.pack_int8):
+        words = tf.constant(pack(np.ones((4, 4), np.float32)))
+        with pytest.raises(TypeError, match="float32"):
+            native.matmul(tf.ones((1, 4), tf.bfloat16), words, 4)
+
+
+def test_pack_tensor_refuses_unknown_formats():
+    with pytest.raises(ValueError, match="int8"):
+        native.pack_tensor(np.ones((4, 4), np.float32), "int4")
 
 
 # ----------------------------------------------------------------------------- models
 
-def _round_kernels(model) -> None:
+def _round_kernels(model, weight_dtype: str) -> None:
     from xlagen.layers.dense import Dense
     from xlagen.layers.embeddings import TokenEmbedding
 
+    weights_of = FORMATS[weight_dtype][0]
     for layer in model._flatten_layers():
         if isinstance(layer, (Dense, TokenEmbedding)):
-            layer.kernel.assign(_rounded(layer.kernel.numpy()))
+            layer.kernel.assign(weights_of(layer.kernel.numpy()))
 
 
-def _pair(load):
-    """(packed model, float32 model with the same bfloat16-rounded weights)."""
+def _pair(load, weight_dtype: str = "bfloat16"):
+    """(packed model, float32 model with the same bfloat16-rounded or int8-quantized weights)."""
     packed, reference = load(), load()
     for model in (packed, reference):
-        _round_kernels(model)
-    packed.pack_weights()
+        _round_kernels(model, weight_dtype)
+    packed.pack_weights(weight_dtype)
+    assert packed.weight_dtype == weight_dtype
     return packed, reference
 
 
@@ -161,14 +205,17 @@ def _assert_same_generation(packed, reference, inputs: dict, **options):
     _assert_same_outputs(_generate(packed, inputs, **options), _generate(reference, inputs, **options))
     program = tf.function(lambda inputs: packed.generate(**inputs, **options), jit_compile=True)
     hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
-    assert f'custom_call_target="{native.TARGET}"' in hlo  # the packed model really uses the kernel
+    target = FORMATS[packed.weight_dtype][2]
+    assert f'custom_call_target="{target}"' in hlo  # the packed model really uses the kernel
 
 
+@pytest.mark.parametrize("weight_dtype", list(FORMATS))
 @pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3}])
-def test_gpt2_with_packed_weights_generates_as_float32_with_rounded_weights(gpt2_checkpoint, options):
+def test_gpt2_with_packed_weights_generates_as_float32_with_rounded_weights(gpt2_checkpoint, options,
+                                                                          weight_dtype):
     from xlagen import TFAutoModelForCausalLM
 
-    packed, reference = _pair(lambda: TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0]))
+    packed, reference = _pair(lambda: TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0]), weight_dtype)
     ids = random_ids((2, 7), 300, seed=3)
     mask = np.ones_like(ids)
     mask[1, :3] = 0  # left padding
@@ -177,36 +224,39 @@ def test_gpt2_with_packed_weights_generates_as_float32_with_rounded_weights(gpt2
     np.testing.assert_allclose(packed(ids).logits.numpy(), reference(ids).logits.numpy(), atol=1e-4)
 
 
-@pytest.mark.parametrize("variant", ["projected_pre_norm", "untied_head"])
-def test_opt_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path, variant):
+@pytest.mark.parametrize("variant,weight_dtype", [("projected_pre_norm", "bfloat16"), ("untied_head", "bfloat16"),
+                                                  ("untied_head", "int8")])
+def test_opt_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path, variant, weight_dtype):
     from models.test_opt import VARIANTS, save_tiny_opt
     from xlagen import TFAutoModelForCausalLM
 
     save_tiny_opt(tmp_path, **VARIANTS[variant])  # project_in / project_out, or an untied LM head
-    packed, reference = _pair(lambda: TFAutoModelForCausalLM.from_pretrained(tmp_path))
+    packed, reference = _pair(lambda: TFAutoModelForCausalLM.from_pretrained(tmp_path), weight_dtype)
     ids = random_ids((2, 6), 50, seed=4)
     _assert_same_generation(packed, reference, {"input_ids": ids, "attention_mask": np.ones_like(ids)},
                             max_new_tokens=8, num_beams=2)
 
 
-@pytest.mark.parametrize("variant", ["v1_0", "v1_1"])  # tied and rescaled head, or untied (gated MLP)
-def test_t5_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path, variant):
+# T5 v1.0: a tied and rescaled head; v1.1: untied, gated MLP.
+@pytest.mark.parametrize("variant,weight_dtype", [("v1_0", "bfloat16"), ("v1_1", "bfloat16"), ("v1_0", "int8")])
+def test_t5_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path, variant, weight_dtype):
     from models.test_t5 import save_tiny_t5
     from xlagen import TFAutoModelForSeq2SeqLM
 
     save_tiny_t5(tmp_path, variant)
-    packed, reference = _pair(lambda: TFAutoModelForSeq2SeqLM.from_pretrained(tmp_path))
+    packed, reference = _pair(lambda: TFAutoModelForSeq2SeqLM.from_pretrained(tmp_path), weight_dtype)
     ids = random_ids((2, 6), 50, seed=5)
     _assert_same_generation(packed, reference, {"input_ids": ids, "attention_mask": np.ones_like(ids)},
                             max_new_tokens=8)
 
 
-def test_whisper_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path):
+@pytest.mark.parametrize("weight_dtype", list(FORMATS))
+def test_whisper_with_packed_weights_generates_as_float32_with_rounded_weights(tmp_path, weight_dtype):
     from models.test_whisper import save_tiny_whisper
     from xlagen import TFWhisperForConditionalGeneration
 
     save_tiny_whisper(tmp_path)
-    packed, reference = _pair(lambda: TFWhisperForConditionalGeneration.from_pretrained(tmp_path))
+    packed, reference = _pair(lambda: TFWhisperForConditionalGeneration.from_pretrained(tmp_path), weight_dtype)
     features = np.random.default_rng(6).standard_normal((1, packed.config.num_mel_bins, 3000)).astype(np.float32)
     _assert_same_generation(packed, reference, {"input_features": features}, max_new_tokens=6, num_beams=2)
 
@@ -214,13 +264,15 @@ def test_whisper_with_packed_weights_generates_as_float32_with_rounded_weights(t
 def test_weight_dtype_at_load_time(gpt2_checkpoint):
     from xlagen import TFAutoModelForCausalLM
 
-    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="bfloat16")
-    assert model.packed_weights and not model.trainable
-    assert not TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="float32").packed_weights
-    with pytest.raises(ValueError, match="already packed"):
-        model.pack_weights()
+    for weight_dtype in ("bfloat16", "int8"):
+        model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype=weight_dtype)
+        assert model.packed_weights and not model.trainable and model.weight_dtype == weight_dtype
+        with pytest.raises(ValueError, match=f"already packed as {weight_dtype}"):
+            model.pack_weights()
+    full = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="float32")
+    assert not full.packed_weights and full.weight_dtype == "float32"
     with pytest.raises(ValueError, match="weight_dtype must be"):
-        TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="int8")
+        TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="int4")
 
 
 def test_packing_needs_a_float32_model(gpt2_checkpoint):
@@ -263,16 +315,17 @@ def test_unavailable_reason_names_what_is_missing(monkeypatch):
     assert "C++ compiler" in native.unavailable_reason()
 
 
-def test_cli_generate_with_bfloat16_weights_matches_the_api(gpt2_checkpoint, capsys):
+@pytest.mark.parametrize("weight_dtype", list(FORMATS))
+def test_cli_generate_with_packed_weights_matches_the_api(gpt2_checkpoint, capsys, weight_dtype):
     from xlagen import AutoTokenizer, TFAutoModelForCausalLM
     from xlagen.cli.__main__ import main
 
     prompts = ["Hello world", "XLA compiles"]
     code = main(["generate", "--model", gpt2_checkpoint[0], *prompts, "--max-new-tokens", "5",
-                 "--weight-dtype", "bfloat16"])
+                 "--weight-dtype", weight_dtype])
     out, err = capsys.readouterr()
     assert code == 0, err
-    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="bfloat16")
+    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype=weight_dtype)
     tokenizer = AutoTokenizer.from_pretrained(gpt2_checkpoint[0], padding_side="left", pad_token="<|endoftext|>")
     encoding = tokenizer(prompts, padding=True, pad_to_multiple_of=8, return_tensors="tf")
     program = tf.function(lambda inputs: model.generate(**inputs, max_new_tokens=5), jit_compile=True)
@@ -287,17 +340,24 @@ def test_bench_measures_packed_weights_beside_float32(tmp_path):
     from xlagen.cli.__main__ import main
 
     code = main(["bench", "--tiny", "--quiet", "--modes", "xla", "--strategies", "greedy", "--dtype", "float32",
-                 "bfloat16-weights", "--output-dir", str(tmp_path), "--name", "packed", "--no-plot"])
+                 "bfloat16-weights", "int8-weights", "--output-dir", str(tmp_path), "--name", "packed", "--no-plot"])
     assert code == 0
     report = json.loads((tmp_path / "packed.json").read_text())
     results = {r["dtype"]: r for r in report["results"]}
-    assert set(results) == {"float32", "bfloat16-weights"} and not any("error" in r for r in results.values())
-    # The packed model's step reads 2 bytes per weight of its projections and head, 4 of the rest.
-    full, packed = results["float32"]["weight_bytes"], results["bfloat16-weights"]["weight_bytes"]
-    projections = 2 * (12 * 32 * 32) + 64 * 32  # tiny GPT-2: 2 blocks' qkv/out/MLP kernels and the tied head
-    assert full - packed == 2 * projections
-    assert report["command"][report["command"].index("--dtype") + 1:][:2] == ["float32", "bfloat16-weights"]
-    assert "tokens/s bfloat16-weights / float32 = " in (tmp_path / "packed.md").read_text()
+    assert set(results) == {"float32", "bfloat16-weights", "int8-weights"}
+    assert not any("error" in r for r in results.values())
+    # The packed model's step reads 2 bytes (bfloat16) or 1 byte and a float32 scale per 64-column panel and
+    # row of its projections and head, padded to whole panels (int8), and 4 bytes per weight of the rest.
+    full = results["float32"]["weight_bytes"]
+    kernels = [(32, 96), (32, 32), (32, 128), (128, 32)] * 2 + [(32, 64)]  # tiny GPT-2: 2 blocks, the tied head
+    projections = sum(k * n for k, n in kernels)
+    assert full - results["bfloat16-weights"]["weight_bytes"] == 2 * projections
+    int8 = sum(-(-n // 64) * (k + 4) * 64 for k, n in kernels)
+    assert full - results["int8-weights"]["weight_bytes"] == 4 * projections - int8
+    assert report["command"][report["command"].index("--dtype") + 1:][:3] == ["float32", "bfloat16-weights",
+                                                                              "int8-weights"]
+    text = (tmp_path / "packed.md").read_text()
+    assert "tokens/s bfloat16-weights / float32 = " in text and "tokens/s int8-weights / float32 = " in text
 
 
 def test_the_kernel_library_builds_into_the_cache_folder_once(tmp_path, monkeypatch):

@@ -61,9 +61,10 @@ def test_blocks_of_different_specs_get_their_own_trace(monkeypatch):
     _assert_sharing_changes_nothing(model, {"input_ids": ids}, monkeypatch, max_new_tokens=5)
 
 
-def test_each_block_reads_its_own_packed_weights(monkeypatch):
+@pytest.mark.parametrize("weight_dtype", ["bfloat16", "int8"])
+def test_each_block_reads_its_own_packed_weights(monkeypatch, weight_dtype):
     model = _tiny_gpt2()
-    model.pack_weights()
+    model.pack_weights(weight_dtype)
     ids = random_ids((1, 5), 300, seed=4)
     _assert_sharing_changes_nothing(model, {"input_ids": ids}, monkeypatch, max_new_tokens=6, num_beams=2)
 

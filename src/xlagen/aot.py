@@ -315,8 +315,8 @@ def aot_compile(model_or_path, out_dir: str | Path, *, batch_size: int = 1, prom
 
         model = TFAutoModelForGeneration.from_pretrained(model_or_path)
     if getattr(model, "packed_weights", False):
-        raise ValueError("xlagen aot cannot compile a model with packed bfloat16 weights: tfcompile does not "
-                         "link xlagen's native kernel; load the model without weight_dtype")
+        raise ValueError(f"xlagen aot cannot compile a model with packed {model.weight_dtype} weights: tfcompile "
+                         "does not link xlagen's native kernel; load the model without weight_dtype")
     config = greedy_config(model, {**options, "max_new_tokens": max_new_tokens})
     _, runtime_dir, _ = _tensorflow_paths()
     out_dir = Path(out_dir)

@@ -108,9 +108,9 @@ def _strategy_config(base: GenerationConfig, strategy: str, export: ExportConfig
 
 
 def _refuse_packed(model, what: str) -> None:
-    """Packed bfloat16 weights run through xlagen's native kernel, which a serving process lacks."""
+    """Packed (bfloat16 or int8) weights run through xlagen's native kernel, which a serving process lacks."""
     if getattr(model, "packed_weights", False):
-        raise ValueError(f"{what} cannot hold a model with packed bfloat16 weights: its program calls "
+        raise ValueError(f"{what} cannot hold a model with packed {model.weight_dtype} weights: its program calls "
                          "xlagen's native kernel, which a process without xlagen does not have; load the "
                          "model without weight_dtype to export it")
 

@@ -60,8 +60,9 @@ class PreTrainedModel(GenerationMixin):
             cache_dir: HF cache folder (default: huggingface_hub's).
             local_files_only: Never touch the network.
             dtype: Keras dtype policy for the weights and compute, e.g. "float32" (default).
-            weight_dtype: "bfloat16": the matrix products read their weights rounded to bfloat16 and
-                compute in float32 (`pack_weights`); None or "float32": as stored.
+            weight_dtype: "bfloat16" or "int8": the matrix products read their weights rounded to
+                bfloat16, or quantized to int8 with a scale per output column, and compute in float32
+                (`pack_weights`); None or "float32": as stored.
 
         Returns:
             The model, weights loaded, with `generation_config` from generation_config.json.
@@ -69,7 +70,7 @@ class PreTrainedModel(GenerationMixin):
         Raises:
             OSError: missing folder/files, or a pickle-only checkpoint.
             ValueError: unsupported model_type or config values, or tensors that do not match.
-            xlagen.native.NativeUnavailable: `weight_dtype="bfloat16"` on a machine that cannot run it.
+            xlagen.native.NativeUnavailable: a packed `weight_dtype` on a machine that cannot run it.
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
@@ -79,35 +80,42 @@ class PreTrainedModel(GenerationMixin):
         return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
 
     packed_weights = False  # True after pack_weights
+    weight_dtype = "float32"  # what the matrix products read: "float32", or pack_weights' weight_dtype
 
     def pack_weights(self, weight_dtype: str = "bfloat16") -> None:
-        """Makes every matrix product of the model (projections and LM head) read its weights rounded to
-        bfloat16, multiplying in float32 (`xlagen.native`).
+        """Makes every matrix product of the model (projections and LM head) read its weights in a smaller
+        format, multiplying in float32 (`xlagen.native`):
 
-        A decoding step reads every weight once, so halving the bytes nearly halves its time (GPT-2-small:
-        docs/performance.md); the logits move by bfloat16's rounding of the weights. Embedding lookups,
-        layer norms and biases stay float32. Call it before the first `generate` (compiled programs keep
-        the weights they were traced with). For inference: the model becomes non-trainable (the kernel
-        has no gradient), SavedModel export and `xlagen aot` refuse a packed model, and `save_pretrained`
-        writes the float32 weights.
+        - "bfloat16": each weight rounded to bfloat16, half of float32's bytes;
+        - "int8": each output column quantized to int8 with its own float32 scale (max |w| / 127), a
+          quarter of float32's bytes and a larger rounding error (up to half a scale step per weight).
+
+        A decoding step reads every weight once, so fewer bytes make it nearly proportionally faster
+        (GPT-2-small: docs/performance.md, which also measures what each format does to the logits).
+        Embedding lookups, layer norms and biases stay float32. Call it before the first `generate`
+        (compiled programs keep the weights they were traced with). For inference: the model becomes
+        non-trainable (the kernel has no gradient), SavedModel export and `xlagen aot` refuse a packed
+        model, and `save_pretrained` writes the float32 weights.
 
         Raises:
-            ValueError: for a weight dtype other than "bfloat16", a model whose dtype policy is not
-                float32, or a model already packed.
+            ValueError: for a weight dtype other than "bfloat16" or "int8", a model whose dtype policy is
+                not float32, or a model already packed.
             xlagen.native.NativeUnavailable: this machine cannot run the kernel (the message says why).
         """
+        from xlagen import native
         from xlagen.layers.dense import Dense
         from xlagen.layers.embeddings import TokenEmbedding
 
-        if weight_dtype != "bfloat16":
-            raise ValueError(f"weight_dtype must be 'bfloat16' (or None / 'float32' at load time), "
-                             f"got {weight_dtype!r}")
+        if weight_dtype not in native.WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {native.WEIGHT_DTYPES} (or None / 'float32' at "
+                             f"load time), got {weight_dtype!r}")
         if self.packed_weights:
-            raise ValueError("the model's weights are already packed as bfloat16")
+            raise ValueError(f"the model's weights are already packed as {self.weight_dtype}")
         for layer in self._flatten_layers():
             if isinstance(layer, (Dense, TokenEmbedding)):
-                layer.pack_bfloat16()
+                layer.pack_weights(weight_dtype)
         self.packed_weights = True
+        self.weight_dtype = weight_dtype
         self.trainable = False
 
     def save_pretrained(self, save_directory: str | Path, overwrite: bool = False) -> tuple[str, ...]:

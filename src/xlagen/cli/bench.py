@@ -60,6 +60,9 @@ _ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "O
              "TF_XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS")
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 PACKED_BF16 = "bfloat16-weights"
+PACKED_INT8 = "int8-weights"
+# Bench dtypes of xlagen's float32 models whose matrix products read packed weights -> pack_weights' weight_dtype.
+PACKED_DTYPES = {PACKED_BF16: "bfloat16", PACKED_INT8: "int8"}
 _GPT2_TINY = {"vocab_size": 64, "hidden_size": 32, "num_layers": 2, "num_heads": 4, "max_positions": 64}
 
 
@@ -73,8 +76,8 @@ class Scenario:
         batch_size: Prompts per call (B).
         new_tokens: Tokens generated per row (N).
         mode: "xla" (`tf.function(jit_compile=True)`) or "eager".
-        dtype: Weight and compute dtype policy, or `PACKED_BF16` (xlagen only: a float32 model whose
-            matrix products read bfloat16 weights, `model.pack_weights()`).
+        dtype: Weight and compute dtype policy, or a key of `PACKED_DTYPES` (xlagen only: a float32
+            model whose matrix products read bfloat16 or int8 weights, `model.pack_weights()`).
         prompt_tokens: Prompt length (P), no padding.
     """
 
@@ -144,10 +147,12 @@ class TFSystem:
         import tensorflow as tf
 
         unique = {id(v): v for v in model.weights}.values()
-        # A packed layer's step reads its bfloat16 words, not its float32 kernel.
-        packed = {id(layer.kernel) for layer in getattr(model, "_flatten_layers", list)()
+        # A packed layer's step reads its packed kernel (bfloat16 words, or int8 and scales), not its float32
+        # kernel.
+        packed = {id(layer.kernel): int(np.prod(layer.packed_kernel.shape)) * layer.packed_kernel.dtype.size
+                  for layer in getattr(model, "_flatten_layers", list)()
                   if getattr(layer, "packed_kernel", None) is not None}
-        return sum(int(np.prod(v.shape)) * (2 if id(v) in packed else tf.as_dtype(v.dtype).size) for v in unique
+        return sum(packed.get(id(v), int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size) for v in unique
                    if not _read_once(getattr(v, "path", None) or v.name))
 
     @staticmethod
@@ -208,10 +213,10 @@ class XlagenSystem(TFSystem):
     distributions = ("tensorflow", "keras", "numpy", "xlagen")
 
     def build(self, model: str, dtype: str):
-        if dtype != PACKED_BF16:
+        if dtype not in PACKED_DTYPES:
             return super().build(model, dtype)
         built = super().build(model, "float32")
-        built.pack_weights("bfloat16")
+        built.pack_weights(PACKED_DTYPES[dtype])
         return built
 
 
@@ -565,9 +570,9 @@ class Worker:
 
 
 def _as_run_by(system: str, scenario: Scenario) -> Scenario:
-    """The scenario as `system` runs it: the seed system has no packed bfloat16 weights and runs float32,
-    so that the xlagen/seed ratio of a packed scenario is against the seed's float32."""
-    return replace(scenario, dtype="float32") if system != "xlagen" and scenario.dtype == PACKED_BF16 \
+    """The scenario as `system` runs it: the seed system has no packed weights and runs float32, so that
+    the xlagen/seed ratio of a packed scenario is against the seed's float32."""
+    return replace(scenario, dtype="float32") if system != "xlagen" and scenario.dtype in PACKED_DTYPES \
         else scenario
 
 
@@ -767,10 +772,10 @@ def _derived(results: list[dict]) -> list[str]:
         if r["new_tokens"] > shortest and base:
             lines.append(f"- {where} {r['strategy']}: ms/token n{r['new_tokens']} / n{shortest} = "
                          f"{r['ms_per_token'] / base['ms_per_token']:.2f}")
-        if r["dtype"] == PACKED_BF16:
+        if r["dtype"] in PACKED_DTYPES:
             full = index.get((r["system"], "float32") + tuple(r[k] for k in _KEY))
             if full:
-                lines.append(f"- {where} {r['strategy']} n{r['new_tokens']}: tokens/s {PACKED_BF16} / float32 = "
+                lines.append(f"- {where} {r['strategy']} n{r['new_tokens']}: tokens/s {r['dtype']} / float32 = "
                              f"{r['tokens_per_s'] / full['tokens_per_s']:.2f}")
     return ["", "Ratios within a system (XLA):", "", *lines] if lines else []
 
@@ -899,8 +904,8 @@ def add_arguments(parser: argparse.ArgumentParser, models: list[str]) -> None:
     what.add_argument("--modes", nargs="+", choices=MODES, help="default: xla eager")
     what.add_argument("--dtype", nargs="+", default=["float32"],
                       help=f"weights and compute dtype policies, each scenario once per dtype (default: float32); "
-                           f"{PACKED_BF16!r}: xlagen's float32 model with its matrix products reading bfloat16 "
-                           f"weights (the seed system runs float32 for it)")
+                           f"{PACKED_BF16!r} / {PACKED_INT8!r}: xlagen's float32 model with its matrix products "
+                           f"reading bfloat16 / int8 weights (the seed system runs float32 for them)")
     timing = parser.add_argument_group("timing")
     timing.add_argument("--repeats", type=_positive_int, help="timed XLA runs, median reported (default: 5)")
     timing.add_argument("--warmup", type=int, help="untimed XLA runs after the first call (default: 1)")

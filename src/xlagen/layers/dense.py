@@ -17,20 +17,21 @@ class Dense(keras.layers.Dense):
     13.6 -> 11.7 ms (`benchmarks/dot_forms.py`). Weights, names and serialization are Keras' Dense.
 
     Inside a compiled decoding loop, a float32 product of a few rows runs xlagen's native float32 kernel
-    (`xlagen.native.use_float32_kernel`); elsewhere Keras' matmul. `pack_bfloat16()` makes the layer
-    multiply by its kernel rounded to bfloat16, read by xlagen's native kernel (`xlagen.native`):
-    inference only, for float32 layers.
+    (`xlagen.native.use_float32_kernel`); elsewhere Keras' matmul. `pack_weights()` makes the layer
+    multiply by its kernel rounded to bfloat16 or quantized to int8, read by xlagen's native kernel
+    (`xlagen.native`): inference only, for float32 layers.
     """
 
-    packed_kernel = None  # set by pack_bfloat16: the kernel's packed bfloat16 words
+    packed_kernel = None  # set by pack_weights: the kernel packed by xlagen.native.pack_tensor
 
-    def pack_bfloat16(self):
-        """From now on multiply by the kernel rounded to bfloat16 (`xlagen.native.matmul`).
+    def pack_weights(self, weight_dtype: str = "bfloat16"):
+        """From now on multiply by the kernel rounded to bfloat16, or quantized to int8 with a scale per
+        output column (`xlagen.native.matmul`).
 
         The float32 kernel stays as the layer's weight (saving writes it); the packed copy is a constant
         taken now, so later changes to the kernel are not seen. Not differentiable: inference only.
         """
-        self.packed_kernel = packed_kernel_of(self)
+        self.packed_kernel = packed_kernel_of(self, weight_dtype)
 
     def call(self, inputs, training=None):
         if self.packed_kernel is not None:
@@ -46,11 +47,12 @@ class Dense(keras.layers.Dense):
         return x
 
 
-def packed_kernel_of(layer):
-    """A built float32 layer's `kernel` packed as bfloat16 words for `xlagen.native.matmul`."""
+def packed_kernel_of(layer, weight_dtype: str):
+    """A built float32 layer's `kernel` packed as `weight_dtype` ("bfloat16" or "int8") for
+    `xlagen.native.matmul`."""
     if not layer.built:
         raise ValueError(f"{layer.name}: build the layer (load the model) before packing its weights")
     if layer.compute_dtype != "float32" or layer.variable_dtype != "float32":
-        raise ValueError(f"{layer.name}: bfloat16 weights need a float32 model (dtype policy "
+        raise ValueError(f"{layer.name}: {weight_dtype} weights need a float32 model (dtype policy "
                          f"{layer.dtype_policy.name!r})")
-    return native.pack_tensor(layer.kernel)
+    return native.pack_tensor(layer.kernel, weight_dtype)

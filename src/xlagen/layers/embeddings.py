@@ -24,19 +24,19 @@ class TokenEmbedding(keras.layers.Layer):
         output_dim: The embedding width.
     """
 
-    packed_kernel = None  # set by pack_bfloat16: the kernel's packed bfloat16 words, used by `attend`
+    packed_kernel = None  # set by pack_weights: the kernel packed by xlagen.native.pack_tensor, for `attend`
 
     def __init__(self, input_dim: int, output_dim: int, **kwargs):
         super().__init__(**kwargs)
         self.input_dim = input_dim
         self.output_dim = output_dim
 
-    def pack_bfloat16(self):
-        """From now on `attend` multiplies by the kernel rounded to bfloat16 (`xlagen.native.matmul`).
-
-        Lookups keep reading the float32 kernel. Inference only, as `Dense.pack_bfloat16`.
+    def pack_weights(self, weight_dtype: str = "bfloat16"):
+        """From now on `attend` multiplies by the kernel rounded to bfloat16 or quantized to int8
+        (`xlagen.native.matmul`). Lookups keep reading the float32 kernel. Inference only, as
+        `Dense.pack_weights`.
         """
-        self.packed_kernel = packed_kernel_of(self)
+        self.packed_kernel = packed_kernel_of(self, weight_dtype)
 
     def build(self, input_shape=None):
         # keras.layers.Embedding's default initializer.

@@ -12,6 +12,8 @@ xlagen brings its own product for the few rows of a decoding step, in two forms:
   (it multiplies an upcast float32 copy, no faster than float32 weights: docs/performance.md); this one
   reads weights stored as bfloat16 in a packed panel layout, widens them in registers and multiplies in
   float32. It computes exactly `x @ float32(W)` with half the bytes read.
+- int8 weights with one float32 scale per output column (`matmul`, `pack_int8`): a quarter of float32's
+  bytes, widened in registers and multiplied in float32; `x @ (Q * s)` up to float32 rounding.
 
 The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
 cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source. It needs
@@ -40,7 +42,10 @@ import numpy as np
 SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
-PANEL = 32  # output columns per packed panel (matmul.cc's kPanel)
+INT8_TARGET = "xlagen_int8_matmul"
+PANEL = 32  # output columns per packed bfloat16 panel (matmul.cc's kPanel)
+INT8_PANEL = 64  # output columns per int8 panel (matmul.cc's kInt8Panel)
+WEIGHT_DTYPES = ("bfloat16", "int8")  # what `pack_tensor` packs
 MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders) unpack and use XLA's dot
 # Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams). At 8 rows the
 # kernel and XLA's dot are on a par (the product approaches compute-bound); above, XLA's dot.
@@ -156,20 +161,52 @@ def pack_bfloat16(kernel: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(words.transpose(1, 0, 2)).view(np.int32)
 
 
-def pack_tensor(kernel):
-    """`pack_bfloat16` of a variable or tensor, as a TensorFlow constant (loads the kernel library first, so
-    that a machine that cannot run it fails here, with the reason, rather than at compile time)."""
+def pack_int8(kernel: np.ndarray) -> np.ndarray:
+    """A float `[K, N]` kernel -> int8 `[ceil(N / 64), K + 4, 64]`: each column quantized with its own scale.
+
+    Column n's scale is s = max |W[:, n]| / 127 and its weights are round(W[k, n] / s) (ties to even), in
+    -127..127, so the kernel multiplies by `Q * s` (`unpack`), whose error is at most s / 2 per weight.
+    Panel p holds rows 0..K-1 of columns 64p..64p+63 (64 bytes per row), then those 64 columns' float32
+    scales as 256 bytes (4 more rows); columns past N are zero, with scale zero.
+    """
+    k, n = kernel.shape
+    kernel = np.asarray(kernel, np.float32)
+    panels = -(-n // INT8_PANEL)
+    peak = np.abs(kernel).max(axis=0) if k else np.zeros(n, np.float32)
+    scales = np.zeros(panels * INT8_PANEL, np.float32)
+    scales[:n] = peak / 127
+    quantized = np.zeros((k, panels * INT8_PANEL), np.int8)
+    safe = np.where(scales[:n] > 0, scales[:n], 1)
+    quantized[:, :n] = np.clip(np.rint(kernel / safe), -127, 127).astype(np.int8)
+    weights = quantized.reshape(k, panels, INT8_PANEL).transpose(1, 0, 2)
+    scale_rows = scales.view(np.int8).reshape(panels, 4, INT8_PANEL)
+    return np.ascontiguousarray(np.concatenate([weights, scale_rows], axis=1))
+
+
+def pack_tensor(kernel, weight_dtype: str = "bfloat16"):
+    """`pack_bfloat16` or `pack_int8` of a variable or tensor, as a TensorFlow constant (loads the kernel
+    library first, so that a machine that cannot run it fails here, with the reason, rather than at compile
+    time)."""
     import tensorflow as tf
 
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"packed weights are one of {WEIGHT_DTYPES}, got {weight_dtype!r}")
     load()
-    return tf.constant(pack_bfloat16(np.asarray(kernel.numpy() if hasattr(kernel, "numpy") else kernel,
-                                                np.float32)))
+    pack = pack_bfloat16 if weight_dtype == "bfloat16" else pack_int8
+    return tf.constant(pack(np.asarray(kernel.numpy() if hasattr(kernel, "numpy") else kernel, np.float32)))
 
 
 def unpack(words, n: int):
-    """Packed words `[P, K, 16]` -> the float32 kernel `[K, n]` (TensorFlow ops, exact)."""
+    """Packed weights -> the float32 kernel `[K, n]` they multiply by (TensorFlow ops): bfloat16 words
+    `[P, K, 16]` exactly; int8 panels `[P, K + 4, 64]` as `Q * s`."""
     import tensorflow as tf
 
+    if words.dtype == tf.int8:
+        k = words.shape[1] - 4
+        quantized = tf.cast(words[:, :k, :], tf.float32)  # [P, K, 64]
+        scales = tf.bitcast(tf.reshape(words[:, k:, :], (-1, INT8_PANEL, 4)), tf.float32)  # [P, 64]
+        kernel = tf.transpose(quantized * scales[:, None, :], (1, 0, 2))
+        return tf.reshape(kernel, (k, -1))[:, :n]
     low = tf.bitcast(tf.bitwise.left_shift(words, 16), tf.float32)
     high = tf.bitcast(tf.bitwise.bitwise_and(words, tf.constant(-65536, tf.int32)), tf.float32)  # 0xFFFF0000
     panels = tf.concat([low, high], axis=-1)  # [P, K, 32]
@@ -194,25 +231,25 @@ def _context() -> tuple[bool, bool]:
 
 
 def matmul(x, words, n: int):
-    """`x [..., K] @ W` for W packed by `pack_bfloat16` (N = n columns), in float32.
+    """`x [..., K] @ W` for W packed by `pack_bfloat16` or `pack_int8` (N = n columns), in float32.
 
     Under XLA compilation this is the native kernel's custom call, inside a `tf.while_loop` (a decoding
     step) always and elsewhere for at most `MAX_ROWS` rows of x. Otherwise (long prompts, encoders, eager
     or non-XLA graphs) the weights are unpacked to float32 and multiplied by TensorFlow's matmul: faster
     once the product is compute-bound, but never inside a loop, where XLA would unpack every iteration
-    (10x slower than the kernel at 16 rows). Both compute `x @ float32(W)`.
+    (10x slower than the kernel at 16 rows). Both compute `x @ unpack(W)`.
     """
     import tensorflow as tf
 
     x = tf.convert_to_tensor(x)
     rows = x.shape[:-1].num_elements()
     if x.dtype != tf.float32:
-        raise TypeError(f"bfloat16 weights multiply float32 activations; got {x.dtype.name}")
+        raise TypeError(f"packed weights multiply float32 activations; got {x.dtype.name}")
     xla, in_loop = _context()
     if rows is None or rows == 0 or not xla or (rows > MAX_ROWS and not in_loop):
         return tf.tensordot(x, unpack(words, n), 1)
     load()
-    return _custom_call(TARGET, x, words, n)
+    return _custom_call(INT8_TARGET if words.dtype == tf.int8 else TARGET, x, words, n)
 
 
 def _custom_call(target: str, x, weights, n: int):
@@ -233,7 +270,7 @@ def _custom_call(target: str, x, weights, n: int):
 def portable():
     """Within this block the float32 products trace as XLA's own dot, never as a native kernel: for
     programs that leave this process (SavedModel, tfcompile), which would not have the kernels.
-    (Packed bfloat16 weights cannot be traced portably; exporting them is refused.)"""
+    (Packed bfloat16 or int8 weights cannot be traced portably; exporting them is refused.)"""
     token = _portable.set(True)
     try:
         yield

@@ -91,6 +91,68 @@ void RunPanels(const void* args, int p0, int p1) {
   }
 }
 
+// The int8 product reads W stored as int8 with one float32 scale per output column, in panels of 64
+// columns: panel p holds rows 0..K-1 of columns 64p..64p+63 (64 bytes per row), then the 64 columns'
+// scales (4 more rows' worth). A row is one 64-byte load, widened 16 weights at a time in registers
+// (sign-extend, convert) and multiplied in float32; the panel's sums are multiplied by the scales once at
+// the end, so y = (x @ Q) * s, which is x @ (Q * s) up to rounding.
+constexpr int kInt8Panel = 64;  // output columns per int8 panel
+constexpr int kInt8Rows = 4;    // rows of x per pass over a panel (16 accumulators)
+
+struct Int8Product {
+  const float* x;
+  const int8_t* w;
+  float* y;
+  int m, k, n, panels;
+};
+
+template <int R>
+inline void Int8Tile(const Int8Product& a, const int8_t* w, const float* scales, int m0, int c0) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+  const float* x = a.x + static_cast<size_t>(m0) * a.k;
+  for (int kk = 0; kk < a.k; ++kk) {
+    const int8_t* row = w + static_cast<size_t>(kk) * kInt8Panel;
+    __m512 wv[4];
+    for (int g = 0; g < 4; ++g) {
+      wv[g] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g))));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[static_cast<size_t>(r) * a.k + kk]);
+      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_fmadd_ps(xv, wv[g], acc[r][g]);
+    }
+  }
+  const int columns = a.n - c0 < kInt8Panel ? a.n - c0 : kInt8Panel;
+  for (int g = 0; g < 4; ++g) {
+    const int left = columns - 16 * g;
+    if (left <= 0) break;
+    const __m512 s = _mm512_loadu_ps(scales + 16 * g);
+    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    for (int r = 0; r < R; ++r) {
+      _mm512_mask_storeu_ps(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + 16 * g, mask, _mm512_mul_ps(acc[r][g], s));
+    }
+  }
+}
+
+void RunInt8Panels(const void* args, int p0, int p1) {
+  const Int8Product& a = *static_cast<const Int8Product*>(args);
+  // As RunPanels: a panel comes from memory once and stays in the core's cache for the other row blocks.
+  for (int p = p0; p < p1; ++p) {
+    const int8_t* w = a.w + static_cast<size_t>(p) * (a.k + 4) * kInt8Panel;
+    const float* scales = reinterpret_cast<const float*>(w + static_cast<size_t>(a.k) * kInt8Panel);
+    const int c0 = p * kInt8Panel;
+    int m0 = 0;
+    for (; m0 + kInt8Rows <= a.m; m0 += kInt8Rows) Int8Tile<kInt8Rows>(a, w, scales, m0, c0);
+    switch (a.m - m0) {
+      case 3: Int8Tile<3>(a, w, scales, m0, c0); break;
+      case 2: Int8Tile<2>(a, w, scales, m0, c0); break;
+      case 1: Int8Tile<1>(a, w, scales, m0, c0); break;
+      default: break;
+    }
+  }
+}
+
 // The float32 product reads W [K, N] as XLA stores it (row-major), with no packing. A unit of work is a
 // block of 256 output columns (1 KB of each weight row: shorter runs stream at half the rate here) over a
 // range of K. The range is walked in chunks of 8 weight rows (8 KB, which stay in L1); every row of x is
@@ -332,6 +394,15 @@ extern "C" void xlagen_bf16_matmul(void* out, const void** in, const char* opaqu
   GetPool().Run(Task{&a, RunPanels, a.panels});
 }
 
+extern "C" void xlagen_int8_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                   XlaCustomCallStatus_* /*status*/) {
+  Int8Product a{static_cast<const float*>(in[0]), static_cast<const int8_t*>(in[1]), static_cast<float*>(out), 0,
+                0, 0, 0};
+  ParseShape(opaque, opaque_len, &a.m, &a.k, &a.n);
+  a.panels = (a.n + kInt8Panel - 1) / kInt8Panel;
+  GetPool().Run(Task{&a, RunInt8Panels, a.panels});
+}
+
 extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* /*status*/) {
   F32Product a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<float*>(out),
@@ -376,5 +447,6 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   if (global == nullptr || add == nullptr) return -2;
   add(global(), std::string("xlagen_bf16_matmul"), reinterpret_cast<void*>(&xlagen_bf16_matmul), std::string("Host"));
   add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), std::string("Host"));
+  add(global(), std::string("xlagen_int8_matmul"), reinterpret_cast<void*>(&xlagen_int8_matmul), std::string("Host"));
   return 0;
 }

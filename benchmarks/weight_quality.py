@@ -1,17 +1,18 @@
-"""What bfloat16 weights cost in quality: float32 vs `weight_dtype="bfloat16"` on one checkpoint.
+"""What packed weights cost in quality: float32 vs `weight_dtype="bfloat16"` and `"int8"` on one checkpoint.
 
-Loads the checkpoint twice (float32, and with its matrix products reading bfloat16 weights), then:
+Loads the checkpoint in float32 and once per weight dtype (its matrix products reading bfloat16 weights,
+or int8 weights with a scale per output column), then, for each against float32:
 
 * teacher-forced logits over some texts: max and mean |difference|, the logits' own spread (std) for
-  scale, the mean KL divergence of the bfloat16 model's next-token distribution from float32's, and how
+  scale, the mean KL divergence of the packed model's next-token distribution from float32's, and how
   often the top-1 token agrees;
 * greedy generation from each text's start: the share of new tokens that agree position by position,
   and where the first difference is.
 
-    python benchmarks/bf16_quality.py                 # the built-in default model
-    python benchmarks/bf16_quality.py --model PATH    # any causal LM checkpoint folder (or Hub id)
+    python benchmarks/weight_quality.py                 # the built-in default model
+    python benchmarks/weight_quality.py --model PATH    # any causal LM checkpoint folder (or Hub id)
 
-Writes benchmarks/results/bf16-quality.{json,md} unless --no-write.
+Writes benchmarks/results/weight-quality.{json,md} unless --no-write.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ TEXTS = (
 )
 
 
-def measure(model_name: str, new_tokens: int, prompt_words: int) -> dict:
+def measure(model_name: str, weight_dtype: str, new_tokens: int, prompt_words: int) -> dict:
     import numpy as np
     import tensorflow as tf
 
@@ -42,7 +43,7 @@ def measure(model_name: str, new_tokens: int, prompt_words: int) -> dict:
 
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     full = TFAutoModelForCausalLM.from_pretrained(model_name)
-    packed = TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype="bfloat16")
+    packed = TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype=weight_dtype)
     logits = {"max_abs_diff": 0.0, "sum_abs_diff": 0.0, "count": 0, "kl_sum": 0.0, "positions": 0, "agree": 0}
     spreads = []
     generation = {"agree": 0, "tokens": 0, "first_difference": []}
@@ -75,7 +76,8 @@ def measure(model_name: str, new_tokens: int, prompt_words: int) -> dict:
         generation["tokens"] += same.size
         generation["first_difference"].append(int(np.argmin(same)) if not same.all() else None)
     return {
-        "model": model_name, "texts": len(TEXTS), "new_tokens": new_tokens, "prompt_words": prompt_words,
+        "model": model_name, "weight_dtype": weight_dtype, "texts": len(TEXTS), "new_tokens": new_tokens,
+        "prompt_words": prompt_words,
         "logits_max_abs_diff": logits["max_abs_diff"],
         "logits_mean_abs_diff": logits["sum_abs_diff"] / logits["count"],
         "logits_std": float(np.mean(spreads)),
@@ -86,21 +88,25 @@ def measure(model_name: str, new_tokens: int, prompt_words: int) -> dict:
     }
 
 
-def markdown(result: dict) -> str:
-    first = ", ".join("none" if i is None else str(i) for i in result["greedy_first_difference"])
+def markdown(results: list[dict], model: str, arguments: str) -> str:
+    def row(measure: str, value) -> str:
+        return f"| {measure} | " + " | ".join(value(r) for r in results) + " |"
+
     return "\n".join([
-        f"# bfloat16 weights vs float32: {result['model']}", "",
-        f"Command: `python benchmarks/bf16_quality.py{result['arguments']}`", "",
-        "| measure | value |", "|---|---|",
-        f"| teacher-forced positions ({result['texts']} texts) | {result['positions']} |",
-        f"| max abs logit difference | {result['logits_max_abs_diff']:.4f} |",
-        f"| mean abs logit difference | {result['logits_mean_abs_diff']:.5f} |",
-        f"| logits' std (scale) | {result['logits_std']:.3f} |",
-        f"| mean KL(float32 \\|\\| bfloat16), nats | {result['mean_kl']:.2e} |",
-        f"| top-1 agreement | {100 * result['top1_agreement']:.2f} % |",
-        f"| greedy tokens agreeing ({result['new_tokens']} new per text) | "
-        f"{100 * result['greedy_token_agreement']:.2f} % |",
-        f"| first differing greedy token per text | {first} |", ""])
+        f"# Packed weights vs float32: {model}", "",
+        f"Command: `python benchmarks/weight_quality.py{arguments}`", "",
+        "| measure | " + " | ".join(f"{r['weight_dtype']} vs float32" for r in results) + " |",
+        "|---|" + "---|" * len(results),
+        row(f"teacher-forced positions ({results[0]['texts']} texts)", lambda r: str(r["positions"])),
+        row("max abs logit difference", lambda r: f"{r['logits_max_abs_diff']:.4f}"),
+        row("mean abs logit difference", lambda r: f"{r['logits_mean_abs_diff']:.5f}"),
+        row("logits' std (scale)", lambda r: f"{r['logits_std']:.3f}"),
+        row("mean KL(float32 \\|\\| packed), nats", lambda r: f"{r['mean_kl']:.2e}"),
+        row("top-1 agreement", lambda r: f"{100 * r['top1_agreement']:.2f} %"),
+        row(f"greedy tokens agreeing ({results[0]['new_tokens']} new per text)",
+            lambda r: f"{100 * r['greedy_token_agreement']:.2f} %"),
+        row("first differing greedy token per text",
+            lambda r: ", ".join("none" if i is None else str(i) for i in r["greedy_first_difference"])), ""])
 
 
 def main() -> int:
@@ -108,23 +114,27 @@ def main() -> int:
     parser.add_argument("--model", help="checkpoint folder or Hub id (default: the built-in default model)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=4, help="words of each text that prompt greedy runs")
+    parser.add_argument("--weight-dtypes", nargs="+", choices=["bfloat16", "int8"], default=["bfloat16", "int8"])
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from xlagen.cli.generate import default_model_path
 
     model = args.model or default_model_path()
-    result = measure(model, args.new_tokens, args.prompt_words)
-    result["model"] = args.model or "the built-in default model"
-    result["arguments"] = "".join(f" {flag} {value}" for flag, value in (
-        ("--model", args.model), ("--new-tokens", args.new_tokens), ("--prompt-words", args.prompt_words))
-        if value is not None)
-    text = markdown(result)
+    results = [measure(model, weight_dtype, args.new_tokens, args.prompt_words) for weight_dtype in args.weight_dtypes]
+    arguments = "".join(f" {flag} {value}" for flag, value in (
+        ("--model", args.model), ("--new-tokens", args.new_tokens), ("--prompt-words", args.prompt_words),
+        ("--weight-dtypes", " ".join(args.weight_dtypes))) if value is not None)
+    name = args.model or "the built-in default model"
+    for result in results:
+        result["model"] = name
+    text = markdown(results, name, arguments)
     print(text)
     if not args.no_write:
         out = Path(__file__).resolve().parent / "results"
-        (out / "bf16-quality.json").write_text(json.dumps(result, indent=2) + "\n")
-        (out / "bf16-quality.md").write_text(text)
+        (out / "weight-quality.json").write_text(json.dumps({"arguments": arguments, "results": results}, indent=2)
+                                                 + "\n")
+        (out / "weight-quality.md").write_text(text)
     return 0
 
 
