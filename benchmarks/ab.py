@@ -6,8 +6,11 @@ call by call in alternation.
 --compare:
   kernel         XLA's dot (A) against xlagen's float32 kernel (B) for the decoding products
                  (`xlagen.native.set_float32_kernel`).
-  heads          the LM head on XLA's dot (A) against the float32 kernel (B) for any number of rows
-                 (`xlagen.native.FLOAT32_MAX_COLUMNS`); everything else as the rules say.
+  heads          the LM head (more than 16,384 columns) on XLA's dot for one row (A) against the float32
+                 kernel (B, the default; `xlagen.native.FLOAT32_MAX_COLUMNS`); everything else as by default.
+  rules          the kernel's former limits (A: matrices under 2 MiB, and one-row LM heads, on XLA's dot;
+                 `FLOAT32_MIN_BYTES`, `FLOAT32_MAX_COLUMNS`) against every decoding product on it (B, the
+                 default).
   shared-traces  blocks traced block by block (A) against once per spec (B, the default;
                  `xlagen.layers.block.SHARE_TRACES`).
 
@@ -28,10 +31,13 @@ def _choices(compare: str):
     from xlagen import native
     from xlagen.layers import block
 
-    cap = native.FLOAT32_MAX_COLUMNS
+    cap, floor_bytes = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES
 
     def columns(value):
         native.FLOAT32_MAX_COLUMNS = value
+
+    def floor(value):
+        native.FLOAT32_MIN_BYTES = value
 
     def share(value):
         block.SHARE_TRACES = value
@@ -39,14 +45,16 @@ def _choices(compare: str):
     return {
         "kernel": {"xla_dot": lambda: native.set_float32_kernel(False),
                    "kernel": lambda: native.set_float32_kernel(True)},
-        "heads": {"head_on_xla_dot": lambda: columns(cap), "head_on_kernel": lambda: columns(2**31)},
+        "heads": {"head_on_xla_dot": lambda: columns(16384), "head_on_kernel": lambda: columns(None)},
+        "rules": {"former_rules": lambda: (floor(2 * 2**20), columns(16384)),
+                  "every_product": lambda: (floor(0), columns(None))},
         "shared-traces": {"block_by_block": lambda: share(False), "shared": lambda: share(True)},
-    }[compare], (lambda: (columns(cap), share(True), native.set_float32_kernel(True)))
+    }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", default="kernel", choices=["kernel", "heads", "shared-traces"])
+    parser.add_argument("--compare", default="kernel", choices=["kernel", "heads", "rules", "shared-traces"])
     parser.add_argument("--model", default="gpt2", help="an `xlagen bench` model: gpt2, opt, t5, whisper")
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
     parser.add_argument("--batch-size", type=int, default=1)

@@ -376,10 +376,8 @@ def test_the_kernel_library_builds_into_the_cache_folder_once(tmp_path, monkeypa
 # ----------------------------------------------------------------------------- the float32 kernel
 
 @pytest.fixture
-def float32_kernel(monkeypatch):
-    """A switch for the float32 kernel (`native.set_float32_kernel`), restored afterwards; the tiny test
-    models' matrices are far below `FLOAT32_MIN_BYTES`, so the size floor is lifted meanwhile."""
-    monkeypatch.setattr(native, "FLOAT32_MIN_BYTES", 0)
+def float32_kernel():
+    """A switch for the float32 kernel (`native.set_float32_kernel`), restored afterwards."""
     yield native.set_float32_kernel
     native.set_float32_kernel(True)
 
@@ -443,32 +441,33 @@ def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model, float32_k
     float32_kernel(False)
     assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
     float32_kernel(True)
-    # Matrices below the size floor stay with XLA's dot (the tiny model's are a few kB).
-    native.FLOAT32_MIN_BYTES = 2 * 2**20  # the fixture's monkeypatch restores it
-    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
 
 
-def test_float32_kernel_takes_wide_heads_from_two_rows_on(gpt2_model, float32_kernel, monkeypatch):
+def test_float32_kernel_limits_by_size_and_width(gpt2_model, float32_kernel, monkeypatch):
     ids = random_ids((1, 5), 300, seed=1)
-    vocab = gpt2_model.config.vocab_size
-    monkeypatch.setattr(native, "FLOAT32_MAX_COLUMNS", vocab - 1)  # the tiny model's head counts as wide
 
     def kernel_calls(**options):
         program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, **options), jit_compile=True)
         return program.experimental_get_compiler_ir(ids)(stage="optimized_hlo").count(
             f'custom_call_target="{native.FLOAT32_TARGET}"')
 
-    # One row: the head stays with XLA's dot; two beams: the head too goes through the kernel.
-    projections = kernel_calls()
-    assert projections == 4 * gpt2_model.config.num_layers
+    # By default every decoding product goes through the kernel: 4 projections per block and the head, even
+    # the tiny model's few-kB matrices.
+    projections = 4 * gpt2_model.config.num_layers
+    assert kernel_calls() == projections + 1
+    # FLOAT32_MAX_COLUMNS keeps wider matrices (the head) with XLA's dot at one row, not at two beams.
+    monkeypatch.setattr(native, "FLOAT32_MAX_COLUMNS", gpt2_model.config.vocab_size - 1)
+    assert kernel_calls() == projections
     assert kernel_calls(num_beams=2) == projections + 1
+    # FLOAT32_MIN_BYTES keeps smaller matrices (here all of them) with XLA's dot.
+    monkeypatch.setattr(native, "FLOAT32_MIN_BYTES", 2 * 2**20)
+    assert kernel_calls() == 0
 
 
 def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_model, caplog):
     ids = random_ids((1, 5), 300, seed=2)
     expected = gpt2_model.generate(ids, max_new_tokens=4).numpy()  # eager: XLA's kernels are not involved
     monkeypatch.setattr(native, "unavailable_reason", lambda: "no AVX-512 here")
-    monkeypatch.setattr(native, "FLOAT32_MIN_BYTES", 0)  # the tiny model would stay with XLA's dot anyway
     native._float32_kernel_ready.cache_clear()
     try:
         program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=4), jit_compile=True)

@@ -1,7 +1,7 @@
 """Native kernels: the matrix products of a decoding step, called by XLA as custom calls (`matmul.cc`).
 
 A decoding step reads every weight once, so its time is the time to stream the weights from memory.
-xlagen brings its own product for the few rows of a decoding step, in two forms:
+xlagen brings its own product for the few rows of a decoding step, in three forms:
 
 - float32 weights as XLA stores them (`matmul_float32`): XLA's CPU dot streams a decoding step's
   weights more slowly than the cores can read them (GPT-2-small greedy, batch 1: the whole step is
@@ -50,14 +50,13 @@ MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders)
 # Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams). At 8 rows the
 # kernel and XLA's dot are on a par (the product approaches compute-bound); above, XLA's dot.
 FLOAT32_MAX_ROWS = 8
-# Smaller float32 weight matrices stay with XLA's dot: handing a product to the kernel's threads costs a
-# few microseconds, as much as streaming a matrix of about this size gains.
-FLOAT32_MIN_BYTES = 2 * 2**20
-# Wider ones (LM heads: 32k-52k columns) too when x has one row: there XLA's dot reads the head as fast
-# as the kernel does or faster (Whisper-tiny's), while from two rows on (beams, batches) the kernel was
-# faster for GPT-2-small (beam 2 / beam 4 / batch 8: 1.08-1.17x per step in most A/B runs) and about even
-# for OPT, T5 and Whisper (docs/performance.md).
-FLOAT32_MAX_COLUMNS = 16384
+# Two limits that kept some decoding products on XLA's dot, both off by default since every product on
+# the kernel measured faster or even in in-process A/B runs (T5-small greedy 1.26-1.35x, GPT-2-small,
+# OPT-125m and Whisper-tiny 1.00-1.08x; docs/performance.md); `benchmarks/ab.py --compare rules` measures
+# them again. Matrices of fewer bytes than this stay with XLA's dot:
+FLOAT32_MIN_BYTES = 0
+# and, when x has one row, matrices with more columns than this (LM heads), if not None:
+FLOAT32_MAX_COLUMNS = None
 
 logger = logging.getLogger(__name__)
 _portable = contextvars.ContextVar("xlagen_native_portable", default=False)
@@ -304,7 +303,8 @@ def use_float32_kernel(x, kernel) -> bool:
     """Whether `x @ kernel` (both float32, x with static leading dimensions) being traced now should be
     `matmul_float32`: inside a `tf.while_loop` compiled by XLA (a decoding step), at most
     `FLOAT32_MAX_ROWS` rows, a kernel of at least `FLOAT32_MIN_BYTES` and, for one row, at most
-    `FLOAT32_MAX_COLUMNS` columns, the kernel enabled (`set_float32_kernel`), not `portable()`, and loadable."""
+    `FLOAT32_MAX_COLUMNS` columns (if set), the kernel enabled (`set_float32_kernel`), not `portable()`, and
+    loadable."""
     import tensorflow as tf
 
     if not _float32_enabled or _portable.get() or x.dtype != tf.float32 or kernel.dtype != tf.float32:
@@ -314,7 +314,7 @@ def use_float32_kernel(x, kernel) -> bool:
         return False
     if kernel.shape[0] * kernel.shape[1] * 4 < FLOAT32_MIN_BYTES:
         return False
-    if rows == 1 and kernel.shape[1] > FLOAT32_MAX_COLUMNS:
+    if rows == 1 and FLOAT32_MAX_COLUMNS is not None and kernel.shape[1] > FLOAT32_MAX_COLUMNS:
         return False
     xla, in_loop = _context()
     return xla and in_loop and _float32_kernel_ready()

@@ -3,7 +3,7 @@
 // xlagen/native/__init__.py builds this file with the system compiler, registers it and emits the calls.
 //
 // Why: a decoding step reads every weight once, so its time is the time to stream the weights from
-// memory. Two targets:
+// memory. Three targets:
 //
 // "xlagen_f32_matmul": float32 W as XLA stores it (row-major [K, N]), no copy and no packing. XLA's own dot
 // streams a decoding step's weights more slowly than the cores can read them; this kernel reads each
@@ -17,6 +17,9 @@
 // words[p][k][j] (uint32) = bf16(W[k, 32p + j]) | bf16(W[k, 32p + 16 + j]) << 16, j in 0..15.
 // Columns past N are zero. One 64-byte load gives 16 words: shifting left by 16 yields the float32 values
 // of columns 32p..32p+15, masking the low half yields those of columns 32p+16..32p+31.
+//
+// "xlagen_int8_matmul": W quantized to int8 with one float32 scale per output column, in panels of 64
+// columns followed by their scales (see RunInt8Panels): a quarter of float32's bytes.
 //
 // The backend config (the custom call's opaque string) is "M,K,N". Work is split into units (panels, or
 // column blocks) between the calling thread and the pool's workers (XLAGEN_NATIVE_THREADS, default: the
