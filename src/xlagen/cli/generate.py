@@ -26,8 +26,8 @@ from typing import Any, TextIO
 logger = logging.getLogger("xlagen.cli.generate")
 WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
 WEIGHT_DTYPE_HELP = ("bfloat16 / int8: the matrix products read their weights rounded to bfloat16 (about twice as "
-                     "fast per token as float32) or quantized to int8 with a scale per output column (about three "
-                     "times, with a larger change to the logits), computing in float32, on a CPU with AVX-512 "
+                     "fast per token as float32 at batch 1) or quantized to int8 with a scale per output column "
+                     "(2-5x, with a larger change to the logits), computing in float32, on a CPU with AVX-512 "
                      "(builds a C++ kernel once; docs/performance.md); default: float32")
 
 _PAD_TO_MULTIPLE_OF = 8
