@@ -35,27 +35,31 @@ TEXTS = (
 )
 
 
-def measure(model_name: str, weight_dtype: str, new_tokens: int, prompt_words: int) -> dict:
+def outputs(model, tokenizer, new_tokens: int, prompt_words: int) -> list[tuple]:
+    """(teacher-forced logits, greedy new tokens) of `model` for each of TEXTS."""
     import numpy as np
     import tensorflow as tf
 
-    from xlagen import AutoTokenizer, TFAutoModelForCausalLM
+    greedy = tf.function(lambda ids: model.generate(
+        ids, attention_mask=tf.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        repetition_penalty=1.0, eos_token_id=None, pad_token_id=0), jit_compile=True)
+    forward = tf.function(lambda ids: model(ids).logits, jit_compile=True)
+    found = []
+    for text in TEXTS:
+        ids = np.asarray([tokenizer(text)["input_ids"]], np.int32)
+        prompt = np.asarray([tokenizer(" ".join(text.split()[:prompt_words]))["input_ids"]], np.int32)
+        found.append((forward(ids).numpy()[0].astype(np.float64), greedy(prompt).numpy()[0, prompt.shape[1]:]))
+    return found
 
-    tokenizer = AutoTokenizer.from_pretrained(model_name)
-    full = TFAutoModelForCausalLM.from_pretrained(model_name)
-    packed = TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype=weight_dtype)
+
+def compare(full: list[tuple], packed: list[tuple]) -> dict:
+    """The measures of the module docstring, packed model against float32, from their `outputs`."""
+    import numpy as np
+
     logits = {"max_abs_diff": 0.0, "sum_abs_diff": 0.0, "count": 0, "kl_sum": 0.0, "positions": 0, "agree": 0}
     spreads = []
     generation = {"agree": 0, "tokens": 0, "first_difference": []}
-    greedy = {name: tf.function(lambda ids, model=model: model.generate(
-        ids, attention_mask=tf.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-        repetition_penalty=1.0, eos_token_id=None, pad_token_id=0), jit_compile=True)
-              for name, model in (("full", full), ("packed", packed))}
-    forward = {name: tf.function(lambda ids, model=model: model(ids).logits, jit_compile=True)
-               for name, model in (("full", full), ("packed", packed))}
-    for text in TEXTS:
-        ids = np.asarray([tokenizer(text)["input_ids"]], np.int32)
-        a, b = (forward[name](ids).numpy()[0].astype(np.float64) for name in ("full", "packed"))
+    for (a, x), (b, y) in zip(full, packed):
         difference = np.abs(a - b)
         logits["max_abs_diff"] = max(logits["max_abs_diff"], float(difference.max()))
         logits["sum_abs_diff"] += float(difference.sum())
@@ -68,16 +72,12 @@ def measure(model_name: str, weight_dtype: str, new_tokens: int, prompt_words: i
         logits["kl_sum"] += float((p * (np.log(p + 1e-300) - log_q)).sum())
         logits["positions"] += a.shape[0]
         logits["agree"] += int((a.argmax(-1) == b.argmax(-1)).sum())
-
-        prompt = np.asarray([tokenizer(" ".join(text.split()[:prompt_words]))["input_ids"]], np.int32)
-        x, y = (greedy[name](prompt).numpy()[0, prompt.shape[1]:] for name in ("full", "packed"))
         same = x == y
         generation["agree"] += int(same.sum())
         generation["tokens"] += same.size
         generation["first_difference"].append(int(np.argmin(same)) if not same.all() else None)
     return {
-        "model": model_name, "weight_dtype": weight_dtype, "texts": len(TEXTS), "new_tokens": new_tokens,
-        "prompt_words": prompt_words,
+        "texts": len(TEXTS),
         "logits_max_abs_diff": logits["max_abs_diff"],
         "logits_mean_abs_diff": logits["sum_abs_diff"] / logits["count"],
         "logits_std": float(np.mean(spreads)),
@@ -86,6 +86,19 @@ def measure(model_name: str, weight_dtype: str, new_tokens: int, prompt_words: i
         "greedy_token_agreement": generation["agree"] / generation["tokens"],
         "greedy_first_difference": generation["first_difference"],
     }
+
+
+def measure(model_name: str, weight_dtypes: list[str], new_tokens: int, prompt_words: int) -> list[dict]:
+    """One `compare` per weight dtype, against float32 outputs computed once."""
+    from xlagen import AutoTokenizer, TFAutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(model_name)
+    full = outputs(TFAutoModelForCausalLM.from_pretrained(model_name), tokenizer, new_tokens, prompt_words)
+    return [{"model": model_name, "weight_dtype": weight_dtype, "new_tokens": new_tokens,
+             "prompt_words": prompt_words,
+             **compare(full, outputs(TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype=weight_dtype),
+                                     tokenizer, new_tokens, prompt_words))}
+            for weight_dtype in weight_dtypes]
 
 
 def markdown(results: list[dict], model: str, arguments: str) -> str:
@@ -121,7 +134,7 @@ def main() -> int:
     from xlagen.cli.generate import default_model_path
 
     model = args.model or default_model_path()
-    results = [measure(model, weight_dtype, args.new_tokens, args.prompt_words) for weight_dtype in args.weight_dtypes]
+    results = measure(model, args.weight_dtypes, args.new_tokens, args.prompt_words)
     arguments = "".join(f" {flag} {value}" for flag, value in (
         ("--model", args.model), ("--new-tokens", args.new_tokens), ("--prompt-words", args.prompt_words),
         ("--weight-dtypes", " ".join(args.weight_dtypes))) if value is not None)
