@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from xlagen import native  # numpy only: TensorFlow is not loaded by this import
+
 logger = logging.getLogger("xlagen.cli.generate")
-WEIGHT_DTYPES = ("float32", "bfloat16", "int8")
+WEIGHT_DTYPES = ("float32", *native.WEIGHT_DTYPES)
 WEIGHT_DTYPE_HELP = ("bfloat16 / int8: the matrix products read their weights rounded to bfloat16 (about twice as "
                      "fast per token as float32 at batch 1) or quantized to int8 with a scale per output column "
                      "(2-5x, with a larger change to the logits), computing in float32, on a CPU with AVX-512 "
