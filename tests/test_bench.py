@@ -163,3 +163,22 @@ def test_profile_step_script_sums_xla_instructions_per_step():
     assert any(line.startswith("| dot |") for line in table), table  # the attention / projection products
     assert any("dynamic-update-slice" in line for line in table), table  # the cache writes
     assert "thread" in out.split("share of the call")[-1], "the --timeline window printed no events"
+
+
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
+    # benchmarks/kernel_variants.py compiles each source, checks its products against numpy, and times them;
+    # a build whose products are wrong is refused.
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_variants.py")
+    source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native", "matmul.cc")
+    command = [sys.executable, script, "--model", "tiny", "--weights", weights, "--rows", "1", "3", "8",
+               "--rounds", "2", "--repeats", "1", "--blas", "--sources", source, source]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    assert out.count("first / this") == 3 * 3 and "rows 8:" in out and "numpy:" in out, out
+    with open(source) as file:
+        text = file.read()
+    broken = tmp_path / "broken.cc"
+    # every kernel's multiply-add becomes a multiply-subtract: products come out wrong
+    broken.write_text(text.replace("_mm512_fmadd_ps(", "_mm512_fmsub_ps("))
+    result = subprocess.run(command[:-2] + [str(broken)], capture_output=True, text=True)
+    assert result.returncode != 0 and "wrong product" in result.stderr, result.stderr

@@ -59,9 +59,36 @@ struct Product {
   int m, k, n, panels;
 };
 
+// y for R rows of x from m0 and one panel (lo: its first 16 columns, hi: the next 16), over all of K. R is
+// a compile-time count, so the 2 R sums stay in registers (with a run-time count GCC kept the sums of
+// rows past the first on the stack: GPT-2-small's products took 1.15x as long at 4 rows, 1.22x at 8).
+template <int R>
+inline void Bf16Tile(const Product& a, const uint32_t* w, int m0, int c0, int nl, int nh) {
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+  const float* x = a.x + static_cast<size_t>(m0) * a.k;
+  // Unrolled: one row of x alone was 4-8 % slower than the former run-time-count loop (which GCC unrolled).
+#pragma GCC unroll 4
+  for (int kk = 0; kk < a.k; ++kk) {
+    const __m512i words = _mm512_loadu_si512(w + static_cast<size_t>(kk) * 16);
+    const __m512 wl = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
+    const __m512 wh = _mm512_castsi512_ps(_mm512_and_si512(words, high));
+    for (int i = 0; i < R; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[static_cast<size_t>(i) * a.k + kk]);
+      lo[i] = _mm512_fmadd_ps(xv, wl, lo[i]);
+      hi[i] = _mm512_fmadd_ps(xv, wh, hi[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float* y = a.y + static_cast<size_t>(m0 + i) * a.n + c0;
+    _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << nl) - 1), lo[i]);
+    if (nh) _mm512_mask_storeu_ps(y + 16, static_cast<__mmask16>((1u << nh) - 1), hi[i]);
+  }
+}
+
 void RunPanels(const void* args, int p0, int p1) {
   const Product& a = *static_cast<const Product*>(args);
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   // Panels outside, blocks of rows inside: a panel (K * 64 bytes) comes from memory once and stays in the
   // core's cache for the other blocks, so the weights are streamed once whatever the number of rows.
   for (int p = p0; p < p1; ++p) {
@@ -70,26 +97,17 @@ void RunPanels(const void* args, int p0, int p1) {
     const int nl = a.n - c0 < 16 ? a.n - c0 : 16;
     int nh = a.n - c0 - 16;
     nh = nh < 0 ? 0 : (nh > 16 ? 16 : nh);
-    for (int m0 = 0; m0 < a.m; m0 += kRows) {
-      const int rows = a.m - m0 < kRows ? a.m - m0 : kRows;
-      const float* x = a.x + static_cast<size_t>(m0) * a.k;
-      __m512 lo[kRows], hi[kRows];
-      for (int i = 0; i < kRows; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
-      for (int kk = 0; kk < a.k; ++kk) {
-        const __m512i words = _mm512_loadu_si512(w + static_cast<size_t>(kk) * 16);
-        const __m512 wl = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-        const __m512 wh = _mm512_castsi512_ps(_mm512_and_si512(words, high));
-        for (int i = 0; i < rows; ++i) {
-          const __m512 xv = _mm512_set1_ps(x[static_cast<size_t>(i) * a.k + kk]);
-          lo[i] = _mm512_fmadd_ps(xv, wl, lo[i]);
-          hi[i] = _mm512_fmadd_ps(xv, wh, hi[i]);
-        }
-      }
-      for (int i = 0; i < rows; ++i) {
-        float* y = a.y + static_cast<size_t>(m0 + i) * a.n + c0;
-        _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << nl) - 1), lo[i]);
-        if (nh) _mm512_mask_storeu_ps(y + 16, static_cast<__mmask16>((1u << nh) - 1), hi[i]);
-      }
+    int m0 = 0;
+    for (; m0 + kRows <= a.m; m0 += kRows) Bf16Tile<kRows>(a, w, m0, c0, nl, nh);
+    switch (a.m - m0) {
+      case 7: Bf16Tile<7>(a, w, m0, c0, nl, nh); break;
+      case 6: Bf16Tile<6>(a, w, m0, c0, nl, nh); break;
+      case 5: Bf16Tile<5>(a, w, m0, c0, nl, nh); break;
+      case 4: Bf16Tile<4>(a, w, m0, c0, nl, nh); break;
+      case 3: Bf16Tile<3>(a, w, m0, c0, nl, nh); break;
+      case 2: Bf16Tile<2>(a, w, m0, c0, nl, nh); break;
+      case 1: Bf16Tile<1>(a, w, m0, c0, nl, nh); break;
+      default: break;
     }
   }
 }
@@ -158,15 +176,18 @@ void RunInt8Panels(const void* args, int p0, int p1) {
 
 // The float32 product reads W [K, N] as XLA stores it (row-major), with no packing. A unit of work is a
 // block of 256 output columns (1 KB of each weight row: shorter runs stream at half the rate here) over a
-// range of K. The range is walked in chunks of 8 weight rows (8 KB, which stay in L1); every row of x is
-// multiplied by a chunk, in register tiles (F32Tile), before the next chunk is read, so the weights are
-// streamed once whatever M is. While the first tiles of a chunk are multiplied they prefetch the next
-// chunk's same columns. Narrow products (too few blocks for every thread) also split K; the splits'
-// partial sums go to a scratch buffer that the calling thread adds up once the units are done. Only the
-// last vector of a product's last, narrower block uses a masked load: this CPU runs masked 512-bit loads
-// at a fraction of their speed (the whole kernel at 13.4 GB/s on one thread instead of 31.6).
+// range of K. The range is walked in chunks of 32 weight rows (32 KB, which stay in this CPU's 48 KB L1);
+// every row of x is multiplied by a chunk, in register tiles (F32Tile), before the next chunk is read, so
+// the weights are streamed once whatever M is. A tile loads its running sums from y and stores them back
+// once per chunk: with chunks of 8 rows that traffic cost GPT-2-small's products 1.17x at one row and
+// 1.56x at eight, and T5-small's 1.07x and 1.97x (benchmarks/kernel_variants.py). While the first tiles
+// of a chunk are multiplied they prefetch the next chunk's same columns. Narrow products (too few blocks
+// for every thread) also split K; the splits' partial sums go to a scratch buffer that the calling thread
+// adds up once the units are done. Only the last vector of a product's last, narrower block uses a masked
+// load: this CPU runs masked 512-bit loads at a fraction of their speed (the whole kernel at 13.4 GB/s on
+// one thread instead of 31.6).
 constexpr int kBlock = 256;  // output columns per float32 unit
-constexpr int kChunk = 8;    // weight rows per chunk
+constexpr int kChunk = 32;   // weight rows per chunk
 
 struct F32Product {
   const float* x;
@@ -179,12 +200,18 @@ struct F32Product {
 // acc[R rows][V vectors] += x[r0.., k0..k0+rows) @ w[k0.., 16 v0 .. 16 (v0 + V)) on a full block; y holds
 // the running sums (zero when first is set).
 template <int R, int V>
-inline void F32Tile(const F32Product& a, const float* w, float* out, int r0, int v0, int k0, int rows,
-                    bool first, const float* next) {
+__attribute__((always_inline)) inline void F32Tile(const F32Product& a, const float* w, float* out, int r0, int v0,
+                                                   int k0, int rows, bool first, const float* next) {
+  // Two separate loops, not one with `first ? zero : load` per sum: GCC builds that one through the stack.
   __m512 acc[R][V];
-  for (int r = 0; r < R; ++r) {
-    const float* y = out + static_cast<size_t>(r0 + r) * a.n + 16 * v0;
-    for (int v = 0; v < V; ++v) acc[r][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + 16 * v);
+  if (first) {
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  } else {
+    for (int r = 0; r < R; ++r) {
+      const float* y = out + static_cast<size_t>(r0 + r) * a.n + 16 * v0;
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_loadu_ps(y + 16 * v);
+    }
   }
   const float* x = a.x + static_cast<size_t>(r0) * a.k + k0;
   for (int kk = 0; kk < rows; ++kk) {
@@ -236,7 +263,12 @@ void RunF32Units(const void* args, int u0, int u1) {
       // (asking for all 8 x 16 lines at the start of a chunk was no faster than not prefetching at 8 rows).
       const float* next = k0 + 2 * kChunk <= k_end ? w + static_cast<size_t>(kChunk) * a.n : nullptr;
       if (full) {
+        // Eight rows at a time read the chunk once per pass, so the next chunk's prefetches are spread
+        // over all the multiplications of this one.
         int r = 0;
+        for (; r + 8 <= a.m; r += 8) {
+          for (int v = 0; v < 16; v += 2) F32Tile<8, 2>(a, w, out, r, v, k0, rows, first, r == 0 ? next : nullptr);
+        }
         for (; r + 4 <= a.m; r += 4) {
           for (int v = 0; v < 16; v += 4) F32Tile<4, 4>(a, w, out, r, v, k0, rows, first, r == 0 ? next : nullptr);
         }

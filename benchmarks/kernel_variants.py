@@ -1,0 +1,157 @@
+"""xlagen's kernels alone, two or more builds of `matmul.cc` side by side in one process.
+
+    git show HEAD~1:src/xlagen/native/matmul.cc > /tmp/old.cc
+    python benchmarks/kernel_variants.py --model gpt2 --rows 1 2 8 --sources /tmp/old.cc src/xlagen/native/matmul.cc
+
+Each source is compiled with xlagen's own flags and loaded with ctypes (TensorFlow is not involved), and
+the entry point of `--weights` (float32: `xlagen_f32_matmul` on XLA's [K, N] layout; bfloat16 and int8:
+`xlagen_bf16_matmul` / `xlagen_int8_matmul` on `xlagen.native`'s packed layouts) is called as XLA calls
+it. One "step" is every product of the
+model's decoding step for one call of `generate`'s loop: each layer's projections, with weights of their
+own (so they come from memory, as in a real step, not from the cache), then the LM head, on
+`--rows` rows of x. The builds take turns, `--repeats` steps each per round, so that this VM's
+bandwidth, which moves from minute to minute, is shared alike. Every build's output is checked
+against numpy first. Prints, per row count, each build's median ms per step, the weights' GB/s, its
+GFLOP/s, and the first build's time over each other's (above 1: that build is faster).
+
+numpy's BLAS on the same products is printed too (`--blas`), timed after the builds, as a yardstick;
+XLA's own dot is another program (see `ab.py --compare kernel` for the kernel against it inside `generate`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# (layers, [K, N] of each layer's decoding products, [K, N] of the head); decoders of the bench's shapes.
+# T5-small's decoder layer: self-attention q, k, v, o; cross-attention q, o (its keys and values are
+# computed once per call); the feed-forward pair. Whisper-tiny's likewise.
+MODELS = {
+    "gpt2": (12, [(768, 2304), (768, 768), (768, 3072), (3072, 768)], (768, 50257)),
+    "opt": (12, [(768, 768)] * 4 + [(768, 3072), (3072, 768)], (768, 50272)),
+    "t5": (6, [(512, 512)] * 6 + [(512, 2048), (2048, 512)], (512, 32128)),
+    "whisper": (4, [(384, 384)] * 6 + [(384, 1536), (1536, 384)], (384, 51865)),
+    # ragged shapes for the test suite: a narrow last block, a product split over K, a 3-row tail
+    "tiny": (2, [(64, 96), (200, 40)], (64, 300)),
+}
+
+
+ENTRY_POINTS = {"float32": "xlagen_f32_matmul", "bfloat16": "xlagen_bf16_matmul", "int8": "xlagen_int8_matmul"}
+
+
+def stored(w: np.ndarray, weights: str) -> tuple[np.ndarray, np.ndarray]:
+    """(what the kernel reads, the float32 weights it multiplies by): the reference is computed here, not by
+    xlagen's unpacking."""
+    from xlagen import native
+
+    if weights == "float32":
+        return w, w
+    if weights == "bfloat16":
+        import ml_dtypes
+
+        return native.pack_bfloat16(w), w.astype(ml_dtypes.bfloat16).astype(np.float32)
+    scale = np.abs(w).max(axis=0) / 127
+    return native.pack_int8(w), np.rint(w / scale) * scale
+
+
+def build(source: Path, folder: Path) -> Path:
+    from xlagen import native
+
+    library = folder / f"{len(list(folder.iterdir()))}-{source.stem}.so"
+    subprocess.run([native._compiler(), *native._FLAGS, str(source), "-o", str(library), "-ldl"], check=True)
+    return library
+
+
+def entry(library: Path, weights: str):
+    function = getattr(ctypes.CDLL(str(library)), ENTRY_POINTS[weights])
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p]
+    function.restype = None
+    return function
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sources", nargs="+", type=Path, required=True, help="matmul.cc files to compare")
+    parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8], help="rows of x (batch x beams)")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=3, help="steps per build and round")
+    parser.add_argument("--weights", choices=sorted(ENTRY_POINTS), default="float32")
+    parser.add_argument("--blas", action="store_true", help="also time numpy's matmul on the same products "
+                        "(in float32)")
+    args = parser.parse_args(argv)
+
+    layers, shapes, head = MODELS[args.model]
+    rng = np.random.default_rng(0)
+    weights = [rng.standard_normal(shape, dtype=np.float32) for _ in range(layers) for shape in shapes]
+    weights.append(rng.standard_normal(head, dtype=np.float32))
+    kernels, references = zip(*(stored(w, args.weights) for w in weights))
+    step_bytes = sum(packed.nbytes for packed in kernels)
+    with tempfile.TemporaryDirectory() as scratch:
+        names = [str(source) for source in args.sources]
+        functions = [entry(build(source, Path(scratch)), args.weights) for source in args.sources]
+        if args.blas:
+            names.append("numpy")
+        flops_per_row = sum(w.size for w in weights)
+        print(f"{args.model}, {args.weights} weights: {len(weights)} products per step, {step_bytes / 1e6:.1f} MB "
+              "of weights", flush=True)
+        for rows in args.rows:
+            xs = {k: rng.standard_normal((rows, k), dtype=np.float32) for k in {w.shape[0] for w in weights}}
+            calls = []
+            for w, packed in zip(weights, kernels):
+                k, n = w.shape
+                config = f"{rows},{k},{n}".encode()
+                y = np.empty((rows, n), np.float32)
+                pointers = (ctypes.c_void_p * 2)(xs[k].ctypes.data, packed.ctypes.data)
+                calls.append((xs[k], w, y, pointers, config))
+
+            def kernel_step(function, calls=calls):
+                for _, _, y, pointers, config in calls:
+                    function(y.ctypes.data, pointers, config, len(config), None)
+
+            def blas_step(calls=calls):
+                for x, w, y, _, _ in calls:
+                    np.matmul(x, w, out=y)
+
+            steps = [lambda f=f: kernel_step(f) for f in functions] + ([blas_step] if args.blas else [])
+            for name, step in zip(names, steps):
+                step()
+                for (x, w, y, _, _), reference in zip(calls, references):
+                    expected = x.astype(np.float64) @ (reference if step is not blas_step else w).astype(np.float64)
+                    if not np.allclose(y, expected, rtol=1e-4, atol=1e-3 * np.sqrt(x.shape[1])):
+                        raise SystemExit(f"{name}: wrong product for {x.shape} @ {w.shape}")
+            # numpy's BLAS is timed after the builds' rounds, not among them: its threads spin after a
+            # call and would slow whichever build came next.
+            times = [[] for _ in steps]
+
+            def run(index, count):
+                for _ in range(count):
+                    start = time.perf_counter()
+                    steps[index]()
+                    times[index].append(time.perf_counter() - start)
+
+            for _ in range(args.rounds):
+                for index in range(len(functions)):
+                    run(index, args.repeats)
+            if args.blas:
+                run(len(functions), args.rounds * args.repeats)
+            medians = [statistics.median(spent) for spent in times]
+            print(f"rows {rows}:", flush=True)
+            for name, median in zip(names, medians):
+                read = step_bytes if name != "numpy" else 4 * flops_per_row
+                print(f"  {name}: {median * 1e3:.2f} ms/step, {read / median / 1e9:.1f} GB/s, "
+                      f"{2 * rows * flops_per_row / median / 1e9:.0f} GFLOP/s, first / this "
+                      f"{medians[0] / median:.2f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
