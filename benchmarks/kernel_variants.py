@@ -6,10 +6,9 @@
 Each source is compiled with xlagen's own flags and loaded with ctypes (TensorFlow is not involved), and
 the entry point of `--weights` (float32: `xlagen_f32_matmul` on XLA's [K, N] layout; bfloat16 and int8:
 `xlagen_bf16_matmul` / `xlagen_int8_matmul` on `xlagen.native`'s packed layouts) is called as XLA calls
-it. One "step" is every product of the
-model's decoding step for one call of `generate`'s loop: each layer's projections, with weights of their
-own (so they come from memory, as in a real step, not from the cache), then the LM head, on
-`--rows` rows of x. The builds take turns, `--repeats` steps each per round, so that this VM's
+it. One "step" is every product of the model's decoding step for one turn of `generate`'s loop: each
+layer's projections, with weights of their own (so they come from memory, as in a real step, not from
+the cache), then the LM head, on `--rows` rows of x. The builds take turns, `--repeats` steps each per round, so that this VM's
 bandwidth, which moves from minute to minute, is shared alike. Every build's output is checked
 against numpy first. Prints, per row count, each build's median ms per step, the weights' GB/s, its
 GFLOP/s, and the first build's time over each other's (above 1: that build is faster).

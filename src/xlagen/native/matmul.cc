@@ -179,8 +179,8 @@ void RunInt8Panels(const void* args, int p0, int p1) {
 // range of K. The range is walked in chunks of 32 weight rows (32 KB, which stay in this CPU's 48 KB L1);
 // every row of x is multiplied by a chunk, in register tiles (F32Tile), before the next chunk is read, so
 // the weights are streamed once whatever M is. A tile loads its running sums from y and stores them back
-// once per chunk: with chunks of 8 rows that traffic cost GPT-2-small's products 1.17x at one row and
-// 1.56x at eight, and T5-small's 1.07x and 1.97x (benchmarks/kernel_variants.py). While the first tiles
+// once per chunk: with chunks of 8 rows (and 4-row tiles at most) GPT-2-small's products took 1.2x as
+// long at one row and 1.7x at eight (benchmarks/kernel_variants.py). While the first tiles
 // of a chunk are multiplied they prefetch the next chunk's same columns. Narrow products (too few blocks
 // for every thread) also split K; the splits' partial sums go to a scratch buffer that the calling thread
 // adds up once the units are done. Only the last vector of a product's last, narrower block uses a masked
