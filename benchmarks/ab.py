@@ -32,6 +32,7 @@ def _choices(compare: str):
     from xlagen.layers import block
 
     cap, floor_bytes = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES
+    former_cap, former_floor = 16384, 2 * 2**20  # the limits in force before every product went on the kernel
 
     def columns(value):
         native.FLOAT32_MAX_COLUMNS = value
@@ -45,8 +46,8 @@ def _choices(compare: str):
     return {
         "kernel": {"xla_dot": lambda: native.set_float32_kernel(False),
                    "kernel": lambda: native.set_float32_kernel(True)},
-        "heads": {"head_on_xla_dot": lambda: columns(16384), "head_on_kernel": lambda: columns(None)},
-        "rules": {"former_rules": lambda: (floor(2 * 2**20), columns(16384)),
+        "heads": {"head_on_xla_dot": lambda: columns(former_cap), "head_on_kernel": lambda: columns(None)},
+        "rules": {"former_rules": lambda: (floor(former_floor), columns(former_cap)),
                   "every_product": lambda: (floor(0), columns(None))},
         "shared-traces": {"block_by_block": lambda: share(False), "shared": lambda: share(True)},
     }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True)))

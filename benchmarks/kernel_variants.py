@@ -8,9 +8,9 @@ the entry point of `--weights` (float32: `xlagen_f32_matmul` on XLA's [K, N] lay
 `xlagen_bf16_matmul` / `xlagen_int8_matmul` on `xlagen.native`'s packed layouts) is called as XLA calls
 it. One "step" is every product of the model's decoding step for one turn of `generate`'s loop: each
 layer's projections, with weights of their own (so they come from memory, as in a real step, not from
-the cache), then the LM head, on `--rows` rows of x. The builds take turns, `--repeats` steps each per round, so that this VM's
-bandwidth, which moves from minute to minute, is shared alike. Every build's output is checked
-against numpy first. Prints, per row count, each build's median ms per step, the weights' GB/s, its
+the cache), then the LM head, on `--rows` rows of x. The builds take turns, `--repeats` steps each per
+round, so that this VM's bandwidth, which moves from minute to minute, is shared alike. Every build's
+output is checked against numpy first. Prints, per row count, each build's median ms per step, the weights' GB/s, its
 GFLOP/s, and the first build's time over each other's (above 1: that build is faster).
 
 numpy's BLAS on the same products is printed too (`--blas`), timed after the builds, as a yardstick;
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -65,7 +64,7 @@ def build(source: Path, folder: Path) -> Path:
     from xlagen import native
 
     library = folder / f"{len(list(folder.iterdir()))}-{source.stem}.so"
-    subprocess.run([native._compiler(), *native._FLAGS, str(source), "-o", str(library), "-ldl"], check=True)
+    native.compile_library(source, library)
     return library
 
 

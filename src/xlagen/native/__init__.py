@@ -113,13 +113,23 @@ def _build() -> Path:
     # Build beside the target and rename: processes building at once each install a whole library.
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
-        command = [_compiler(), *_FLAGS, str(SOURCE), "-o", str(built), "-ldl"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise NativeUnavailable(f"building xlagen's native kernels failed ({' '.join(command)}):\n"
-                                    f"{result.stderr[-2000:]}")
+        compile_library(SOURCE, built)
         os.replace(built, library)
     return library
+
+
+def compile_library(source: Path, library: Path) -> None:
+    """Compiles a kernel source (`matmul.cc`, or a variant of it for `benchmarks/kernel_variants.py`) into
+    the shared library `library` with xlagen's flags.
+
+    Raises:
+        NativeUnavailable: the compiler failed (its message is included).
+    """
+    command = [_compiler(), *_FLAGS, str(source), "-o", str(library), "-ldl"]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise NativeUnavailable(f"building xlagen's native kernels failed ({' '.join(command)}):\n"
+                                f"{result.stderr[-2000:]}")
 
 
 @functools.lru_cache(maxsize=None)
