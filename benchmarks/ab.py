@@ -13,6 +13,8 @@ call by call in alternation.
                  default).
   shared-traces  blocks traced block by block (A) against once per spec (B, the default;
                  `xlagen.layers.block.SHARE_TRACES`).
+  attention      long unmasked attention (Whisper's encoder) with XLA's ops (A) against the fused native
+                 kernel (B, the default; `xlagen.native.ATTENTION_MIN_KEYS`).
 
 Prints the median ms/token of each and their ratio (A / B: above 1, B is faster), and checks that both
 programs generate the same tokens. Random weights of the bench's shapes (`xlagen bench` model names),
@@ -31,7 +33,7 @@ def _choices(compare: str):
     from xlagen import native
     from xlagen.layers import block
 
-    cap, floor_bytes = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES
+    cap, floor_bytes, min_keys = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES, native.ATTENTION_MIN_KEYS
     former_cap, former_floor = 16384, 2 * 2**20  # the limits in force before every product went on the kernel
 
     def columns(value):
@@ -43,6 +45,9 @@ def _choices(compare: str):
     def share(value):
         block.SHARE_TRACES = value
 
+    def keys(value):
+        native.ATTENTION_MIN_KEYS = value
+
     return {
         "kernel": {"xla_dot": lambda: native.set_float32_kernel(False),
                    "kernel": lambda: native.set_float32_kernel(True)},
@@ -50,12 +55,15 @@ def _choices(compare: str):
         "rules": {"former_rules": lambda: (floor(former_floor), columns(former_cap)),
                   "every_product": lambda: (floor(0), columns(None))},
         "shared-traces": {"block_by_block": lambda: share(False), "shared": lambda: share(True)},
-    }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True)))
+        "attention": {"xla_attention": lambda: keys(2**62), "fused_attention": lambda: keys(min_keys)},
+    }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True),
+                          keys(min_keys)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", default="kernel", choices=["kernel", "heads", "rules", "shared-traces"])
+    parser.add_argument("--compare", default="kernel",
+                        choices=["kernel", "heads", "rules", "shared-traces", "attention"])
     parser.add_argument("--model", default="gpt2", help="an `xlagen bench` model: gpt2, opt, t5, whisper")
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
     parser.add_argument("--batch-size", type=int, default=1)

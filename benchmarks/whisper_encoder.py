@@ -6,10 +6,14 @@ Random weights of Whisper-tiny's shapes (the bench's `whisper`), 30 s of random 
 row, TensorFlow on --threads threads, `tf.function(jit_compile=True)` for each part. The parts are
 stand-ins of the encoder's work with its shapes, timed apart:
 
-  encoder     `model.encode` (stem, 4 blocks, final norm)
+  encoder     `model.encode` (stem, 4 blocks, final norm), as xlagen runs it (the fused attention kernel,
+              `xlagen.native.attention`, where the machine can run it)
+  encoder, XLA's attention   the same with XLA's ops for the attention (`native.ATTENTION_MIN_KEYS` out
+              of reach while tracing)
   stem        the two convolutions
   dense       the 4 blocks' products on [B * 1500, 384]: qkv, output, MLP in (with GELU) and out
   attention   4 x softmax(q k^T / 8) v over [B, 6, 1500, 64]
+  fused attention   the same 4 attentions as the native kernel
   scores      4 x q k^T alone; softmax: 4 x softmax over [B, 6, 1500, 1500]; weighted: 4 x p v alone
 
 Prints the median ms of --repeats calls of each and, for the products, GFLOP/s.
@@ -35,6 +39,7 @@ def main(argv=None) -> int:
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
+    from xlagen import native
     from xlagen.modeling import TFWhisperForConditionalGeneration
     from xlagen.models.whisper import WhisperConfig
 
@@ -69,6 +74,18 @@ def main(argv=None) -> int:
             q = q + 0.01 * tf.matmul(p, q)
         return q
 
+    def fused_attention(q):
+        for _ in range(layers):
+            q = q + 0.01 * native.attention(q, q, q, head_dim ** -0.5)
+        return q
+
+    def xla_attention_encoder(f):
+        former, native.ATTENTION_MIN_KEYS = native.ATTENTION_MIN_KEYS, sys.maxsize  # read while tracing
+        try:
+            return model.encode(f)
+        finally:
+            native.ATTENTION_MIN_KEYS = former
+
     def score_products(q):
         for _ in range(layers):
             q = q + 1e-6 * tf.reduce_sum(tf.matmul(q, q, transpose_b=True), axis=-1, keepdims=True)
@@ -87,9 +104,12 @@ def main(argv=None) -> int:
     product_flops = batch * frames * sum(2 * k.shape[0] * k.shape[1] for block in kernels for k in block)
     attention_flops = layers * 2 * 2 * batch * heads * frames * frames * head_dim
     parts = [("encoder", lambda f: model.encode(f), features, None),
+             ("encoder, XLA's attention", xla_attention_encoder, features, None),
              ("stem", lambda f: model.stem(f), features, None),
              ("dense", dense, rows, product_flops),
              ("attention", attention, queries, attention_flops),
+             *([("fused attention", fused_attention, queries, attention_flops)]
+               if native.unavailable_reason() is None else []),
              ("scores", score_products, queries, attention_flops / 2),
              ("softmax", softmax, scores, None),
              ("weighted", weighted, queries, attention_flops / 2)]

@@ -10,6 +10,7 @@ import keras
 from keras import ops
 
 from xlagen import cache as cache_lib
+from xlagen import native
 from xlagen.layers.dense import Dense
 
 # Added to the scores of masked keys; finite so that a fully masked row (a left-padding query) stays
@@ -79,7 +80,7 @@ def attend(query, key, value, mask, scale: float, bias=None, key_transposed: boo
         key: `[B, H, S, D]`, or `[B, H, D, S]` with `key_transposed` (no transpose per call: XLA's CPU
             dot wants the contracted axis first on the right-hand side, and would copy it every step).
         value: `[B, H, S, D]`, only for the output dtype.
-        mask: bool, broadcastable to `[B, H, T, S]`.
+        mask: bool, broadcastable to `[B, H, T, S]`, or None (every key visible).
         scale: Multiplier of the query-key scores.
         bias: Optional additive bias of the scores, broadcastable to `[B, H, T, S]` (T5's relative
             positions).
@@ -91,7 +92,8 @@ def attend(query, key, value, mask, scale: float, bias=None, key_transposed: boo
     scores = ops.cast(ops.matmul(query, keys) * scale, "float32")
     if bias is not None:
         scores = scores + ops.cast(bias, "float32")
-    scores = ops.where(mask, scores, MASK_VALUE)
+    if mask is not None:
+        scores = ops.where(mask, scores, MASK_VALUE)
     return ops.cast(ops.softmax(scores, axis=-1), value.dtype)
 
 
@@ -147,7 +149,11 @@ class _MultiHead(keras.layers.Layer):
         return [split_heads(p, self.num_heads, self.head_dim) for p in ops.split(x, parts, axis=-1)]
 
     def _attend(self, query, key, value, mask, bias, training, key_transposed=False):
-        """Attention of `[B, H, T, D]` queries -> `[B, T, hidden]`."""
+        """Attention of `[B, H, T, D]` queries -> `[B, T, hidden]`. Long unmasked attention under XLA (an
+        encoder's) is the fused native kernel (`xlagen.native.attention`)."""
+        dropout = bool(training) and self.dropout.rate > 0
+        if not key_transposed and native.use_attention_kernel(query, key, mask, bias, dropout):
+            return self.output_projection(merge_heads(native.attention(query, key, value, self.scale)))
         weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed), training=training)
         return self.output_projection(merge_heads(ops.matmul(weights, value)))
 
@@ -157,13 +163,14 @@ class Attention(_MultiHead):
 
     PROJECTIONS = (("qkv", 3),)
 
-    def call(self, x, mask, layer_cache=None, cache_index=None, training=False, bias=None):
+    def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, bias=None):
         """Attends from `x` over the cache (or over `x` itself when there is no cache).
 
         Args:
             x: `[B, T, hidden]`.
-            mask: bool `[B, 1, T, S]` (S = T without a cache), see `causal_mask` (a decoding step over the
-                beam layout: `[G, 1, K, K * S]`).
+            key_mask: bool `[B, 1, T, S]` (S = T without a cache), see `causal_mask` (a decoding step over
+                the beam layout: `[G, 1, K, K * S]`); or None, every key visible. (Not named `mask`: Keras
+                fills an argument of that name left None from the input's Keras mask.)
             layer_cache: Optional `LayerCache` `[B, H, S, D]` (or `[G, H, K, S, D]`, the beam layout of
                 `xlagen.cache`, for decoding steps); the new keys/values are written into it.
             cache_index: int32 scalar write offset, required with a cache.
@@ -175,11 +182,11 @@ class Attention(_MultiHead):
         """
         query, key, value = self._heads(self.qkv(x), 3)
         if layer_cache is None:
-            return self._attend(query, key, value, mask, bias, training), None
+            return self._attend(query, key, value, key_mask, bias, training), None
         if query.shape[2] == 1:
-            return self._step(query, key, value, mask, layer_cache, cache_index, bias, training)
+            return self._step(query, key, value, key_mask, layer_cache, cache_index, bias, training)
         layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
-        return self._attend(query, layer_cache.key, layer_cache.value, mask, bias, training), layer_cache
+        return self._attend(query, layer_cache.key, layer_cache.value, key_mask, bias, training), layer_cache
 
     def _step(self, query, key, value, mask, layer_cache, cache_index, bias, training):
         """A decoding step (T = 1): attends over the cache as it was before this step plus the new

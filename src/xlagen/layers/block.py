@@ -119,12 +119,15 @@ class TransformerBlock(keras.layers.Layer):
         x = x + self.residual_dropout(update, training=training)
         return x if self.spec.norm_first else norm(x)
 
-    def call(self, x, mask, layer_cache=None, cache_index=None, training=False, position_bias=None, cross=None):
+    def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, position_bias=None,
+             cross=None):
         """Runs the block.
 
         Args:
             x: `[B, T, hidden]`.
-            mask: bool `[B, 1, T, S]` (see `attention.causal_mask`) or `[B, 1, 1, S]` (an encoder).
+            key_mask: bool `[B, 1, T, S]` (see `attention.causal_mask`) or `[B, 1, 1, S]` (an encoder), or
+                None (every key visible: Whisper's encoder). Not named `mask`: Keras fills an argument of
+                that name left None from the input's Keras mask.
             layer_cache: Optional `LayerCache` `[B, H, S, D]`.
             cache_index: int32 scalar write offset, required with a cache.
             training: Applies dropout.
@@ -137,7 +140,7 @@ class TransformerBlock(keras.layers.Layer):
         def before(norm, h):
             return norm(h) if self.spec.norm_first else h
 
-        attended, layer_cache = self.attention(before(self.attention_norm, x), mask, layer_cache, cache_index,
+        attended, layer_cache = self.attention(before(self.attention_norm, x), key_mask, layer_cache, cache_index,
                                                training=training, bias=position_bias)
         x = self._residual(x, attended, self.attention_norm, training)
         if self.cross_attention is not None:
@@ -153,7 +156,8 @@ def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, p
 
     Args:
         blocks: `TransformerBlock`s.
-        x, mask, cache_index, training, position_bias: As `TransformerBlock.call`, the same for every block.
+        x, mask, cache_index, training, position_bias: As `TransformerBlock.call` (mask: its `key_mask`), the
+            same for every block.
         caches: Optional sequence of one `LayerCache` per block.
         cross: Optional sequence of one `CrossInputs` per block.
 

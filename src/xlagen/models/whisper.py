@@ -240,8 +240,7 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         self._check_features(input_features)
         x = self.stem(input_features)
         x = self.dropout(x + ops.cast(self.encoder_positions.embeddings, x.dtype)[None], training=training)
-        mask = ops.ones((1, 1, 1, 1), "bool")
-        x, _ = run_blocks(self.encoder_blocks, x, mask, training=training)
+        x, _ = run_blocks(self.encoder_blocks, x, None, training=training)  # no mask: every frame is real
         return self.encoder_final_norm(x)
 
     def _context(self, encoder_output) -> EncoderContext:

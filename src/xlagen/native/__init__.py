@@ -15,6 +15,10 @@ xlagen brings its own product for the few rows of a decoding step, in three form
 - int8 weights with one float32 scale per output column (`matmul`, `pack_int8`): a quarter of float32's
   bytes, widened in registers and multiplied in float32; `x @ (Q * s)` up to float32 rounding.
 
+And one fused attention (`attention`): `softmax(scale * q k^T) v` over every key, for long unmasked
+float32 self-attention under XLA (Whisper's encoder, 1500 positions), whose scores XLA writes out and
+reads back twice; the kernel keeps them in the core's cache (`use_attention_kernel` says where it runs).
+
 The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
 cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source. It needs
 Linux on x86-64 with AVX-512 (`avx512f`). `XLAGEN_NATIVE_THREADS` sets its thread count (default: the
@@ -43,6 +47,7 @@ SOURCE = Path(__file__).with_name("matmul.cc")
 TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
 INT8_TARGET = "xlagen_int8_matmul"
+ATTENTION_TARGET = "xlagen_f32_attention"
 PANEL = 32  # output columns per packed bfloat16 panel (matmul.cc's kPanel)
 INT8_PANEL = 64  # output columns per int8 panel (matmul.cc's kInt8Panel)
 WEIGHT_DTYPES = ("bfloat16", "int8")  # what `pack_tensor` packs
@@ -57,6 +62,10 @@ FLOAT32_MAX_ROWS = 8
 FLOAT32_MIN_BYTES = 0
 # and, when x has one row, matrices with more columns than this (LM heads), if not None:
 FLOAT32_MAX_COLUMNS = None
+# Unmasked float32 attention over at least this many keys runs as the fused kernel (`attention`) under
+# XLA: Whisper's encoder (1500 positions). Shorter attention stays with XLA's ops.
+ATTENTION_MIN_KEYS = 256
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the kernel has code for
 
 logger = logging.getLogger(__name__)
 _portable = contextvars.ContextVar("xlagen_native_portable", default=False)
@@ -288,8 +297,9 @@ def portable():
 
 
 def set_float32_kernel(enabled: bool) -> None:
-    """Turns the float32 kernel on or off for products traced from now on (default: on, unless the
-    environment sets XLAGEN_FLOAT32_KERNEL=0). Programs already traced keep what they were traced with."""
+    """Turns the float32 kernels (the products' and the fused attention's) on or off for programs traced
+    from now on (default: on, unless the environment sets XLAGEN_FLOAT32_KERNEL=0). Programs already
+    traced keep what they were traced with."""
     global _float32_enabled
     _float32_enabled = bool(enabled)
 
@@ -336,3 +346,66 @@ def matmul_float32(x, kernel):
     load()
     return _custom_call(FLOAT32_TARGET, x, kernel, kernel.shape[-1])
 
+
+
+def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False) -> bool:
+    """Whether `softmax(scale * query @ key^T) @ value` being traced now should be `attention`: float32
+    `[B, H, T, D]` queries and `[B, H, S, D]` keys of static shapes, S >= `ATTENTION_MIN_KEYS`, D in
+    `ATTENTION_HEAD_DIMS`, no score bias, a mask that is None or a constant all True, no dropout, under
+    XLA (in or out of a loop), the float32 kernels enabled (`set_float32_kernel`), not `portable()`, and
+    loadable."""
+    import tensorflow as tf
+
+    if not _float32_enabled or _portable.get() or bias is not None or dropout:
+        return False
+    if query.dtype != tf.float32 or key.dtype != tf.float32 or len(query.shape) != 4 or len(key.shape) != 4:
+        return False
+    if not (query.shape.is_fully_defined() and key.shape.is_fully_defined()):
+        return False
+    if key.shape[2] < ATTENTION_MIN_KEYS or query.shape[3] not in ATTENTION_HEAD_DIMS:
+        return False
+    if mask is not None:
+        constant = tf.get_static_value(mask)
+        if constant is None or not np.all(constant):
+            return False
+    xla, _ = _context()
+    return xla and _float32_kernel_ready()
+
+
+def _reference_attention(query, key, value, scale: float):
+    import tensorflow as tf
+
+    weights = tf.nn.softmax(tf.matmul(query, key, transpose_b=True) * scale, axis=-1)
+    return tf.matmul(weights, value)
+
+
+def attention(query, key, value, scale: float):
+    """`softmax(scale * query @ key^T) @ value` for float32 `[B, H, T, D]` queries and `[B, H, S, D]`
+    keys and values, as the native kernel's custom call (call it under XLA only; see
+    `use_attention_kernel`). The scores of 8 query rows at a time stay in the core's cache instead of
+    being written out `[T, S]` and read back twice (Whisper-tiny's encoder, 1500 positions: about 2x
+    XLA's attention; docs/performance.md). Gradients are those of the same formula in TensorFlow ops."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    batch, heads, length, head_dim = query.shape
+    keys = key.shape[2]
+    config = f"{batch * heads},{length},{keys},{head_dim},{float(np.float32(scale))!r}"
+
+    @tf.custom_gradient
+    def fused(query, key, value):
+        (out,) = gen_xla_ops.xla_custom_call_v2(
+            operands=[tf.reshape(t, (batch * heads, -1, head_dim)) for t in (query, key, value)],
+            call_target_name=ATTENTION_TARGET, backend_config=config, has_side_effect=False,
+            result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([batch * heads, length, head_dim])])
+
+        def gradient(upstream):
+            with tf.GradientTape() as tape:
+                tape.watch([query, key, value])
+                reference = _reference_attention(query, key, value, scale)
+            return tape.gradient(reference, [query, key, value], output_gradients=upstream)
+
+        return tf.reshape(out, (batch, heads, length, head_dim)), gradient
+
+    return fused(query, key, value)

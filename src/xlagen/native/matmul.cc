@@ -34,7 +34,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -418,6 +420,143 @@ void ParseShape(const char* opaque, size_t opaque_len, int* m, int* k, int* n) {
   if (std::sscanf(config, "%d,%d,%d", m, k, n) != 3) std::abort();
 }
 
+// "xlagen_f32_attention": softmax(scale * q k^T) v over all keys (no mask), for each of B x H heads, for
+// long self-attention (Whisper's encoder: 1500 positions). XLA computes the scores, writes them out
+// [T, S], reads them back for the softmax and again for the product with v; here each unit (8 query rows
+// of one head) keeps its scores in the core's cache: the head's k (transposed once per thread, [D, S])
+// and v stay in L2 across its units. The scores are scaled after the product, as XLA does; the softmax
+// divides once per output row rather than once per weight.
+constexpr int kAttentionRows = 8;  // query rows per unit
+
+struct Attention {
+  const float* q;  // [heads, t, d]
+  const float* k;  // [heads, s, d]
+  const float* v;  // [heads, s, d]
+  float* out;      // [heads, t, d]
+  int heads, t, s, d, blocks;  // blocks: units per head
+  float scale;
+  uint64_t call;  // which call this is: a thread's transposed k is reused within one call only
+};
+
+std::atomic<uint64_t> g_attention_calls{0};
+
+// exp(x) for x <= 0 (scores minus their row's maximum): x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its
+// degree-7 polynomial (Cephes' expf coefficients), times 2^n by scalef; below -104 it is 0.
+inline __m512 ExpNonPositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts: exact first step
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// out[rows of the unit] = weights @ v / sums, for D = 16 DV, R rows of weights at a time (4 DV sums).
+template <int DV>
+void AttentionOutput(const Attention& a, const float* weights, int padded, const float* sums, const float* v,
+                     float* out, int rows) {
+  constexpr int R = 16 / DV < 1 ? 1 : (16 / DV > kAttentionRows ? kAttentionRows : 16 / DV);
+  for (int r0 = 0; r0 < rows; r0 += R) {
+    __m512 acc[R][DV];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int j = 0; j < a.s; ++j) {
+      __m512 vv[DV];
+      for (int c = 0; c < DV; ++c) vv[c] = _mm512_loadu_ps(v + static_cast<size_t>(j) * a.d + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(weights[static_cast<size_t>(r0 + r) * padded + j]);
+        for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R && r0 + r < rows; ++r) {
+      const __m512 inverse = _mm512_set1_ps(1.0f / sums[r0 + r]);
+      for (int c = 0; c < DV; ++c) {
+        _mm512_storeu_ps(out + static_cast<size_t>(r0 + r) * a.d + 16 * c, _mm512_mul_ps(acc[r][c], inverse));
+      }
+    }
+  }
+}
+
+void RunAttention(const void* args, int u0, int u1) {
+  const Attention& a = *static_cast<const Attention*>(args);
+  const int padded = (a.s + 31) / 32 * 32;  // score columns, in pairs of vectors
+  thread_local std::vector<float> kt, scores, q;
+  thread_local uint64_t kt_call = 0;
+  thread_local int kt_head = -1;
+  scores.resize(static_cast<size_t>(kAttentionRows) * padded);
+  q.resize(static_cast<size_t>(kAttentionRows) * a.d);
+  for (int u = u0; u < u1; ++u) {
+    const int head = u / a.blocks, t0 = (u % a.blocks) * kAttentionRows;
+    const int rows = a.t - t0 < kAttentionRows ? a.t - t0 : kAttentionRows;
+    const size_t head_offset = static_cast<size_t>(head) * a.s * a.d;
+    if (kt_call != a.call || kt_head != head) {  // k [s, d] -> kt [d, padded], zeros past s
+      kt.assign(static_cast<size_t>(a.d) * padded, 0.0f);
+      const float* k = a.k + head_offset;
+      for (int j = 0; j < a.s; ++j)
+        for (int c = 0; c < a.d; ++c) kt[static_cast<size_t>(c) * padded + j] = k[static_cast<size_t>(j) * a.d + c];
+      kt_call = a.call;
+      kt_head = head;
+    }
+    // The unit's query rows, zeros past t (their scores are computed and not used).
+    std::fill(q.begin(), q.end(), 0.0f);
+    std::memcpy(q.data(), a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, sizeof(float) * rows * a.d);
+    const __m512 scale = _mm512_set1_ps(a.scale);
+    for (int j = 0; j < padded; j += 32) {
+      __m512 acc[kAttentionRows][2];
+      for (int r = 0; r < kAttentionRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+      for (int c = 0; c < a.d; ++c) {
+        const float* row = kt.data() + static_cast<size_t>(c) * padded + j;
+        const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
+        for (int r = 0; r < kAttentionRows; ++r) {
+          const __m512 x = _mm512_set1_ps(q[static_cast<size_t>(r) * a.d + c]);
+          acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
+          acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < kAttentionRows; ++r) {
+        float* out = scores.data() + static_cast<size_t>(r) * padded + j;
+        _mm512_storeu_ps(out, _mm512_mul_ps(acc[r][0], scale));
+        _mm512_storeu_ps(out + 16, _mm512_mul_ps(acc[r][1], scale));
+      }
+    }
+    // Softmax numerators in place, and their sums; the columns past s get weight 0.
+    float sums[kAttentionRows];
+    const int whole = a.s / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (a.s - whole)) - 1);
+    for (int r = 0; r < rows; ++r) {
+      float* row = scores.data() + static_cast<size_t>(r) * padded;
+      __m512 high = _mm512_set1_ps(-INFINITY);
+      for (int j = 0; j < whole; j += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(row + j));
+      if (tail) high = _mm512_mask_max_ps(high, tail, high, _mm512_loadu_ps(row + whole));
+      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(high));
+      __m512 total = _mm512_setzero_ps();
+      for (int j = 0; j < padded; j += 16) {
+        const __mmask16 keep = j + 16 <= a.s ? static_cast<__mmask16>(0xFFFF) : (j < a.s ? tail : 0);
+        const __m512 e = _mm512_maskz_mov_ps(keep, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), top)));
+        _mm512_storeu_ps(row + j, e);
+        total = _mm512_add_ps(total, e);
+      }
+      sums[r] = _mm512_reduce_add_ps(total);
+    }
+    const float* v = a.v + head_offset;
+    float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
+    switch (a.d / 16) {
+      case 1: AttentionOutput<1>(a, scores.data(), padded, sums, v, out, rows); break;
+      case 2: AttentionOutput<2>(a, scores.data(), padded, sums, v, out, rows); break;
+      case 4: AttentionOutput<4>(a, scores.data(), padded, sums, v, out, rows); break;
+      case 8: AttentionOutput<8>(a, scores.data(), padded, sums, v, out, rows); break;
+      default: std::abort();  // xlagen only emits D = 16, 32, 64 or 128
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" void xlagen_bf16_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
@@ -466,6 +605,21 @@ extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque
   }
 }
 
+// The backend config is "heads,t,s,d,scale" (scale printed with 9 significant digits: exact for float32).
+extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                     XlaCustomCallStatus_* /*status*/) {
+  Attention a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<const float*>(in[2]),
+              static_cast<float*>(out), 0, 0, 0, 0, 0, 0.0f, 0};
+  char config[128];
+  const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
+  std::memcpy(config, opaque, length);
+  config[length] = '\0';
+  if (std::sscanf(config, "%d,%d,%d,%d,%f", &a.heads, &a.t, &a.s, &a.d, &a.scale) != 5) std::abort();
+  a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
+  a.call = g_attention_calls.fetch_add(1) + 1;
+  GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
+}
+
 // Registers the target with XLA's registry of custom-call targets (xla::CustomCallTargetRegistry, in
 // libtensorflow_cc, which TensorFlow has loaded by the time xlagen calls this). The registry is looked up
 // by its exported symbols rather than linked: linking against the 1 GB library takes longer than
@@ -483,5 +637,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_bf16_matmul"), reinterpret_cast<void*>(&xlagen_bf16_matmul), std::string("Host"));
   add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), std::string("Host"));
   add(global(), std::string("xlagen_int8_matmul"), reinterpret_cast<void*>(&xlagen_int8_matmul), std::string("Host"));
+  add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention),
+      std::string("Host"));
   return 0;
 }
