@@ -269,3 +269,31 @@ def test_fused_encoder_attention_matches_transformers(tmp_path):
     for options in (dict(language="en"), dict(language="fr", num_beams=2)):
         program = tf.function(lambda x: model.generate(x, max_new_tokens=10, **options), jit_compile=True)
         assert_same_tokens(program(tf.constant(x)).numpy(), hf_generate(reference, x, max_new_tokens=10, **options))
+
+
+def test_training_through_the_fused_encoder_attention(tmp_path, monkeypatch):
+    """A compiled training step's loss and gradients are the same with the fused encoder attention as
+    with XLA's attention ops (the kernel's gradient is the formula's)."""
+    save_tiny_whisper(tmp_path, seed=6, encoder_attention_heads=2)
+    model = TFWhisperForConditionalGeneration.from_pretrained(tmp_path)
+    batch = {"input_features": tf.constant(features(2, seed=5)),
+             "labels": tf.constant([[LANG_TO_ID["<|en|>"], TRANSCRIBE, NO_TIMESTAMPS, 5, 6, EOT],
+                                    [LANG_TO_ID["<|de|>"], TRANSCRIBE, NO_TIMESTAMPS, 9, EOT, -100]])}
+
+    def step(batch):
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(batch, None, model(batch, training=True), training=True)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    fused = tf.function(step, jit_compile=True)
+    if native.unavailable_reason() is None or os.environ.get("XLAGEN_CI"):
+        assert native.ATTENTION_TARGET in fused.experimental_get_compiler_ir(batch)(stage="optimized_hlo")
+    loss, gradients = fused(batch)
+    monkeypatch.setattr(native, "ATTENTION_MIN_KEYS", 10**9)  # read while tracing: XLA's ops
+    plain = tf.function(step, jit_compile=True)
+    assert native.ATTENTION_TARGET not in plain.experimental_get_compiler_ir(batch)(stage="optimized_hlo")
+    expected_loss, expected = plain(batch)
+    assert float(loss) == pytest.approx(float(expected_loss), rel=1e-5)
+    for got, want in zip(gradients, expected):
+        got, want = tf.convert_to_tensor(got).numpy(), tf.convert_to_tensor(want).numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * max(np.abs(want).max(), 1e-3))

@@ -151,7 +151,7 @@ class _MultiHead(keras.layers.Layer):
     def _attend(self, query, key, value, mask, bias, training, key_transposed=False):
         """Attention of `[B, H, T, D]` queries -> `[B, T, hidden]`. Long unmasked attention under XLA (an
         encoder's) is the fused native kernel (`xlagen.native.attention`)."""
-        dropout = bool(training) and self.dropout.rate > 0
+        dropout = self.dropout.rate > 0 and training is not None and training is not False
         if not key_transposed and native.use_attention_kernel(query, key, mask, bias, dropout):
             return self.output_projection(merge_heads(native.attention(query, key, value, self.scale)))
         weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed), training=training)

@@ -347,7 +347,6 @@ def matmul_float32(x, kernel):
     return _custom_call(FLOAT32_TARGET, x, kernel, kernel.shape[-1])
 
 
-
 def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False) -> bool:
     """Whether `softmax(scale * query @ key^T) @ value` being traced now should be `attention`: float32
     `[B, H, T, D]` queries and `[B, H, S, D]` keys of static shapes, S >= `ATTENTION_MIN_KEYS`, D in
@@ -358,7 +357,7 @@ def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False
 
     if not _float32_enabled or _portable.get() or bias is not None or dropout:
         return False
-    if query.dtype != tf.float32 or key.dtype != tf.float32 or len(query.shape) != 4 or len(key.shape) != 4:
+    if query.dtype != tf.float32 or key.dtype != tf.float32 or query.shape.rank != 4 or key.shape.rank != 4:
         return False
     if not (query.shape.is_fully_defined() and key.shape.is_fully_defined()):
         return False

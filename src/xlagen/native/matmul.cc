@@ -24,6 +24,9 @@
 // The backend config (the custom call's opaque string) is "M,K,N". Work is split into units (panels, or
 // column blocks) between the calling thread and the pool's workers (XLAGEN_NATIVE_THREADS, default: the
 // CPUs this process may use, at most 8).
+//
+// A fourth target, "xlagen_f32_attention", is not a product of weights: the whole softmax attention of a
+// long encoder (see RunAttention), on the same pool.
 
 #include <dlfcn.h>
 #include <immintrin.h>
@@ -32,9 +35,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstdint>
