@@ -87,6 +87,14 @@ def whisper_128(tmp_path_factory):
     return reference, TFWhisperForConditionalGeneration.from_pretrained(folder), folder
 
 
+@pytest.fixture(scope="module")
+def whisper_heads_16(tmp_path_factory):
+    """Encoder heads of 16 (the fused attention kernel's smallest head size) over the real 1500 frames."""
+    folder = tmp_path_factory.mktemp("whisper16")
+    reference = save_tiny_whisper(folder, seed=6, encoder_attention_heads=2)
+    return reference, TFWhisperForConditionalGeneration.from_pretrained(folder), folder
+
+
 def hf_generate(reference, x: np.ndarray, **options) -> np.ndarray:
     """transformers' tokens, forced prefix included (the sequences of its one generate call)."""
     saved = reference.generation_config
@@ -253,11 +261,10 @@ def test_generate_is_one_xla_program_with_one_loop(whisper_pair):
     assert hlo.count(" while(") == 1  # language detection, prefix prefill and the whole decode in one module
 
 
-def test_fused_encoder_attention_matches_transformers(tmp_path):
-    """Heads of 16 over the real 1500 frames: under XLA the encoder's attention is xlagen's fused native
-    kernel (`xlagen.native.attention`), and the encoder output and the tokens still match transformers."""
-    reference = save_tiny_whisper(tmp_path, seed=6, encoder_attention_heads=2)
-    model = TFWhisperForConditionalGeneration.from_pretrained(tmp_path)
+def test_fused_encoder_attention_matches_transformers(whisper_heads_16):
+    """Under XLA the encoder's attention is xlagen's fused native kernel (`xlagen.native.attention`), and
+    the encoder output and the tokens still match transformers."""
+    reference, model, _ = whisper_heads_16
     x = features(2, seed=8)
     encode = tf.function(lambda x: model.encode(x), jit_compile=True)
     if native.unavailable_reason() is None or os.environ.get("XLAGEN_CI"):
@@ -271,11 +278,10 @@ def test_fused_encoder_attention_matches_transformers(tmp_path):
         assert_same_tokens(program(tf.constant(x)).numpy(), hf_generate(reference, x, max_new_tokens=10, **options))
 
 
-def test_training_through_the_fused_encoder_attention(tmp_path, monkeypatch):
+def test_training_through_the_fused_encoder_attention(whisper_heads_16, monkeypatch):
     """A compiled training step's loss and gradients are the same with the fused encoder attention as
     with XLA's attention ops (the kernel's gradient is the formula's)."""
-    save_tiny_whisper(tmp_path, seed=6, encoder_attention_heads=2)
-    model = TFWhisperForConditionalGeneration.from_pretrained(tmp_path)
+    _, model, _ = whisper_heads_16
     batch = {"input_features": tf.constant(features(2, seed=5)),
              "labels": tf.constant([[LANG_TO_ID["<|en|>"], TRANSCRIBE, NO_TIMESTAMPS, 5, 6, EOT],
                                     [LANG_TO_ID["<|de|>"], TRANSCRIBE, NO_TIMESTAMPS, 9, EOT, -100]])}
