@@ -153,9 +153,12 @@ class _MultiHead(keras.layers.Layer):
         encoder's) is the fused native kernel (`xlagen.native.attention`)."""
         dropout = self.dropout.rate > 0 and training is not None and training is not False
         if not key_transposed and native.use_attention_kernel(query, key, mask, bias, dropout):
-            return self.output_projection(merge_heads(native.attention(query, key, value, self.scale)))
-        weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed), training=training)
-        return self.output_projection(merge_heads(ops.matmul(weights, value)))
+            attended = native.attention(query, key, value, self.scale)
+        else:
+            weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed),
+                                   training=training)
+            attended = ops.matmul(weights, value)
+        return self.output_projection(merge_heads(attended))
 
 
 class Attention(_MultiHead):
