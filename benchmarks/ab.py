@@ -13,8 +13,10 @@ call by call in alternation.
                  default).
   shared-traces  blocks traced block by block (A) against once per spec (B, the default;
                  `xlagen.layers.block.SHARE_TRACES`).
-  attention      long unmasked attention (Whisper's encoder) with XLA's ops (A) against the fused native
-                 kernel (B, the default; `xlagen.native.ATTENTION_MIN_KEYS`).
+  attention      long unmasked attention (Whisper's encoder and cross-attention) with XLA's ops (A) against
+                 the fused native kernel (B, the default; `xlagen.native.ATTENTION_MIN_KEYS`).
+  cross-attention  Whisper's decoder cross-attention (keys given transposed) with XLA's ops (A) against the
+                 fused kernel (B, the default); the encoder's attention is the kernel in both.
 
 Prints the median ms/token of each and their ratio (A / B: above 1, B is faster), and checks that both
 programs generate the same tokens. Random weights of the bench's shapes (`xlagen bench` model names),
@@ -34,6 +36,7 @@ def _choices(compare: str):
     from xlagen.layers import block
 
     cap, floor_bytes, min_keys = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES, native.ATTENTION_MIN_KEYS
+    use_attention = native.use_attention_kernel
     former_cap, former_floor = 16384, 2 * 2**20  # the limits in force before every product went on the kernel
 
     def columns(value):
@@ -48,6 +51,10 @@ def _choices(compare: str):
     def keys(value):
         native.ATTENTION_MIN_KEYS = value
 
+    def cross(fused):  # the layers look the function up on the module at every trace
+        native.use_attention_kernel = use_attention if fused else (
+            lambda *args, key_transposed=False, **kwargs: not key_transposed and use_attention(*args, **kwargs))
+
     return {
         "kernel": {"xla_dot": lambda: native.set_float32_kernel(False),
                    "kernel": lambda: native.set_float32_kernel(True)},
@@ -56,14 +63,15 @@ def _choices(compare: str):
                   "every_product": lambda: (floor(0), columns(None))},
         "shared-traces": {"block_by_block": lambda: share(False), "shared": lambda: share(True)},
         "attention": {"xla_attention": lambda: keys(2**62), "fused_attention": lambda: keys(min_keys)},
+        "cross-attention": {"xla_cross_attention": lambda: cross(False), "fused_cross_attention": lambda: cross(True)},
     }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True),
-                          keys(min_keys)))
+                          keys(min_keys), cross(True)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compare", default="kernel",
-                        choices=["kernel", "heads", "rules", "shared-traces", "attention"])
+                        choices=["kernel", "heads", "rules", "shared-traces", "attention", "cross-attention"])
     parser.add_argument("--model", default="gpt2", help="an `xlagen bench` model: gpt2, opt, t5, whisper")
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
     parser.add_argument("--batch-size", type=int, default=1)

@@ -479,31 +479,37 @@ def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_
         native._float32_kernel_ready.cache_clear()
 
 
+@pytest.mark.parametrize("transposed", [False, True], ids=["keys", "transposed keys"])
 @pytest.mark.parametrize("heads, t, s, d", [(2, 300, 300, 64), (3, 37, 45, 32), (1, 9, 17, 128), (2, 1, 515, 16),
-                                            (1, 20, 1500, 64)])
-def test_attention_kernel_matches_float64_numpy(heads, t, s, d):
-    # Query rows not a multiple of the kernel's 8, keys not a multiple of its 32 score columns; scores
-    # spread over +-40 so that the softmax leans on its maximum and most weights underflow.
+                                            (1, 20, 1500, 64), (6, 1, 1500, 64), (3, 2, 1500, 32)])
+def test_attention_kernel_matches_float64_numpy(heads, t, s, d, transposed):
+    # Query rows not a multiple of the kernel's 8, keys not a multiple of its 32 score columns (nor of 16,
+    # for transposed keys read in place up to the last one); scores spread over +-40 so that the softmax
+    # leans on its maximum and most weights underflow.
     rng = np.random.default_rng(heads * t + s)
     q = rng.standard_normal((2, heads, t, d)).astype(np.float32)
     k = (3 * rng.standard_normal((2, heads, s, d))).astype(np.float32)
     v = rng.standard_normal((2, heads, s, d)).astype(np.float32)
     scale = d ** -0.5
-    out = _xla(lambda q, k, v: native.attention(q, k, v, scale), q, k, v)
+    given = np.ascontiguousarray(k.transpose(0, 1, 3, 2)) if transposed else k
+    out = _xla(lambda q, k, v: native.attention(q, k, v, scale, transposed), q, given, v)
     scores = np.einsum("bhtd,bhsd->bhts", q.astype(np.float64), k.astype(np.float64)) * scale
     weights = np.exp(scores - scores.max(-1, keepdims=True))
     expected = np.einsum("bhts,bhsd->bhtd", weights / weights.sum(-1, keepdims=True), v)
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
 
 
-def test_attention_kernel_gradients_are_the_formulas():
+@pytest.mark.parametrize("transposed", [False, True], ids=["keys", "transposed keys"])
+def test_attention_kernel_gradients_are_the_formulas(transposed):
     rng = np.random.default_rng(3)
     q, k, v = (tf.constant(rng.standard_normal((1, 2, n, 32)).astype(np.float32)) for n in (40, 300, 300))
+    if transposed:
+        k = tf.transpose(k, (0, 1, 3, 2))
 
     def gradients(attention):
         with tf.GradientTape() as tape:
             tape.watch([q, k, v])
-            loss = tf.reduce_sum(tf.sin(attention(q, k, v, 0.2)))
+            loss = tf.reduce_sum(tf.sin(attention(q, k, v, 0.2, transposed)))
         return tape.gradient(loss, [q, k, v])
 
     ours = tf.function(lambda: gradients(native.attention), jit_compile=True)()
@@ -529,13 +535,18 @@ def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla(flo
         probe("short", q, k[:, :, :-1])
         probe("head size 48", q[..., :48], k[..., :48])
         probe("bfloat16", tf.cast(q, tf.bfloat16), tf.cast(k, tf.bfloat16))
+        kt = tf.transpose(k, (0, 1, 3, 2))
+        probe("transposed", q, kt, key_transposed=True)
+        probe("transposed, short", q, kt[..., :-1], key_transposed=True)
+        probe("transposed, other head size", q[..., :32], kt, key_transposed=True)
         with native.portable():
             probe("portable", q, k)
         return tf.zeros(())
 
     tf.function(traced, jit_compile=True)()
     assert seen == {"plain": True, "constant all-true mask": True, "constant mask": False, "bias": False,
-                    "dropout": False, "short": False, "head size 48": False, "bfloat16": False, "portable": False}
+                    "dropout": False, "short": False, "head size 48": False, "bfloat16": False, "portable": False,
+                    "transposed": True, "transposed, short": False, "transposed, other head size": False}
     assert not native.use_attention_kernel(q, k)  # eager: not under XLA
     tf.function(traced)()  # a graph not compiled by XLA
     assert not any(seen.values())

@@ -89,9 +89,9 @@ def whisper_128(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def whisper_heads_16(tmp_path_factory):
-    """Encoder heads of 16 (the fused attention kernel's smallest head size) over the real 1500 frames."""
+    """Heads of 16 (the fused attention kernel's smallest head size) over the real 1500 frames."""
     folder = tmp_path_factory.mktemp("whisper16")
-    reference = save_tiny_whisper(folder, seed=6, encoder_attention_heads=2)
+    reference = save_tiny_whisper(folder, seed=6, encoder_attention_heads=2, decoder_attention_heads=2)
     return reference, TFWhisperForConditionalGeneration.from_pretrained(folder), folder
 
 
@@ -261,9 +261,9 @@ def test_generate_is_one_xla_program_with_one_loop(whisper_pair):
     assert hlo.count(" while(") == 1  # language detection, prefix prefill and the whole decode in one module
 
 
-def test_fused_encoder_attention_matches_transformers(whisper_heads_16):
-    """Under XLA the encoder's attention is xlagen's fused native kernel (`xlagen.native.attention`), and
-    the encoder output and the tokens still match transformers."""
+def test_fused_attention_matches_transformers(whisper_heads_16):
+    """Under XLA the encoder's attention and the decoder's cross-attention are xlagen's fused native
+    kernel (`xlagen.native.attention`), and the encoder output and the tokens still match transformers."""
     reference, model, _ = whisper_heads_16
     x = features(2, seed=8)
     encode = tf.function(lambda x: model.encode(x), jit_compile=True)
@@ -275,6 +275,10 @@ def test_fused_encoder_attention_matches_transformers(whisper_heads_16):
     np.testing.assert_allclose(encode(tf.constant(x)).numpy(), expected, atol=1e-4 * np.abs(expected).max(), rtol=0)
     for options in (dict(language="en"), dict(language="fr", num_beams=2)):
         program = tf.function(lambda x: model.generate(x, max_new_tokens=10, **options), jit_compile=True)
+        if native.unavailable_reason() is None or os.environ.get("XLAGEN_CI"):
+            hlo = program.experimental_get_compiler_ir(tf.constant(x))(stage="optimized_hlo")
+            # the encoder's 2 layers, then the decoder's 2 cross-attentions in the prefill and in the step
+            assert hlo.count(f'custom_call_target="{native.ATTENTION_TARGET}"') == 6
         assert_same_tokens(program(tf.constant(x)).numpy(), hf_generate(reference, x, max_new_tokens=10, **options))
 
 

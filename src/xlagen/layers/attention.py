@@ -150,10 +150,10 @@ class _MultiHead(keras.layers.Layer):
 
     def _attend(self, query, key, value, mask, bias, training, key_transposed=False):
         """Attention of `[B, H, T, D]` queries -> `[B, T, hidden]`. Long unmasked attention under XLA (an
-        encoder's) is the fused native kernel (`xlagen.native.attention`)."""
+        encoder's, or a decoder's over it) is the fused native kernel (`xlagen.native.attention`)."""
         dropout = self.dropout.rate > 0 and training is not None and training is not False
-        if not key_transposed and native.use_attention_kernel(query, key, mask, bias, dropout):
-            attended = native.attention(query, key, value, self.scale)
+        if native.use_attention_kernel(query, key, mask, bias, dropout, key_transposed=key_transposed):
+            attended = native.attention(query, key, value, self.scale, key_transposed)
         else:
             weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed),
                                    training=training)
@@ -260,11 +260,13 @@ class CrossAttention(_MultiHead):
         key, value = self._heads(self.key_value(encoder_output), 2)
         return cache_lib.LayerCache(ops.transpose(key, (0, 1, 3, 2)), value)
 
-    def call(self, x, memory: cache_lib.LayerCache, mask, training=False):
-        """Attends from `x` `[B, T, hidden]` over `memory` (from `project_memory`) with mask `[B, 1, 1, L]`.
+    def call(self, x, memory: cache_lib.LayerCache, key_mask, training=False):
+        """Attends from `x` `[B, T, hidden]` over `memory` (from `project_memory`) with `key_mask`
+        `[B, 1, 1, L]`, or None when every position of the memory is real (Whisper's 30 s windows). (Not
+        named `mask`: Keras fills an argument of that name left None from the input's Keras mask.)
 
         Returns:
             `[B, T, hidden]`.
         """
         (query,) = self._heads(self.query(x), 1)
-        return self._attend(query, memory.key, memory.value, mask, None, training, key_transposed=True)
+        return self._attend(query, memory.key, memory.value, key_mask, None, training, key_transposed=True)

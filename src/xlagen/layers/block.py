@@ -67,7 +67,7 @@ class CrossInputs(NamedTuple):
 
     Attributes:
         memory: The encoder output's keys `[B, H, D, L]` and values `[B, H, L, D]` for this layer (`LayerCache`).
-        mask: bool `[B, 1, 1, L]`, see `attention.padding_mask`.
+        mask: bool `[B, 1, 1, L]`, see `attention.padding_mask`; or None, every position real.
     """
 
     memory: cache_lib.LayerCache

@@ -89,7 +89,8 @@ class EncoderContext(NamedTuple):
     Attributes:
         memory: Per decoder layer, the cross-attention keys `[B, H, D, L]` (transposed once) and values
             `[B, H, L, D]` as a `LayerCache` (see `CrossAttention.project_memory`).
-        mask: int32 `[B, L]`, the encoder input's attention mask.
+        mask: int32 `[B, L]`, the encoder input's attention mask; or `()` when every position is real
+            (Whisper), so that cross-attention runs unmasked (and can be the fused native kernel).
     """
 
     memory: tuple
@@ -116,9 +117,9 @@ def decoder_start_prompt(batch, default_start, decoder_start_token_id=None, deco
 
 def encoder_context(decoder_blocks, encoder_output, attention_mask) -> EncoderContext:
     """The `EncoderContext` of an encoder output `[B, L, hidden]`: each decoder block's cross-attention
-    keys/values (projected once) and the encoder mask `[B, L]`."""
+    keys/values (projected once) and the encoder mask `[B, L]` (None: every position is real)."""
     memory = tuple(block.cross_attention.project_memory(encoder_output) for block in decoder_blocks)
-    return EncoderContext(memory, ops.cast(attention_mask, "int32"))
+    return EncoderContext(memory, () if attention_mask is None else ops.cast(attention_mask, "int32"))
 
 
 def extend_mask(attention_mask, total_length: int):

@@ -244,14 +244,14 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         return self.encoder_final_norm(x)
 
     def _context(self, encoder_output) -> EncoderContext:
-        return encoder_context(self.decoder_blocks, encoder_output, ops.ones(ops.shape(encoder_output)[:2], "int32"))
+        return encoder_context(self.decoder_blocks, encoder_output, None)  # every frame is real
 
     def _decode(self, token_ids, positions, mask, context: EncoderContext, cache=None, cache_index=None,
                 last_only=False, training=False):
         """The decoder and the tied output projection on `token_ids` `[B, T]` at `positions` `[B, T]`."""
         x = self.token_embedding(token_ids) + self.position_embedding(positions)
         x = self.dropout(x, training=training)
-        cross_mask = padding_mask(context.mask)
+        cross_mask = None if isinstance(context.mask, tuple) else padding_mask(context.mask)
         cross = [CrossInputs(memory, cross_mask) for memory in context.memory]
         x, new_cache = run_blocks(self.decoder_blocks, x, mask, cache, cache_index, training, cross=cross)
         x = self.decoder_final_norm(x[:, -1:] if last_only else x)

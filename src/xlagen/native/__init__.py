@@ -16,8 +16,10 @@ xlagen brings its own product for the few rows of a decoding step, in three form
   bytes, widened in registers and multiplied in float32; `x @ (Q * s)` up to float32 rounding.
 
 And one fused attention (`attention`): `softmax(scale * q k^T) v` over every key, for long unmasked
-float32 self-attention under XLA (Whisper's encoder, 1500 positions), whose scores XLA writes out and
-reads back twice; the kernel keeps them in the core's cache (`use_attention_kernel` says where it runs).
+float32 attention under XLA: Whisper's encoder (1500 positions), whose scores XLA writes out and reads
+back twice, and its decoder's cross-attention over them, whose keys and values XLA's dots read at a third
+of the memory's rate; the kernel keeps the scores in the core's cache and streams the keys and values
+once (`use_attention_kernel` says where it runs).
 
 The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
 cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source. It needs
@@ -63,7 +65,8 @@ FLOAT32_MIN_BYTES = 0
 # and, when x has one row, matrices with more columns than this (LM heads), if not None:
 FLOAT32_MAX_COLUMNS = None
 # Unmasked float32 attention over at least this many keys runs as the fused kernel (`attention`) under
-# XLA: Whisper's encoder (1500 positions). Shorter attention stays with XLA's ops.
+# XLA: Whisper's encoder and its decoder's cross-attention (1500 positions). Shorter attention stays
+# with XLA's ops.
 ATTENTION_MIN_KEYS = 256
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the kernel has code for
 
@@ -347,12 +350,13 @@ def matmul_float32(x, kernel):
     return _custom_call(FLOAT32_TARGET, x, kernel, kernel.shape[-1])
 
 
-def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False) -> bool:
+def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False,
+                         key_transposed: bool = False) -> bool:
     """Whether `softmax(scale * query @ key^T) @ value` being traced now should be `attention`: float32
-    `[B, H, T, D]` queries and `[B, H, S, D]` keys of static shapes, S >= `ATTENTION_MIN_KEYS`, D in
-    `ATTENTION_HEAD_DIMS`, no score bias, a mask that is None or a constant all True, no dropout, under
-    XLA (in or out of a loop), the float32 kernels enabled (`set_float32_kernel`), not `portable()`, and
-    loadable."""
+    `[B, H, T, D]` queries and `[B, H, S, D]` keys (`[B, H, D, S]` if `key_transposed`) of static shapes,
+    S >= `ATTENTION_MIN_KEYS`, D in `ATTENTION_HEAD_DIMS`, no score bias, a mask that is None or a
+    constant all True, no dropout, under XLA (in or out of a loop), the float32 kernels enabled
+    (`set_float32_kernel`), not `portable()`, and loadable."""
     import tensorflow as tf
 
     if not _float32_enabled or _portable.get() or bias is not None or dropout:
@@ -361,7 +365,8 @@ def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False
         return False
     if not (query.shape.is_fully_defined() and key.shape.is_fully_defined()):
         return False
-    if key.shape[2] < ATTENTION_MIN_KEYS or query.shape[3] not in ATTENTION_HEAD_DIMS:
+    keys, key_dim = (key.shape[3], key.shape[2]) if key_transposed else (key.shape[2], key.shape[3])
+    if keys < ATTENTION_MIN_KEYS or query.shape[3] not in ATTENTION_HEAD_DIMS or key_dim != query.shape[3]:
         return False
     if mask is not None:
         constant = tf.get_static_value(mask)
@@ -371,38 +376,40 @@ def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False
     return xla and _float32_kernel_ready()
 
 
-def _reference_attention(query, key, value, scale: float):
+def _reference_attention(query, key, value, scale: float, key_transposed: bool = False):
     import tensorflow as tf
 
-    weights = tf.nn.softmax(tf.matmul(query, key, transpose_b=True) * scale, axis=-1)
+    weights = tf.nn.softmax(tf.matmul(query, key, transpose_b=not key_transposed) * scale, axis=-1)
     return tf.matmul(weights, value)
 
 
-def attention(query, key, value, scale: float):
+def attention(query, key, value, scale: float, key_transposed: bool = False):
     """`softmax(scale * query @ key^T) @ value` for float32 `[B, H, T, D]` queries and `[B, H, S, D]`
     keys and values, as the native kernel's custom call (call it under XLA only; see
-    `use_attention_kernel`). The scores of 8 query rows at a time stay in the core's cache instead of
-    being written out `[T, S]` and read back twice (Whisper-tiny's encoder, 1500 positions: about 2x
-    XLA's attention; docs/performance.md). Gradients are those of the same formula in TensorFlow ops."""
+    `use_attention_kernel`). With `key_transposed` the keys are `[B, H, D, S]` (a decoder's
+    cross-attention memory, `CrossAttention.project_memory`) and are read in place. The scores of 8 query
+    rows at a time stay in the core's cache instead of being written out `[T, S]` and read back twice
+    (Whisper-tiny's encoder, 1500 positions: about 2x XLA's attention; its decoding steps' cross-attention:
+    docs/performance.md). Gradients are those of the same formula in TensorFlow ops."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
     load()
     batch, heads, length, head_dim = query.shape
-    keys = key.shape[2]
-    config = f"{batch * heads},{length},{keys},{head_dim},{float(np.float32(scale))!r}"
+    keys = key.shape[3] if key_transposed else key.shape[2]
+    config = f"{batch * heads},{length},{keys},{head_dim},{float(np.float32(scale))!r},{int(key_transposed)}"
 
     @tf.custom_gradient
     def fused(query, key, value):
         (out,) = gen_xla_ops.xla_custom_call_v2(
-            operands=[tf.reshape(t, (batch * heads, -1, head_dim)) for t in (query, key, value)],
+            operands=[tf.reshape(t, (batch * heads, -1, t.shape[-1])) for t in (query, key, value)],
             call_target_name=ATTENTION_TARGET, backend_config=config, has_side_effect=False,
             result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([batch * heads, length, head_dim])])
 
         def gradient(upstream):
             with tf.GradientTape() as tape:
                 tape.watch([query, key, value])
-                reference = _reference_attention(query, key, value, scale)
+                reference = _reference_attention(query, key, value, scale, key_transposed)
             return tape.gradient(reference, [query, key, value], output_gradients=upstream)
 
         return tf.reshape(out, (batch, heads, length, head_dim)), gradient

@@ -429,16 +429,22 @@ void ParseShape(const char* opaque, size_t opaque_len, int* m, int* k, int* n) {
 // of one head) keeps its scores in the core's cache: the head's k (transposed once per thread, [D, S])
 // and v stay in L2 across its units. The scores are scaled after the product, as XLA does; the softmax
 // divides once per output row rather than once per weight.
+//
+// With keys given transposed ([heads, d, s]: a decoder's cross-attention memory, transposed once when it
+// is projected), the unit's few query rows read the keys straight from memory, one contiguous row of s
+// keys per head dimension, rather than through a copy: each key and value is read once per unit, at the
+// rate memory streams (XLA's dots over Whisper's memory read it at a third of that, docs/performance.md).
 constexpr int kAttentionRows = 8;  // query rows per unit
 
 struct Attention {
   const float* q;  // [heads, t, d]
-  const float* k;  // [heads, s, d]
+  const float* k;  // [heads, s, d], or [heads, d, s] when transposed
   const float* v;  // [heads, s, d]
   float* out;      // [heads, t, d]
   int heads, t, s, d, blocks;  // blocks: units per head
   float scale;
   uint64_t call;  // which call this is: a thread's transposed k is reused within one call only
+  int transposed;
 };
 
 std::atomic<uint64_t> g_attention_calls{0};
@@ -487,6 +493,35 @@ void AttentionOutput(const Attention& a, const float* weights, int padded, const
   }
 }
 
+// The scaled scores [rows, padded] of a unit's query rows q [rows, d] against a head's transposed keys
+// kt [d, s], accumulated one head dimension at a time: each kt row is read once, in order, and the rows'
+// scores stay in L1. Columns from s to padded are left as they are (the softmax ignores them).
+void TransposedScores(const Attention& a, const float* kt, const float* q, int rows, float* scores, int padded) {
+  const int whole = a.s / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (a.s - whole)) - 1);
+  for (int r = 0; r < rows; ++r) std::memset(scores + static_cast<size_t>(r) * padded, 0, sizeof(float) * a.s);
+  for (int c = 0; c < a.d; ++c) {
+    const float* row = kt + static_cast<size_t>(c) * a.s;
+    for (int r = 0; r < rows; ++r) {
+      const __m512 x = _mm512_set1_ps(q[static_cast<size_t>(r) * a.d + c]);
+      float* out = scores + static_cast<size_t>(r) * padded;
+      for (int j = 0; j < whole; j += 16) {
+        _mm512_storeu_ps(out + j, _mm512_fmadd_ps(x, _mm512_loadu_ps(row + j), _mm512_loadu_ps(out + j)));
+      }
+      if (tail) {
+        const __m512 k = _mm512_maskz_loadu_ps(tail, row + whole);
+        _mm512_mask_storeu_ps(out + whole, tail, _mm512_fmadd_ps(x, k, _mm512_maskz_loadu_ps(tail, out + whole)));
+      }
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int r = 0; r < rows; ++r) {
+    float* out = scores + static_cast<size_t>(r) * padded;
+    for (int j = 0; j < whole; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(out + j), scale));
+    if (tail) _mm512_mask_storeu_ps(out + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, out + whole), scale));
+  }
+}
+
 void RunAttention(const void* args, int u0, int u1) {
   const Attention& a = *static_cast<const Attention*>(args);
   const int padded = (a.s + 31) / 32 * 32;  // score columns, in pairs of vectors
@@ -499,34 +534,39 @@ void RunAttention(const void* args, int u0, int u1) {
     const int head = u / a.blocks, t0 = (u % a.blocks) * kAttentionRows;
     const int rows = a.t - t0 < kAttentionRows ? a.t - t0 : kAttentionRows;
     const size_t head_offset = static_cast<size_t>(head) * a.s * a.d;
-    if (kt_call != a.call || kt_head != head) {  // k [s, d] -> kt [d, padded], zeros past s
-      kt.assign(static_cast<size_t>(a.d) * padded, 0.0f);
-      const float* k = a.k + head_offset;
-      for (int j = 0; j < a.s; ++j)
-        for (int c = 0; c < a.d; ++c) kt[static_cast<size_t>(c) * padded + j] = k[static_cast<size_t>(j) * a.d + c];
-      kt_call = a.call;
-      kt_head = head;
-    }
-    // The unit's query rows, zeros past t (their scores are computed and not used).
-    std::fill(q.begin(), q.end(), 0.0f);
-    std::memcpy(q.data(), a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, sizeof(float) * rows * a.d);
-    const __m512 scale = _mm512_set1_ps(a.scale);
-    for (int j = 0; j < padded; j += 32) {
-      __m512 acc[kAttentionRows][2];
-      for (int r = 0; r < kAttentionRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-      for (int c = 0; c < a.d; ++c) {
-        const float* row = kt.data() + static_cast<size_t>(c) * padded + j;
-        const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
-        for (int r = 0; r < kAttentionRows; ++r) {
-          const __m512 x = _mm512_set1_ps(q[static_cast<size_t>(r) * a.d + c]);
-          acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
-          acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
-        }
+    if (a.transposed) {
+      TransposedScores(a, a.k + head_offset, a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, rows,
+                       scores.data(), padded);
+    } else {
+      if (kt_call != a.call || kt_head != head) {  // k [s, d] -> kt [d, padded], zeros past s
+        kt.assign(static_cast<size_t>(a.d) * padded, 0.0f);
+        const float* k = a.k + head_offset;
+        for (int j = 0; j < a.s; ++j)
+          for (int c = 0; c < a.d; ++c) kt[static_cast<size_t>(c) * padded + j] = k[static_cast<size_t>(j) * a.d + c];
+        kt_call = a.call;
+        kt_head = head;
       }
-      for (int r = 0; r < kAttentionRows; ++r) {
-        float* out = scores.data() + static_cast<size_t>(r) * padded + j;
-        _mm512_storeu_ps(out, _mm512_mul_ps(acc[r][0], scale));
-        _mm512_storeu_ps(out + 16, _mm512_mul_ps(acc[r][1], scale));
+      // The unit's query rows, zeros past t (their scores are computed and not used).
+      std::fill(q.begin(), q.end(), 0.0f);
+      std::memcpy(q.data(), a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, sizeof(float) * rows * a.d);
+      const __m512 scale = _mm512_set1_ps(a.scale);
+      for (int j = 0; j < padded; j += 32) {
+        __m512 acc[kAttentionRows][2];
+        for (int r = 0; r < kAttentionRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int c = 0; c < a.d; ++c) {
+          const float* row = kt.data() + static_cast<size_t>(c) * padded + j;
+          const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
+          for (int r = 0; r < kAttentionRows; ++r) {
+            const __m512 x = _mm512_set1_ps(q[static_cast<size_t>(r) * a.d + c]);
+            acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+          }
+        }
+        for (int r = 0; r < kAttentionRows; ++r) {
+          float* out = scores.data() + static_cast<size_t>(r) * padded + j;
+          _mm512_storeu_ps(out, _mm512_mul_ps(acc[r][0], scale));
+          _mm512_storeu_ps(out + 16, _mm512_mul_ps(acc[r][1], scale));
+        }
       }
     }
     // Softmax numerators in place, and their sums; the columns past s get weight 0.
@@ -608,16 +648,19 @@ extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque
   }
 }
 
-// The backend config is "heads,t,s,d,scale" (scale printed with 9 significant digits: exact for float32).
+// The backend config is "heads,t,s,d,scale,transposed" (scale printed with 9 significant digits: exact for
+// float32; transposed 1 when k is [heads, d, s]).
 extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
                                      XlaCustomCallStatus_* /*status*/) {
   Attention a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<const float*>(in[2]),
-              static_cast<float*>(out), 0, 0, 0, 0, 0, 0.0f, 0};
+              static_cast<float*>(out), 0, 0, 0, 0, 0, 0.0f, 0, 0};
   char config[128];
   const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
   std::memcpy(config, opaque, length);
   config[length] = '\0';
-  if (std::sscanf(config, "%d,%d,%d,%d,%f", &a.heads, &a.t, &a.s, &a.d, &a.scale) != 5) std::abort();
+  if (std::sscanf(config, "%d,%d,%d,%d,%f,%d", &a.heads, &a.t, &a.s, &a.d, &a.scale, &a.transposed) != 6) {
+    std::abort();
+  }
   a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
   a.call = g_attention_calls.fetch_add(1) + 1;
   GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
