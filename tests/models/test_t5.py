@@ -16,6 +16,7 @@ from transformers.models.t5.modeling_t5 import T5Attention
 
 from conftest import build_t5_tokenizer, random_ids
 from generation.helpers import assert_same_tokens, eos_that_occurs, hf_generate
+from xlagen import cache as cache_lib
 from xlagen import T5Config, TFAutoModelForCausalLM, TFAutoModelForSeq2SeqLM, TFT5ForConditionalGeneration
 from xlagen.generation.compiled import CompiledGenerator
 from xlagen.models.t5 import distance_buckets
@@ -182,6 +183,22 @@ def test_padded_rows_equal_rows_alone(t5, num_beams):
     for i, (row, mask) in enumerate(zip(ENCODER_IDS, ENCODER_MASK)):
         alone = model.generate(row[mask == 1][None, :], **options).numpy()
         np.testing.assert_array_equal(batch[i], alone[0])
+
+
+def test_beams_share_their_prompts_encoder_context(t5):
+    """`expand_beams` keeps one encoder context row per prompt; a step of its K beams over it equals the
+    step over the context repeated for every beam (padded encoder rows included)."""
+    _, _, model = t5("v1_1")
+    ids, mask, encoder = model.generation_inputs(tf.constant(ENCODER_IDS), tf.constant(ENCODER_MASK))
+    _, state = model.prefill(ids, mask, 4, **encoder)
+    state = model.expand_beams(state, 2)
+    assert [memory.key.shape[0] for memory in state.context.memory] == [3, 3]
+    repeated = state._replace(context=cache_lib.batch_gather(state.context, tf.repeat(tf.range(3), 2)))
+    tokens = tf.constant([[5], [6], [7], [8], [9], [10]])
+    shared, _ = model.decode_step(tokens, tf.constant(1), state)
+    per_beam, _ = model.decode_step(tokens, tf.constant(1), repeated)
+    assert not np.allclose(shared[0::2].numpy(), shared[1::2].numpy(), atol=1e-3)  # the beams' tokens differ
+    np.testing.assert_allclose(shared.numpy(), per_beam.numpy(), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("variant, case", [("v1_0", dict()), ("v1_1", dict(num_beams=3, num_return_sequences=2))],

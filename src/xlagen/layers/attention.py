@@ -262,11 +262,19 @@ class CrossAttention(_MultiHead):
 
     def call(self, x, memory: cache_lib.LayerCache, key_mask, training=False):
         """Attends from `x` `[B, T, hidden]` over `memory` (from `project_memory`) with `key_mask`
-        `[B, 1, 1, L]`, or None when every position of the memory is real (Whisper's 30 s windows). (Not
+        `[G, 1, 1, L]`, or None when every position of the memory is real (Whisper's 30 s windows). (Not
         named `mask`: Keras fills an argument of that name left None from the input's Keras mask.)
+
+        `memory` has G = B rows, or one row per K consecutive rows of `x` (G = B / K: beam search's K
+        beams of each prompt share their prompt's memory, see `CausalDecoding.expand_beams`). Each
+        memory row is attended by its rows of `x` as one group of K * T queries, so it is read once per
+        step rather than once per beam.
 
         Returns:
             `[B, T, hidden]`.
         """
-        (query,) = self._heads(self.query(x), 1)
-        return self._attend(query, memory.key, memory.value, key_mask, None, training, key_transposed=True)
+        rows, length = ops.shape(x)[0], ops.shape(x)[1]
+        grouped = ops.reshape(x, (ops.shape(memory.value)[0], -1, self.hidden_size))  # [G, K * T, hidden]
+        (query,) = self._heads(self.query(grouped), 1)
+        attended = self._attend(query, memory.key, memory.value, key_mask, None, training, key_transposed=True)
+        return ops.reshape(attended, (rows, length, self.hidden_size))

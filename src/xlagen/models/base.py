@@ -66,7 +66,8 @@ def positions_at(attention_mask, cache_index, num_tokens: int):
 
 class DecoderState(NamedTuple):
     """What a model carries between decoding steps; every tensor has the batch on axis 0 (in the beam
-    layout, the cache and slots have the prompts on axis 0, each prompt's K beams inside).
+    layout, the cache, slots and context have the prompts on axis 0, the cache and slots each prompt's K
+    beams inside).
 
     Attributes:
         cache: The static KV cache of the (decoder's) self-attention (`xlagen.cache`).
@@ -189,14 +190,16 @@ class CausalDecoding:
     def expand_beams(self, state: DecoderState, num_beams: int) -> DecoderState:
         """The state of K = `num_beams` beams per row of a prompt's state (rows `[G]` -> `[G * K]`).
 
-        The attention mask and encoder context are repeated per beam; the cache goes to the beam layout
+        The attention mask is repeated per beam; the cache goes to the beam layout
         (`xlagen.cache.expand_beams`), where each beam starts from a copy of the prompt in its own slot.
+        The encoder context keeps one row per prompt: its K beams attend over it together
+        (`CrossAttention.call`), which reads an encoder's keys and values once per step, not K times.
         """
         groups, length = ops.shape(state.attention_mask)[0], state.attention_mask.shape[1]
         rows = ops.repeat(ops.arange(groups, dtype="int32"), num_beams)
-        repeated = cache_lib.batch_gather((state.attention_mask, state.context), rows)
+        mask = cache_lib.batch_gather(state.attention_mask, rows)
         slots = ops.broadcast_to(ops.arange(num_beams, dtype="int32")[None, :, None], (groups, num_beams, length))
-        return DecoderState(cache_lib.expand_beams(state.cache, num_beams), *repeated, slots=slots)
+        return DecoderState(cache_lib.expand_beams(state.cache, num_beams), mask, state.context, slots=slots)
 
     def reorder_state(self, state: DecoderState, rows) -> DecoderState:
         """The state of `expand_beams`' rows `rows` `[B * K]` (beam search: each beam continues a parent

@@ -387,7 +387,8 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
             cache_index: int32 scalar tensor, the write offset (and the first token's position).
             attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
             last_only: Compute logits for the last token only (`T` becomes 1 in the output).
-            context: The `EncoderContext` from `encode_context`.
+            context: The `EncoderContext` from `encode_context`, of B rows, or of G rows with the beam layout
+                (each prompt's K beams attend over its one row).
             slots: For a decoding step over a cache in the beam layout: int32 `[G, K, S]`, see
                 `attention.causal_mask`.
 
