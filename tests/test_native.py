@@ -382,11 +382,13 @@ def float32_kernel():
     native.set_float32_kernel(True)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12])
 @pytest.mark.parametrize("k, n", [(64, 2304), (515, 300), (37, 19), (16, 50257)])
 def test_float32_kernel_matches_float64_numpy(rows, k, n):
-    # (515, 300): two column blocks, the last one narrow, and K split four ways with a partial last chunk;
-    # (16, 50257): many blocks and a masked tail; (37, 19): a single narrow block.
+    # Up to 8 rows, the streaming path: (64, 2304) two column spans; (515, 300) one span, K split eight
+    # ways with a partial last group of weight rows, and a masked tail; (16, 50257) eight spans; (37, 19)
+    # one whole vector and a tail. 12 rows, the tiles: (515, 300) two column blocks, the last one
+    # narrow, K split four ways with a partial last chunk; (16, 50257) many blocks and a masked tail.
     rng = np.random.default_rng(rows * 7 + k)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)

@@ -6,8 +6,9 @@
 // memory. Three targets:
 //
 // "xlagen_f32_matmul": float32 W as XLA stores it (row-major [K, N]), no copy and no packing. XLA's own dot
-// streams a decoding step's weights more slowly than the cores can read them; this kernel reads each
-// weight row in 1 KB runs with software prefetching (see RunF32Units).
+// streams a decoding step's weights more slowly than the cores can read them; this kernel reads, for up
+// to eight rows of x (every product xlagen sends it), long runs of eight weight rows side by side (see
+// RunF32Stream), and for more rows each weight row in 1 KB runs with software prefetching (RunF32Units).
 //
 // "xlagen_bf16_matmul": W stored as bfloat16 in a packed panel layout. XLA's own dot upcasts bfloat16
 // weights to a float32 copy before multiplying, which reads more than float32 weights do; this kernel
@@ -200,6 +201,7 @@ struct F32Product {
   float* y;
   float* partial;  // [splits - 1, M, N]: the sums of splits 1.. (split 0 writes y)
   int m, k, n, blocks, split_rows;
+  int span;  // one row of x: output columns per unit (RunF32Stream)
 };
 
 // acc[R rows][V vectors] += x[r0.., k0..k0+rows) @ w[k0.., 16 v0 .. 16 (v0 + V)) on a full block; y holds
@@ -300,6 +302,89 @@ void RunF32Units(const void* args, int u0, int u1) {
         }
       }
     }
+  }
+}
+
+// Up to eight rows of x (greedy decoding, beams, batches up to 8): each unit streams its rows of w
+// over `span` columns (the whole row when N <= kMinSpan), eight rows at a time, each row a long
+// sequential run, and keeps its slice of y in L1. The tiles above read 1 KB runs of 32 rows instead; in
+// a phase where this VM's memory was slow, those scattered runs read a step's weights 1.3-1.9x more
+// slowly than these streams (1.2-1.7x at 1 to 8 rows; `benchmarks/kernel_variants.py`,
+// docs/performance.md). The sums are in the same order: weight row by weight row.
+constexpr int kStreamRows = 8;    // weight rows read side by side
+constexpr int kMinSpan = 1024;    // columns per unit at least, unless N is smaller
+constexpr int kMaxStreamM = 8;    // rows of x up to which products take this path
+
+template <int R>
+void StreamUnits(const F32Product& a, int u0, int u1) {
+  for (int u = u0; u < u1; ++u) {
+    const int block = u % a.blocks, split = u / a.blocks;
+    const int c0 = block * a.span;
+    const int width = a.n - c0 < a.span ? a.n - c0 : a.span;
+    const int k_begin = split * a.split_rows;
+    const int k_end = a.k < k_begin + a.split_rows ? a.k : k_begin + a.split_rows;
+    float* out = (split == 0 ? a.y : a.partial + static_cast<size_t>(split - 1) * a.m * a.n) + c0;
+    const int whole = width / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (width - whole)) - 1);
+    for (int k0 = k_begin; k0 < k_end; k0 += kStreamRows) {
+      // Rows past k_end repeat row k0 (already in L1) with a zero x.
+      const int rows = k_end - k0 < kStreamRows ? k_end - k0 : kStreamRows;
+      const float* w[kStreamRows];
+      __m512 x[kStreamRows][R];
+      for (int s = 0; s < kStreamRows; ++s) {
+        w[s] = a.w + static_cast<size_t>(s < rows ? k0 + s : k0) * a.n + c0;
+        for (int r = 0; r < R; ++r) x[s][r] = _mm512_set1_ps(s < rows ? a.x[static_cast<size_t>(r) * a.k + k0 + s] : 0.0f);
+      }
+      const bool first = k0 == k_begin;
+      int j = 0;
+      for (; j + 32 <= whole; j += 32) {
+        __m512 acc[R][2];
+        for (int r = 0; r < R; ++r) {
+          const float* y = out + static_cast<size_t>(r) * a.n + j;
+          acc[r][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y);
+          acc[r][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + 16);
+        }
+        for (int s = 0; s < kStreamRows; ++s) {
+          const __m512 w0 = _mm512_loadu_ps(w[s] + j), w1 = _mm512_loadu_ps(w[s] + j + 16);
+          for (int r = 0; r < R; ++r) {
+            acc[r][0] = _mm512_fmadd_ps(x[s][r], w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(x[s][r], w1, acc[r][1]);
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          float* y = out + static_cast<size_t>(r) * a.n + j;
+          _mm512_storeu_ps(y, acc[r][0]);
+          _mm512_storeu_ps(y + 16, acc[r][1]);
+        }
+      }
+      for (; j < width; j += 16) {  // at most one whole vector, then the masked tail
+        const __mmask16 mask = j + 16 <= width ? static_cast<__mmask16>(0xFFFF) : tail;
+        __m512 acc[R];
+        for (int r = 0; r < R; ++r) {
+          acc[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, out + static_cast<size_t>(r) * a.n + j);
+        }
+        for (int s = 0; s < kStreamRows; ++s) {
+          const __m512 w0 = _mm512_maskz_loadu_ps(mask, w[s] + j);
+          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(x[s][r], w0, acc[r]);
+        }
+        for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + static_cast<size_t>(r) * a.n + j, mask, acc[r]);
+      }
+    }
+  }
+}
+
+void RunF32Stream(const void* args, int u0, int u1) {
+  const F32Product& a = *static_cast<const F32Product*>(args);
+  switch (a.m) {
+    case 1: StreamUnits<1>(a, u0, u1); break;
+    case 2: StreamUnits<2>(a, u0, u1); break;
+    case 3: StreamUnits<3>(a, u0, u1); break;
+    case 4: StreamUnits<4>(a, u0, u1); break;
+    case 5: StreamUnits<5>(a, u0, u1); break;
+    case 6: StreamUnits<6>(a, u0, u1); break;
+    case 7: StreamUnits<7>(a, u0, u1); break;
+    case 8: StreamUnits<8>(a, u0, u1); break;
+    default: std::abort();  // xlagen_f32_matmul sends at most kMaxStreamM rows here
   }
 }
 
@@ -623,24 +708,33 @@ extern "C" void xlagen_int8_matmul(void* out, const void** in, const char* opaqu
 extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* /*status*/) {
   F32Product a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<float*>(out),
-               nullptr, 0, 0, 0, 0, 0};
+               nullptr, 0, 0, 0, 0, 0, 0};
   ParseShape(opaque, opaque_len, &a.m, &a.k, &a.n);
   Pool& pool = GetPool();
-  a.blocks = (a.n + kBlock - 1) / kBlock;
   // Enough units for every thread to take several, but at least 64 weight rows per split.
   const int wanted = 4 * pool.threads();
+  const bool stream = a.m <= kMaxStreamM;
+  if (stream) {  // column spans of at least kMinSpan, of equal width
+    int spans = a.n / kMinSpan;
+    spans = spans < 1 ? 1 : (spans > wanted ? wanted : spans);
+    a.span = ((a.n + spans - 1) / spans + 15) / 16 * 16;
+    a.blocks = (a.n + a.span - 1) / a.span;
+  } else {
+    a.blocks = (a.n + kBlock - 1) / kBlock;
+  }
   int splits = (wanted + a.blocks - 1) / a.blocks;
   const int most = a.k / 64 > 1 ? a.k / 64 : 1;
   splits = splits < most ? splits : most;
+  const int step = stream ? kStreamRows : kChunk;
   a.split_rows = (a.k + splits - 1) / splits;
-  a.split_rows = (a.split_rows + kChunk - 1) / kChunk * kChunk;
+  a.split_rows = (a.split_rows + step - 1) / step * step;
   splits = (a.k + a.split_rows - 1) / a.split_rows;
   thread_local std::vector<float> partial;
   if (splits > 1) {
     partial.resize(static_cast<size_t>(splits - 1) * a.m * a.n);
     a.partial = partial.data();
   }
-  pool.Run(Task{&a, RunF32Units, a.blocks * splits});
+  pool.Run(Task{&a, stream ? RunF32Stream : RunF32Units, a.blocks * splits});
   const size_t size = static_cast<size_t>(a.m) * a.n;
   for (int s = 1; s < splits; ++s) {
     const float* p = a.partial + static_cast<size_t>(s - 1) * size;
