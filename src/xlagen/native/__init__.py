@@ -4,8 +4,9 @@ A decoding step reads every weight once, so its time is the time to stream the w
 xlagen brings its own product for the few rows of a decoding step, in three forms:
 
 - float32 weights as XLA stores them (`matmul_float32`): XLA's CPU dot streams a decoding step's
-  weights more slowly than the cores can read them (GPT-2-small greedy, batch 1: the whole step is
-  1.09-1.16x faster with this kernel; docs/performance.md). Used automatically for the products inside
+  weights more slowly than the cores can read them; this kernel streams long runs of weight rows
+  (GPT-2-small greedy, batch 1: the whole step is 1.09-1.16x faster than with XLA's dot in
+  `benchmarks/ab.py --compare kernel` runs; docs/performance.md). Used automatically for the products inside
   a compiled decoding loop with at most `FLOAT32_MAX_ROWS` rows, when the machine can run the kernel;
   elsewhere, and with `XLAGEN_FLOAT32_KERNEL=0`, XLA's own dot. Only the summation order differs.
 - bfloat16 weights (`matmul`, `pack_bfloat16`): XLA's CPU dot does not read bfloat16 weights directly
