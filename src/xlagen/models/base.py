@@ -11,7 +11,7 @@ from typing import NamedTuple
 from keras import ops
 
 from xlagen import cache as cache_lib
-from xlagen.layers.attention import causal_mask
+from xlagen.layers.attention import causal_mask, padding_mask
 from xlagen.layers.block import run_blocks
 from xlagen.models.training import unpack_inputs
 
@@ -96,6 +96,10 @@ class EncoderContext(NamedTuple):
 
     memory: tuple
     mask: object
+
+    def key_mask(self):
+        """The cross-attention's mask, bool `[B, 1, 1, L]` (`attention.padding_mask`), or None without one."""
+        return None if isinstance(self.mask, tuple) else padding_mask(self.mask)
 
 
 def decoder_start_prompt(batch, default_start, decoder_start_token_id=None, decoder_input_ids=None,

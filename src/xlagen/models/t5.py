@@ -300,7 +300,7 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         num_tokens = token_ids.shape[1]
         queries = ops.cast(start, "int32") + ops.arange(num_tokens, dtype="int32")
         bias = self.decoder_position_bias.bias(queries, ops.arange(ops.shape(attention_mask)[1], dtype="int32"))
-        mask, cross_mask = causal_mask(attention_mask, start, num_tokens, slots), padding_mask(context.mask)
+        mask, cross_mask = causal_mask(attention_mask, start, num_tokens, slots), context.key_mask()
         x = self.dropout(self.token_embedding(token_ids), training=training)
         cross = [CrossInputs(memory, cross_mask) for memory in context.memory]
         x, new_cache = run_blocks(self.decoder_blocks, x, mask, cache, cache_index, training, bias, cross)

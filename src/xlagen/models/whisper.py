@@ -21,7 +21,7 @@ import keras
 from keras import ops
 
 from xlagen import cache as cache_lib
-from xlagen.layers.attention import causal_mask, padding_mask
+from xlagen.layers.attention import causal_mask
 from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock, run_blocks
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
@@ -251,8 +251,7 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         """The decoder and the tied output projection on `token_ids` `[B, T]` at `positions` `[B, T]`."""
         x = self.token_embedding(token_ids) + self.position_embedding(positions)
         x = self.dropout(x, training=training)
-        cross_mask = None if isinstance(context.mask, tuple) else padding_mask(context.mask)
-        cross = [CrossInputs(memory, cross_mask) for memory in context.memory]
+        cross = [CrossInputs(memory, context.key_mask()) for memory in context.memory]
         x, new_cache = run_blocks(self.decoder_blocks, x, mask, cache, cache_index, training, cross=cross)
         x = self.decoder_final_norm(x[:, -1:] if last_only else x)
         return ops.cast(self.token_embedding.attend(x), "float32"), new_cache
