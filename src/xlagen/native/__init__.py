@@ -55,8 +55,10 @@ PANEL = 32  # output columns per packed bfloat16 panel (matmul.cc's kPanel)
 INT8_PANEL = 64  # output columns per int8 panel (matmul.cc's kInt8Panel)
 WEIGHT_DTYPES = ("bfloat16", "int8")  # what `pack_tensor` packs
 MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders) unpack and use XLA's dot
-# Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams). At 8 rows the
-# kernel and XLA's dot are on a par (the product approaches compute-bound); above, XLA's dot.
+# Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams). Set when the
+# kernel's tiles and XLA's dot were on a par at 8 rows (the product approaches compute-bound); the
+# streamed rows that replaced the tiles up to 8 rows have not been compared with XLA's dot above it
+# (docs/performance.md, "Next steps").
 FLOAT32_MAX_ROWS = 8
 # Two limits that kept some decoding products on XLA's dot, both off by default since every product on
 # the kernel measured faster or even in in-process A/B runs (T5-small greedy 1.26-1.35x, GPT-2-small,

@@ -201,7 +201,7 @@ struct F32Product {
   float* y;
   float* partial;  // [splits - 1, M, N]: the sums of splits 1.. (split 0 writes y)
   int m, k, n, blocks, split_rows;
-  int span;  // one row of x: output columns per unit (RunF32Stream)
+  int span;  // up to kMaxStreamM rows of x: output columns per unit (RunF32Stream)
 };
 
 // acc[R rows][V vectors] += x[r0.., k0..k0+rows) @ w[k0.., 16 v0 .. 16 (v0 + V)) on a full block; y holds
