@@ -18,6 +18,9 @@ call by call in alternation.
   cross-attention  Whisper's decoder cross-attention (keys given transposed) with XLA's ops (A) against the
                  fused kernel (B, the default); the encoder's attention is the kernel in both.
 
+--max-rows N sets `xlagen.native.FLOAT32_MAX_ROWS` for both programs: with --compare kernel at beam 2 and
+batch 8 (16 rows), the kernel against XLA's dot above the library's limit.
+
 Prints the median ms/token of each and their ratio (A / B: above 1, B is faster), and checks that both
 programs generate the same tokens. Random weights of the bench's shapes (`xlagen bench` model names),
 8-token prompts, TensorFlow on --threads threads.
@@ -78,6 +81,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--calls", type=int, default=9, help="timed calls of each program")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--max-rows", type=int, default=None,
+                        help="xlagen.native.FLOAT32_MAX_ROWS for both programs (default: the library's)")
     args = parser.parse_args()
 
     import numpy as np
@@ -85,6 +90,10 @@ def main() -> None:
     from xlagen.cli import bench
 
     bench.configure_threads(args.threads)
+    if args.max_rows is not None:
+        from xlagen import native
+
+        native.FLOAT32_MAX_ROWS = args.max_rows
     system = bench.XlagenSystem()
     model = system.build(args.model, "float32")
     scenario = bench.Scenario(args.model, args.strategy, args.batch_size, args.new_tokens, "xla")

@@ -210,7 +210,8 @@ def _assert_same_generation(packed, reference, inputs: dict, **options):
 
 
 @pytest.mark.parametrize("weight_dtype", list(FORMATS))
-@pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3}])
+@pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3},
+                                     {"max_new_tokens": 6, "num_beams": 6}])
 def test_gpt2_with_packed_weights_generates_as_float32_with_rounded_weights(gpt2_checkpoint, options,
                                                                           weight_dtype):
     from xlagen import TFAutoModelForCausalLM
@@ -382,13 +383,14 @@ def float32_kernel():
     native.set_float32_kernel(True)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 16, 20])
 @pytest.mark.parametrize("k, n", [(64, 2304), (515, 300), (37, 19), (16, 50257)])
 def test_float32_kernel_matches_float64_numpy(rows, k, n):
-    # Up to 8 rows, the streaming path: (64, 2304) two column spans; (515, 300) one span, K split eight
-    # ways with a partial last group of weight rows, and a masked tail; (16, 50257) eight spans; (37, 19)
-    # one whole vector and a tail. 12 rows, the tiles: (515, 300) two column blocks, the last one
-    # narrow, K split four ways with a partial last chunk; (16, 50257) many blocks and a masked tail.
+    # Up to 16 rows, the streaming path (above 8 rows, a second block of rows over the same weight vectors):
+    # (64, 2304) two column spans; (515, 300) one span, K split eight ways with a partial last group of
+    # weight rows, and a masked tail; (16, 50257) eight spans; (37, 19) one whole vector and a tail. 20
+    # rows, the tiles: (515, 300) two column blocks, the last one narrow, K split four ways with a partial
+    # last chunk; (16, 50257) many blocks and a masked tail.
     rng = np.random.default_rng(rows * 7 + k)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -412,7 +414,8 @@ def _assert_kernel_changes_nothing(model, inputs: dict, **options):
     assert native.FLOAT32_TARGET not in hlo_without
 
 
-@pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3}])
+@pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3},
+                                     {"max_new_tokens": 6, "num_beams": 6}])
 def test_gpt2_generates_the_same_with_the_float32_kernel(gpt2_model, float32_kernel, options):
     ids = random_ids((2, 7), 300, seed=3)
     mask = np.ones_like(ids)
@@ -434,10 +437,10 @@ def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model, float32_k
 
     # A forward pass (prefill, training, predict) is not a decoding loop: XLA's own dot.
     assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model(ids).logits, ids)
-    # 3 rows x 3 beams = 9 rows per product, above FLOAT32_MAX_ROWS.
-    assert native.FLOAT32_MAX_ROWS < 9
-    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=3), ids)
-    assert native.FLOAT32_TARGET in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=2), ids)
+    # 3 rows x 6 beams = 18 rows per product, above FLOAT32_MAX_ROWS; x 5 beams = 15, within it.
+    assert 15 <= native.FLOAT32_MAX_ROWS < 18
+    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=6), ids)
+    assert native.FLOAT32_TARGET in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=5), ids)
     with native.portable():
         assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
     float32_kernel(False)

@@ -55,11 +55,11 @@ PANEL = 32  # output columns per packed bfloat16 panel (matmul.cc's kPanel)
 INT8_PANEL = 64  # output columns per int8 panel (matmul.cc's kInt8Panel)
 WEIGHT_DTYPES = ("bfloat16", "int8")  # what `pack_tensor` packs
 MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders) unpack and use XLA's dot
-# Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams). Set when the
-# kernel's tiles and XLA's dot were on a par at 8 rows (the product approaches compute-bound); the
-# streamed rows that replaced the tiles up to 8 rows have not been compared with XLA's dot above it
-# (docs/performance.md, "Next steps").
-FLOAT32_MAX_ROWS = 8
+# Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams): 16 covers 2 beams
+# over a batch of 8. At 16 rows the product is close to compute-bound; the kernel's streams still made the
+# whole of `generate` 1.12-1.20x faster than XLA's dot there (GPT-2, OPT, T5, Whisper, beam 2 at batch 8;
+# `benchmarks/ab.py --compare kernel --max-rows 16`, docs/performance.md). Above it XLA's dot.
+FLOAT32_MAX_ROWS = 16
 # Two limits that kept some decoding products on XLA's dot, both off by default since every product on
 # the kernel measured faster or even in in-process A/B runs (T5-small greedy 1.26-1.35x, GPT-2-small,
 # OPT-125m and Whisper-tiny 1.00-1.08x; docs/performance.md); `benchmarks/ab.py --compare rules` measures

@@ -7,7 +7,7 @@
 //
 // "xlagen_f32_matmul": float32 W as XLA stores it (row-major [K, N]), no copy and no packing. XLA's own dot
 // streams a decoding step's weights more slowly than the cores can read them; this kernel reads, for up
-// to eight rows of x (every product xlagen sends it), long runs of eight weight rows side by side (see
+// to sixteen rows of x (every product xlagen sends it), long runs of eight weight rows side by side (see
 // RunF32Stream), and for more rows each weight row in 1 KB runs with software prefetching (RunF32Units).
 //
 // "xlagen_bf16_matmul": W stored as bfloat16 in a packed panel layout. XLA's own dot upcasts bfloat16
@@ -180,7 +180,8 @@ void RunInt8Panels(const void* args, int p0, int p1) {
   }
 }
 
-// The float32 product reads W [K, N] as XLA stores it (row-major), with no packing. A unit of work is a
+// The float32 product for more than kMaxStreamM rows (the streams below take fewer) reads W [K, N] as XLA
+// stores it (row-major), with no packing. A unit of work is a
 // block of 256 output columns (1 KB of each weight row: shorter runs stream at half the rate here) over a
 // range of K. The range is walked in chunks of 32 weight rows (32 KB, which stay in this CPU's 48 KB L1);
 // every row of x is multiplied by a chunk, in register tiles (F32Tile), before the next chunk is read, so
@@ -305,18 +306,65 @@ void RunF32Units(const void* args, int u0, int u1) {
   }
 }
 
-// Up to eight rows of x (greedy decoding, beams, batches up to 8): each unit streams its rows of w
-// over `span` columns (the whole row when N <= kMinSpan), eight rows at a time, each row a long
-// sequential run, and keeps its slice of y in L1. The tiles above read 1 KB runs of 32 rows instead; in
-// a phase where this VM's memory was slow, those scattered runs read a step's weights 1.3-1.9x more
+// Up to sixteen rows of x (greedy decoding, beams, batches; beam 2 over a batch of 8): each unit streams
+// its rows of w over `span` columns (the whole row when N <= kMinSpan), eight rows at a time, each row a
+// long sequential run, and keeps its slice of y in L1. The tiles above read 1 KB runs of 32 rows instead;
+// in a phase where this VM's memory was slow, those scattered runs read a step's weights 1.3-1.9x more
 // slowly than these streams (1.2-1.7x at 1 to 8 rows; `benchmarks/kernel_variants.py`,
 // docs/performance.md). The sums are in the same order: weight row by weight row.
 constexpr int kStreamRows = 8;    // weight rows read side by side
 constexpr int kMinSpan = 1024;    // columns per unit at least, unless N is smaller
-constexpr int kMaxStreamM = 8;    // rows of x up to which products take this path
+constexpr int kMaxStreamM = 16;   // rows of x up to which products take this path
+constexpr int kBlockM = 8;        // rows of x whose sums share a pass over the weight vectors
+// From this many rows of x, the multiply-adds take long enough per weight line that the hardware's own
+// prefetching leaves the loads waiting (memory and arithmetic took the sum of their times, not the larger):
+// each pass asks for the next group's same columns, kStreamRows rows down. At 8 rows this read GPT-2's
+// products 1.14-1.45x faster; at 1 to 6 rows it was no faster or slower (docs/performance.md).
+constexpr int kPrefetchM = 8;
+
+// Rows r0 .. r0 + RB of y, V vectors of columns from j (V = 1: one vector under `mask`): the running sums
+// (zero when first is set) plus the weight rows w[s] times x[s * stride + r]. x is read inside each
+// multiply-add ({1to16} broadcasts on the load ports; the caller hides it from the optimizer, which would
+// otherwise hoist the values into registers and broadcast them with shuffles on the FMA pipes).
+template <int RB, int V>
+__attribute__((always_inline)) inline void StreamVectors(const float* const* w, const float* x, int stride, int r0,
+                                                         float* out, int n, int j, bool first, __mmask16 mask,
+                                                         size_t ahead) {
+  __m512 acc[RB][V];
+  for (int r = 0; r < RB; ++r) {
+    const float* y = out + static_cast<size_t>(r0 + r) * n + j;
+    for (int v = 0; v < V; ++v) {
+      acc[r][v] = first ? _mm512_setzero_ps() : (V == 1 ? _mm512_maskz_loadu_ps(mask, y) : _mm512_loadu_ps(y + 16 * v));
+    }
+  }
+  for (int s = 0; s < kStreamRows; ++s) {
+    __m512 wv[V];
+    for (int v = 0; v < V; ++v) {
+      if (ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(w[s] + ahead + j + 16 * v), _MM_HINT_T0);
+      wv[v] = V == 1 ? _mm512_maskz_loadu_ps(mask, w[s] + j) : _mm512_loadu_ps(w[s] + j + 16 * v);
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m512 xv = _mm512_set1_ps(x[s * stride + r0 + r]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    float* y = out + static_cast<size_t>(r0 + r) * n + j;
+    for (int v = 0; v < V; ++v) {
+      if (V == 1) {
+        _mm512_mask_storeu_ps(y, mask, acc[r][v]);
+      } else {
+        _mm512_storeu_ps(y + 16 * v, acc[r][v]);
+      }
+    }
+  }
+}
 
 template <int R>
 void StreamUnits(const F32Product& a, int u0, int u1) {
+  // Eight rows' sums over two vectors of columns fill 16 registers; rows beyond 8 take the same weight
+  // vectors again, from L1.
+  constexpr int kFirst = R < kBlockM ? R : kBlockM;
   for (int u = u0; u < u1; ++u) {
     const int block = u % a.blocks, split = u / a.blocks;
     const int c0 = block * a.span;
@@ -330,44 +378,27 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
       // Rows past k_end repeat row k0 (already in L1) with a zero x.
       const int rows = k_end - k0 < kStreamRows ? k_end - k0 : kStreamRows;
       const float* w[kStreamRows];
-      __m512 x[kStreamRows][R];
+      float xs[kStreamRows * R];
       for (int s = 0; s < kStreamRows; ++s) {
         w[s] = a.w + static_cast<size_t>(s < rows ? k0 + s : k0) * a.n + c0;
-        for (int r = 0; r < R; ++r) x[s][r] = _mm512_set1_ps(s < rows ? a.x[static_cast<size_t>(r) * a.k + k0 + s] : 0.0f);
+        for (int r = 0; r < R; ++r) xs[s * R + r] = s < rows ? a.x[static_cast<size_t>(r) * a.k + k0 + s] : 0.0f;
       }
       const bool first = k0 == k_begin;
+      // The next group of this unit's weight rows, if any (a prefetch never faults, but would waste a read).
+      const size_t ahead = R >= kPrefetchM && k0 + 2 * kStreamRows <= k_end ? size_t{kStreamRows} * a.n : 0;
       int j = 0;
       for (; j + 32 <= whole; j += 32) {
-        __m512 acc[R][2];
-        for (int r = 0; r < R; ++r) {
-          const float* y = out + static_cast<size_t>(r) * a.n + j;
-          acc[r][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y);
-          acc[r][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + 16);
-        }
-        for (int s = 0; s < kStreamRows; ++s) {
-          const __m512 w0 = _mm512_loadu_ps(w[s] + j), w1 = _mm512_loadu_ps(w[s] + j + 16);
-          for (int r = 0; r < R; ++r) {
-            acc[r][0] = _mm512_fmadd_ps(x[s][r], w0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(x[s][r], w1, acc[r][1]);
-          }
-        }
-        for (int r = 0; r < R; ++r) {
-          float* y = out + static_cast<size_t>(r) * a.n + j;
-          _mm512_storeu_ps(y, acc[r][0]);
-          _mm512_storeu_ps(y + 16, acc[r][1]);
-        }
+        const float* x = xs;
+        asm("" : "+r"(x));
+        StreamVectors<kFirst, 2>(w, x, R, 0, out, a.n, j, first, 0xFFFF, ahead);
+        if constexpr (R > kBlockM) StreamVectors<R - kBlockM, 2>(w, x, R, kBlockM, out, a.n, j, first, 0xFFFF, 0);
       }
       for (; j < width; j += 16) {  // at most one whole vector, then the masked tail
         const __mmask16 mask = j + 16 <= width ? static_cast<__mmask16>(0xFFFF) : tail;
-        __m512 acc[R];
-        for (int r = 0; r < R; ++r) {
-          acc[r] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, out + static_cast<size_t>(r) * a.n + j);
-        }
-        for (int s = 0; s < kStreamRows; ++s) {
-          const __m512 w0 = _mm512_maskz_loadu_ps(mask, w[s] + j);
-          for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(x[s][r], w0, acc[r]);
-        }
-        for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + static_cast<size_t>(r) * a.n + j, mask, acc[r]);
+        const float* x = xs;
+        asm("" : "+r"(x));
+        StreamVectors<kFirst, 1>(w, x, R, 0, out, a.n, j, first, mask, 0);
+        if constexpr (R > kBlockM) StreamVectors<R - kBlockM, 1>(w, x, R, kBlockM, out, a.n, j, first, mask, 0);
       }
     }
   }
@@ -384,6 +415,14 @@ void RunF32Stream(const void* args, int u0, int u1) {
     case 6: StreamUnits<6>(a, u0, u1); break;
     case 7: StreamUnits<7>(a, u0, u1); break;
     case 8: StreamUnits<8>(a, u0, u1); break;
+    case 9: StreamUnits<9>(a, u0, u1); break;
+    case 10: StreamUnits<10>(a, u0, u1); break;
+    case 11: StreamUnits<11>(a, u0, u1); break;
+    case 12: StreamUnits<12>(a, u0, u1); break;
+    case 13: StreamUnits<13>(a, u0, u1); break;
+    case 14: StreamUnits<14>(a, u0, u1); break;
+    case 15: StreamUnits<15>(a, u0, u1); break;
+    case 16: StreamUnits<16>(a, u0, u1); break;
     default: std::abort();  // xlagen_f32_matmul sends at most kMaxStreamM rows here
   }
 }
