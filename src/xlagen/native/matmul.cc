@@ -321,13 +321,20 @@ constexpr int kBlockM = 8;        // rows of x whose sums share a pass over the 
 // each pass asks for the next group's same columns, kStreamRows rows down. At 8 rows this read GPT-2's
 // products 1.14-1.45x faster; at 1 to 6 rows it was no faster or slower (docs/performance.md).
 constexpr int kPrefetchM = 8;
+// Up to this many rows of x, x's eight broadcast vectors per row stay in registers; beyond, they would be
+// spilled, and x is broadcast from memory instead (one row: 0.96-0.99x as fast from memory).
+constexpr int kVectorM = 2;
+
+// x[i] as a vector: already broadcast (few rows: the vectors stay in registers), or broadcast from memory
+// by the multiply-add that uses it ({1to16}, on the load ports; the caller hides x from the optimizer, which
+// would otherwise hoist the values into registers and broadcast them with shuffles on the FMA pipes).
+__attribute__((always_inline)) inline __m512 Lane(const __m512* x, int i) { return x[i]; }
+__attribute__((always_inline)) inline __m512 Lane(const float* x, int i) { return _mm512_set1_ps(x[i]); }
 
 // Rows r0 .. r0 + RB of y, V vectors of columns from j (V = 1: one vector under `mask`): the running sums
-// (zero when first is set) plus the weight rows w[s] times x[s * stride + r]. x is read inside each
-// multiply-add ({1to16} broadcasts on the load ports; the caller hides it from the optimizer, which would
-// otherwise hoist the values into registers and broadcast them with shuffles on the FMA pipes).
-template <int RB, int V>
-__attribute__((always_inline)) inline void StreamVectors(const float* const* w, const float* x, int stride, int r0,
+// (zero when first is set) plus the weight rows w[s] times x[s * stride + r].
+template <int RB, int V, typename X>
+__attribute__((always_inline)) inline void StreamVectors(const float* const* w, const X* x, int stride, int r0,
                                                          float* out, int n, int j, bool first, __mmask16 mask,
                                                          size_t ahead) {
   __m512 acc[RB][V];
@@ -344,7 +351,7 @@ __attribute__((always_inline)) inline void StreamVectors(const float* const* w, 
       wv[v] = V == 1 ? _mm512_maskz_loadu_ps(mask, w[s] + j) : _mm512_loadu_ps(w[s] + j + 16 * v);
     }
     for (int r = 0; r < RB; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[s * stride + r0 + r]);
+      const __m512 xv = Lane(x, s * stride + r0 + r);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
     }
   }
@@ -379,26 +386,38 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
       const int rows = k_end - k0 < kStreamRows ? k_end - k0 : kStreamRows;
       const float* w[kStreamRows];
       float xs[kStreamRows * R];
+      __m512 xv[R <= kVectorM ? kStreamRows * R : 1];
       for (int s = 0; s < kStreamRows; ++s) {
         w[s] = a.w + static_cast<size_t>(s < rows ? k0 + s : k0) * a.n + c0;
         for (int r = 0; r < R; ++r) xs[s * R + r] = s < rows ? a.x[static_cast<size_t>(r) * a.k + k0 + s] : 0.0f;
+      }
+      if constexpr (R <= kVectorM) {
+        for (int i = 0; i < kStreamRows * R; ++i) xv[i] = _mm512_set1_ps(xs[i]);
       }
       const bool first = k0 == k_begin;
       // The next group of this unit's weight rows, if any (a prefetch never faults, but would waste a read).
       const size_t ahead = R >= kPrefetchM && k0 + 2 * kStreamRows <= k_end ? size_t{kStreamRows} * a.n : 0;
       int j = 0;
       for (; j + 32 <= whole; j += 32) {
-        const float* x = xs;
-        asm("" : "+r"(x));
-        StreamVectors<kFirst, 2>(w, x, R, 0, out, a.n, j, first, 0xFFFF, ahead);
-        if constexpr (R > kBlockM) StreamVectors<R - kBlockM, 2>(w, x, R, kBlockM, out, a.n, j, first, 0xFFFF, 0);
+        if constexpr (R <= kVectorM) {
+          StreamVectors<kFirst, 2>(w, xv, R, 0, out, a.n, j, first, 0xFFFF, ahead);
+        } else {
+          const float* x = xs;
+          asm("" : "+r"(x));
+          StreamVectors<kFirst, 2>(w, x, R, 0, out, a.n, j, first, 0xFFFF, ahead);
+          if constexpr (R > kBlockM) StreamVectors<R - kBlockM, 2>(w, x, R, kBlockM, out, a.n, j, first, 0xFFFF, 0);
+        }
       }
       for (; j < width; j += 16) {  // at most one whole vector, then the masked tail
         const __mmask16 mask = j + 16 <= width ? static_cast<__mmask16>(0xFFFF) : tail;
-        const float* x = xs;
-        asm("" : "+r"(x));
-        StreamVectors<kFirst, 1>(w, x, R, 0, out, a.n, j, first, mask, 0);
-        if constexpr (R > kBlockM) StreamVectors<R - kBlockM, 1>(w, x, R, kBlockM, out, a.n, j, first, mask, 0);
+        if constexpr (R <= kVectorM) {
+          StreamVectors<kFirst, 1>(w, xv, R, 0, out, a.n, j, first, mask, 0);
+        } else {
+          const float* x = xs;
+          asm("" : "+r"(x));
+          StreamVectors<kFirst, 1>(w, x, R, 0, out, a.n, j, first, mask, 0);
+          if constexpr (R > kBlockM) StreamVectors<R - kBlockM, 1>(w, x, R, kBlockM, out, a.n, j, first, mask, 0);
+        }
       }
     }
   }
