@@ -308,7 +308,7 @@ void RunF32Units(const void* args, int u0, int u1) {
 
 // Up to sixteen rows of x (greedy decoding, beams, batches; beam 2 over a batch of 8): each unit streams
 // its rows of w over `span` columns (the whole row when N <= kMinSpan), eight rows at a time, each row a
-// long sequential run, and keeps its slice of y in L1. The tiles above read 1 KB runs of 32 rows instead;
+// long sequential run, and keeps its slice of y in L1 (L2 beyond 8 rows). The tiles above read 1 KB runs of 32 rows instead;
 // in a phase where this VM's memory was slow, those scattered runs read a step's weights 1.3-1.9x more
 // slowly than these streams (1.2-1.7x at 1 to 8 rows; `benchmarks/kernel_variants.py`,
 // docs/performance.md). The sums are in the same order: weight row by weight row.
@@ -367,11 +367,28 @@ __attribute__((always_inline)) inline void StreamVectors(const float* const* w, 
   }
 }
 
+// One pass of the unit's group of weight rows over the columns from j, for all R rows of x (V = 2: two
+// whole vectors; V = 1: one vector under `mask`): x's vectors from registers for a few rows, else
+// broadcast from memory (hidden from the optimizer at each pass), eight rows of sums at a time.
+template <int R, int V>
+__attribute__((always_inline)) inline void StreamPass(const float* const* w, const float* xs, const __m512* xv,
+                                                      float* out, int n, int j, bool first, __mmask16 mask,
+                                                      size_t ahead) {
+  constexpr int kFirst = R < kBlockM ? R : kBlockM;
+  if constexpr (R <= kVectorM) {
+    StreamVectors<kFirst, V>(w, xv, R, 0, out, n, j, first, mask, ahead);
+  } else {
+    const float* x = xs;
+    asm("" : "+r"(x));
+    StreamVectors<kFirst, V>(w, x, R, 0, out, n, j, first, mask, ahead);
+    if constexpr (R > kBlockM) StreamVectors<R - kBlockM, V>(w, x, R, kBlockM, out, n, j, first, mask, 0);
+  }
+}
+
 template <int R>
 void StreamUnits(const F32Product& a, int u0, int u1) {
   // Eight rows' sums over two vectors of columns fill 16 registers; rows beyond 8 take the same weight
   // vectors again, from L1.
-  constexpr int kFirst = R < kBlockM ? R : kBlockM;
   for (int u = u0; u < u1; ++u) {
     const int block = u % a.blocks, split = u / a.blocks;
     const int c0 = block * a.span;
@@ -398,26 +415,10 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
       // The next group of this unit's weight rows, if any (a prefetch never faults, but would waste a read).
       const size_t ahead = R >= kPrefetchM && k0 + 2 * kStreamRows <= k_end ? size_t{kStreamRows} * a.n : 0;
       int j = 0;
-      for (; j + 32 <= whole; j += 32) {
-        if constexpr (R <= kVectorM) {
-          StreamVectors<kFirst, 2>(w, xv, R, 0, out, a.n, j, first, 0xFFFF, ahead);
-        } else {
-          const float* x = xs;
-          asm("" : "+r"(x));
-          StreamVectors<kFirst, 2>(w, x, R, 0, out, a.n, j, first, 0xFFFF, ahead);
-          if constexpr (R > kBlockM) StreamVectors<R - kBlockM, 2>(w, x, R, kBlockM, out, a.n, j, first, 0xFFFF, 0);
-        }
-      }
+      for (; j + 32 <= whole; j += 32) StreamPass<R, 2>(w, xs, xv, out, a.n, j, first, 0xFFFF, ahead);
       for (; j < width; j += 16) {  // at most one whole vector, then the masked tail
         const __mmask16 mask = j + 16 <= width ? static_cast<__mmask16>(0xFFFF) : tail;
-        if constexpr (R <= kVectorM) {
-          StreamVectors<kFirst, 1>(w, xv, R, 0, out, a.n, j, first, mask, 0);
-        } else {
-          const float* x = xs;
-          asm("" : "+r"(x));
-          StreamVectors<kFirst, 1>(w, x, R, 0, out, a.n, j, first, mask, 0);
-          if constexpr (R > kBlockM) StreamVectors<R - kBlockM, 1>(w, x, R, kBlockM, out, a.n, j, first, mask, 0);
-        }
+        StreamPass<R, 1>(w, xs, xv, out, a.n, j, first, mask, 0);
       }
     }
   }
