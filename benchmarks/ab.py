@@ -17,6 +17,9 @@ call by call in alternation.
                  the fused native kernel (B, the default; `xlagen.native.ATTENTION_MIN_KEYS`).
   cross-attention  Whisper's decoder cross-attention (keys given transposed) with XLA's ops (A) against the
                  fused kernel (B, the default); the encoder's attention is the kernel in both.
+  lookahead      the kernel's idle workers reading nothing ahead (A) against the start of the next
+                 product's weights (B, the default; `xlagen.native.set_lookahead`). One program: the choice
+                 is made at run time, before each call.
 
 --max-rows N sets `xlagen.native.FLOAT32_MAX_ROWS` for both programs: with --compare kernel at beam 2 and
 batch 8 (16 rows), the kernel against XLA's dot above the library's limit.
@@ -33,6 +36,9 @@ import json
 import statistics
 
 
+RUN_TIME = {"lookahead"}  # choices made before each call rather than at the trace
+
+
 def _choices(compare: str):
     """{name: function that sets the choice before a trace}, A first; the last one is left in force."""
     from xlagen import native
@@ -41,6 +47,7 @@ def _choices(compare: str):
     cap, floor_bytes, min_keys = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES, native.ATTENTION_MIN_KEYS
     use_attention = native.use_attention_kernel
     former_cap, former_floor = 16384, 2 * 2**20  # the limits in force before every product went on the kernel
+    lookahead = native.lookahead_kib() if compare == "lookahead" else 0  # the default in force
 
     def columns(value):
         native.FLOAT32_MAX_COLUMNS = value
@@ -67,14 +74,16 @@ def _choices(compare: str):
         "shared-traces": {"block_by_block": lambda: share(False), "shared": lambda: share(True)},
         "attention": {"xla_attention": lambda: keys(2**62), "fused_attention": lambda: keys(min_keys)},
         "cross-attention": {"xla_cross_attention": lambda: cross(False), "fused_cross_attention": lambda: cross(True)},
+        "lookahead": {"no_lookahead": lambda: native.set_lookahead(0),
+                      "lookahead": lambda: native.set_lookahead(lookahead)},
     }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True),
                           keys(min_keys), cross(True)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compare", default="kernel",
-                        choices=["kernel", "heads", "rules", "shared-traces", "attention", "cross-attention"])
+    parser.add_argument("--compare", default="kernel", choices=["kernel", "heads", "rules", "shared-traces",
+                                                                "attention", "cross-attention", "lookahead"])
     parser.add_argument("--model", default="gpt2", help="an `xlagen bench` model: gpt2, opt, t5, whisper")
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
     parser.add_argument("--batch-size", type=int, default=1)
@@ -98,22 +107,31 @@ def main() -> None:
     model = system.build(args.model, "float32")
     scenario = bench.Scenario(args.model, args.strategy, args.batch_size, args.new_tokens, "xla")
     choices, restore = _choices(args.compare)
+    at_run_time = args.compare in RUN_TIME
     programs, tokens = {}, {}
     for name, choose in choices.items():
         choose()  # read while tracing: each program keeps its choice
-        function, inputs, options = bench.prepare(system, model, scenario)
-        bench._timed(function, inputs, options, args.new_tokens)  # trace + compile
-        programs[name] = (function, inputs, options)
+        if at_run_time and programs:  # one program, run under each choice
+            programs[name] = next(iter(programs.values()))
+        else:
+            programs[name] = bench.prepare(system, model, scenario)
+        function, inputs, options = programs[name]
+        bench._timed(function, inputs, options, args.new_tokens)  # trace + compile (or warm up)
         model_inputs = {k: v for k, v in inputs.items() if k != "_prefix"}
         tokens[name] = np.asarray(function(**model_inputs, **dict(options, max_new_tokens=args.new_tokens)))
-    restore()
+    if not at_run_time:
+        restore()
     times = {name: [] for name in programs}
     for index in range(args.calls):
         for name in list(programs)[::-1 if index % 2 else 1]:
+            if at_run_time:
+                choices[name]()
             function, inputs, options = programs[name]
             times[name].append(1000.0 * bench._timed(function, inputs, options, args.new_tokens) / args.new_tokens)
     medians = {name: statistics.median(values) for name, values in times.items()}
     a, b = list(medians)
+    if at_run_time:
+        restore()
     print(json.dumps({"compare": args.compare, "scenario": scenario.label(),
                       "same_tokens": bool(np.array_equal(*tokens.values())),
                       "ms_per_token": {k: round(v, 2) for k, v in medians.items()},

@@ -558,3 +558,102 @@ def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla(flo
     float32_kernel(False)
     tf.function(traced, jit_compile=True)()
     assert not any(seen.values())
+
+
+# ----------------------------------------------------------------------------- reading ahead
+
+
+@pytest.fixture
+def lookahead():
+    """`native.set_lookahead`, restored to the default in force afterwards."""
+    default = native.lookahead_kib()
+    yield native.set_lookahead
+    native.set_lookahead(default)
+
+
+def _chain(weights):
+    """A compiled program of products in sequence, each on the previous result (1 row, then 3)."""
+    constants = [tf.constant(w) for w in weights]
+
+    def chain(x):
+        outputs = []
+        for w in constants:
+            x = native.matmul_float32(x, w)
+            outputs.append(x)
+            x = tf.tanh(x[..., :w.shape[1]])
+        return outputs
+
+    return tf.function(chain, jit_compile=True)
+
+
+def _chain_reference(x, weights):
+    outputs = []
+    for w in weights:
+        x = x @ w
+        outputs.append(x)
+        x = np.tanh(x)
+    return outputs
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_lookahead_predicts_a_repeated_sequence_and_changes_no_result(lookahead, rows):
+    # Products of one span (K split eight ways), of several spans, a narrow one and, at 20 rows, the tiles:
+    # the workers read ahead the product that followed last time; the sums are the same in any case.
+    lookahead(768)
+    assert native.lookahead_kib() == (768 if os.cpu_count() > 1 else 0)
+    rng = np.random.default_rng(rows)
+    shapes = [(300, 700), (700, 2304), (2304, 40), (40, 300)]
+    weights = [(rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32) for shape in shapes]
+    x = rng.standard_normal((rows, 300)).astype(np.float32)
+    program = _chain(weights)
+    expected = _chain_reference(x.astype(np.float64), [w.astype(np.float64) for w in weights])
+    before = native.lookahead_counts()
+    for _ in range(3):
+        for result, reference in zip(program(x), expected):
+            np.testing.assert_allclose(result.numpy(), reference, rtol=1e-4, atol=1e-4)
+    after = native.lookahead_counts()
+    calls = after["calls"] - before["calls"]
+    assert calls == 12
+    # The second run knows every successor but the first product's (the fourth's successor is learned when
+    # the second run starts); the third knows all four.
+    assert after["predicted"] - before["predicted"] >= 7
+    if os.cpu_count() > 1:
+        assert after["bytes_read_ahead"] > before["bytes_read_ahead"]
+
+
+def test_lookahead_off_reads_nothing_ahead_and_a_new_order_is_still_right(lookahead):
+    rng = np.random.default_rng(5)
+    shapes = [(256, 512), (512, 1024), (1024, 256)]
+    weights = [(rng.standard_normal(shape) / np.sqrt(shape[0])).astype(np.float32) for shape in shapes]
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    program = _chain(weights)
+    expected = _chain_reference(x.astype(np.float64), [w.astype(np.float64) for w in weights])
+    lookahead(0)
+    assert native.lookahead_kib() == 0
+    program(x)
+    before = native.lookahead_counts()
+    for _ in range(2):
+        for result, reference in zip(program(x), expected):
+            np.testing.assert_allclose(result.numpy(), reference, rtol=1e-4, atol=1e-4)
+    assert native.lookahead_counts()["bytes_read_ahead"] == before["bytes_read_ahead"]
+    # On again: the same weights in another program and another order (every guess from the first program
+    # is wrong at first) give the same products.
+    lookahead(768)
+    order = [2, 0, 1]
+    reordered = _chain([weights[i] for i in order])
+    y = rng.standard_normal((2, shapes[order[0]][0])).astype(np.float32)
+    expected = _chain_reference(y.astype(np.float64), [weights[i].astype(np.float64) for i in order])
+    for _ in range(3):
+        for result, reference in zip(reordered(y), expected):
+            np.testing.assert_allclose(result.numpy(), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_float32_kernel_refuses_other_dtypes():
+    w = tf.constant(np.ones((8, 4)))  # float64
+    with pytest.raises(TypeError, match="float64"):
+        native.matmul_float32(tf.ones((1, 8)), w)
+
+
+def test_set_lookahead_refuses_negative_sizes():
+    with pytest.raises(ValueError, match=">= 0"):
+        native.set_lookahead(-1)

@@ -310,6 +310,49 @@ def set_float32_kernel(enabled: bool) -> None:
     _float32_enabled = bool(enabled)
 
 
+def set_lookahead(kib: int) -> None:
+    """Sets how many KiB of the next product's float32 weights each idle kernel worker reads ahead while XLA
+    runs the step's other operations (0 turns it off), for the calls from now on. The next product is the
+    one that followed the last product the previous time (a decoding step repeats its products in order).
+    The default is XLAGEN_NATIVE_LOOKAHEAD_KB, else 768.
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+    """
+    if kib < 0:
+        raise ValueError(f"kib must be >= 0, got {kib}")
+    library = load()
+    library.xlagen_set_lookahead.argtypes = [ctypes.c_long]
+    library.xlagen_set_lookahead(int(kib))
+
+
+def lookahead_kib() -> int:
+    """How many KiB of the next product each idle kernel worker reads ahead (see `set_lookahead`); 0 when
+    the kernels run on one thread, which has no idle worker.
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+    """
+    library = load()
+    library.xlagen_lookahead.restype = ctypes.c_long
+    return int(library.xlagen_lookahead())
+
+
+def lookahead_counts() -> dict[str, int]:
+    """Counters of the float32 kernel's read-ahead since the process started: `calls` (float32 products),
+    `predicted` (calls that were the product expected after the previous one) and `bytes_read_ahead` (by
+    the idle workers).
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+    """
+    library = load()
+    counts = (ctypes.c_long * 3)()
+    library.xlagen_lookahead_counts.argtypes = [ctypes.c_void_p]
+    library.xlagen_lookahead_counts(counts)
+    return {"calls": counts[0], "predicted": counts[1], "bytes_read_ahead": counts[2]}
+
+
 @functools.lru_cache(maxsize=None)
 def _float32_kernel_ready() -> bool:
     """Whether the kernels load here; the first failure is logged once, then XLA's dot is used."""
@@ -348,7 +391,16 @@ def use_float32_kernel(x, kernel) -> bool:
 
 def matmul_float32(x, kernel):
     """`x [..., K] @ kernel [K, N]`, float32, as the native kernel's custom call (call it under XLA only;
-    see `use_float32_kernel`). Computes the same sums as XLA's dot in another order."""
+    see `use_float32_kernel`). Computes the same sums as XLA's dot in another order.
+
+    Raises:
+        TypeError: x or the kernel is not float32 (the kernel would read their bytes as float32).
+    """
+    import tensorflow as tf
+
+    x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
+    if x.dtype != tf.float32 or kernel.dtype != tf.float32:
+        raise TypeError(f"the float32 kernel multiplies float32 by float32; got {x.dtype.name} @ {kernel.dtype.name}")
     load()
     return _custom_call(FLOAT32_TARGET, x, kernel, kernel.shape[-1])
 

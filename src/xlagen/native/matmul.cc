@@ -26,6 +26,9 @@
 // column blocks) between the calling thread and the pool's workers (XLAGEN_NATIVE_THREADS, default: the
 // CPUs this process may use, at most 8).
 //
+// Between two float32 products of a decoding step, while XLA runs the step's other operations, the idle
+// workers read ahead the start of the weights they will take in the next product (see Successors).
+//
 // A fourth target, "xlagen_f32_attention", is not a product of weights: the whole softmax attention of a
 // long encoder (see RunAttention), on the same pool.
 
@@ -45,8 +48,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 struct XlaCustomCallStatus_;
@@ -57,6 +62,9 @@ constexpr int kPanel = 32;  // output columns per panel
 constexpr int kRows = 8;    // rows of x per pass over a panel (2 * kRows accumulators stay in registers)
 constexpr int kMaxDefaultThreads = 8;
 constexpr int kDefaultSpinMicroseconds = 600;
+// Bytes of the next float32 product each idle worker reads ahead, at most: they fill the core's L2 (1 MB
+// here) no more than the gap between two products lets them (XLAGEN_NATIVE_LOOKAHEAD_KB, xlagen_set_lookahead).
+constexpr int kDefaultLookaheadKB = 768;
 
 struct Product {
   const float* x;
@@ -308,10 +316,11 @@ void RunF32Units(const void* args, int u0, int u1) {
 
 // Up to sixteen rows of x (greedy decoding, beams, batches; beam 2 over a batch of 8): each unit streams
 // its rows of w over `span` columns (the whole row when N <= kMinSpan), eight rows at a time, each row a
-// long sequential run, and keeps its slice of y in L1 (L2 beyond 8 rows). The tiles above read 1 KB runs of 32 rows instead;
-// in a phase where this VM's memory was slow, those scattered runs read a step's weights 1.3-1.9x more
-// slowly than these streams (1.2-1.7x at 1 to 8 rows; `benchmarks/kernel_variants.py`,
-// docs/performance.md). The sums are in the same order: weight row by weight row.
+// long sequential run, and keeps its slice of y in L1 (L2 beyond 8 rows). The tiles above read 1 KB runs
+// of 32 rows instead; in a phase where this VM's memory was slow, those scattered runs read a step's
+// weights 1.3-1.9x more slowly than these streams (1.2-1.7x at 1 to 8 rows;
+// `benchmarks/kernel_variants.py`, docs/performance.md). The sums are in the same order: weight row by
+// weight row.
 constexpr int kStreamRows = 8;    // weight rows read side by side
 constexpr int kMinSpan = 1024;    // columns per unit at least, unless N is smaller
 constexpr int kMaxStreamM = 16;   // rows of x up to which products take this path
@@ -447,6 +456,105 @@ void RunF32Stream(const void* args, int u0, int u1) {
   }
 }
 
+// The units of a float32 product (its column spans or blocks, and splits of K) for `threads` threads: enough
+// units for every thread to take several, but at least 64 weight rows per split. Returns the splits.
+int PlanF32(F32Product* a, int threads) {
+  const int wanted = 4 * threads;
+  const bool stream = a->m <= kMaxStreamM;
+  if (stream) {  // column spans of at least kMinSpan, of equal width
+    int spans = a->n / kMinSpan;
+    spans = spans < 1 ? 1 : (spans > wanted ? wanted : spans);
+    a->span = ((a->n + spans - 1) / spans + 15) / 16 * 16;
+    a->blocks = (a->n + a->span - 1) / a->span;
+  } else {
+    a->blocks = (a->n + kBlock - 1) / kBlock;
+  }
+  int splits = (wanted + a->blocks - 1) / a->blocks;
+  const int most = a->k / 64 > 1 ? a->k / 64 : 1;
+  splits = splits < most ? splits : most;
+  const int step = stream ? kStreamRows : kChunk;
+  a->split_rows = (a->k + splits - 1) / splits;
+  a->split_rows = (a->split_rows + step - 1) / step * step;
+  return (a->k + a->split_rows - 1) / a->split_rows;
+}
+
+// The product that comes next, as far as the last calls tell. A decoding step calls the same products in the
+// same order at every step (the weights of a compiled loop keep their buffers), and between two products XLA
+// runs the step's other operations (norms, attention, ...) on the calling thread, while the memory is idle
+// and the pool's workers spin. An idle worker reads ahead the start of the next product's share of the
+// weights that it will take (Pool::Lookahead); a wrong guess costs only the bytes read for nothing.
+class Successors {
+ public:
+  // Records that `current` came after the previous product; returns in *next the product that came after
+  // `current` last time (false when none did).
+  bool Follow(const F32Product& current, F32Product* next) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ++calls_;
+    if (last_ != nullptr) {
+      auto found = next_.find(last_);
+      if (found != next_.end()) {
+        if (found->second.w == current.w) ++predicted_;
+        found->second = current;
+      } else {
+        if (next_.size() >= kMaxProducts) next_.clear();
+        next_.emplace(last_, current);
+      }
+    }
+    last_ = current.w;
+    const auto found = next_.find(current.w);
+    if (found == next_.end()) return false;
+    *next = found->second;
+    return true;
+  }
+
+  // [calls, calls that were the product predicted after the previous one]
+  void Count(long* out) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    out[0] = calls_;
+    out[1] = predicted_;
+  }
+
+ private:
+  static constexpr size_t kMaxProducts = 4096;  // weights remembered (a program's products, and then some)
+  std::mutex mutex_;
+  const float* last_ = nullptr;
+  std::unordered_map<const float*, F32Product> next_;  // weights -> the product that came next
+  long calls_ = 0, predicted_ = 0;
+};
+
+Successors& GetSuccessors() {
+  static Successors* successors = new Successors;  // never destroyed, like the pool
+  return *successors;
+}
+
+std::atomic<long> g_read_ahead{0};  // bytes the workers have read ahead
+
+// Prefetches the first `budget` bytes that a worker will read of `a` (split into `splits`): the workers take
+// units from the back (Pool::Work), worker `offset` of `stride` the units from the last down, one in
+// `stride`, each unit's weight rows in the order it reads them. Stops early when `stop` says to. A prefetch
+// never faults, so a product whose weights have been freed since is harmless.
+template <typename Stop>
+void PrefetchF32(const F32Product& a, int splits, int offset, int stride, size_t budget, Stop stop) {
+  const int units = a.blocks * splits;
+  const int width = a.m <= kMaxStreamM ? a.span : kBlock;
+  size_t fetched = 0;
+  for (int u = units - 1 - offset; u >= 0 && fetched < budget; u -= stride) {
+    const int block = u % a.blocks, split = u / a.blocks;
+    const int c0 = block * width;
+    const int bytes = 4 * (a.n - c0 < width ? a.n - c0 : width);
+    const int k_end = a.k < (split + 1) * a.split_rows ? a.k : (split + 1) * a.split_rows;
+    for (int k = split * a.split_rows; k < k_end && fetched < budget; ++k) {
+      const char* row = reinterpret_cast<const char*>(a.w + static_cast<size_t>(k) * a.n + c0);
+      for (int b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+      _mm_prefetch(row + bytes - 1, _MM_HINT_T0);  // the last line, when the row does not start one
+      fetched += bytes;
+      if (stop()) break;
+    }
+    if (stop()) break;
+  }
+  g_read_ahead.fetch_add(static_cast<long>(fetched), std::memory_order_relaxed);
+}
+
 // One product for the pool: `units` independent pieces of work, run(args, u0, u1) does units [u0, u1).
 struct Task {
   const void* args;
@@ -454,18 +562,31 @@ struct Task {
   int units;
 };
 
-// A fixed pool of workers that help the calling thread with one product at a time. The panels are
-// handed out in chunks from a shared counter, so nobody waits for a worker that the OS has not scheduled
-// (XLA's own threads may hold the cores): the caller takes every chunk left and then waits only for
-// chunks already taken. Idle workers spin for a while (a decoding step issues its products tens of
-// microseconds apart), then sleep on a futex.
+// A fixed pool of workers that help the calling thread with one product at a time. The units are handed
+// out in chunks from a shared range, so nobody waits for a worker that the OS has not scheduled (XLA's own
+// threads may hold the cores): the caller takes every chunk left and then waits only for chunks already
+// taken. Idle workers spin for a while (a decoding step issues its products tens of microseconds apart),
+// reading ahead the weights of the float32 product expected next (Lookahead), then sleep on a futex.
 class Pool {
  public:
-  Pool(int threads, std::chrono::microseconds spin) : threads_(threads), spin_(spin) {
-    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this] { Loop(); });
+  Pool(int threads, std::chrono::microseconds spin, size_t lookahead)
+      : threads_(threads), spin_(spin), lookahead_(lookahead) {
+    for (int i = 1; i < threads_; ++i) workers_.emplace_back([this, i] { Loop(i); });
   }
 
   int threads() const { return threads_; }
+  size_t lookahead() const { return threads_ == 1 ? 0 : lookahead_.load(std::memory_order_relaxed); }
+  void set_lookahead(size_t bytes) { lookahead_.store(bytes, std::memory_order_relaxed); }
+
+  // Hands the idle workers the product expected next (split into `splits`), whose weights they prefetch
+  // until a task comes.
+  void Lookahead(const F32Product& next, int splits) {
+    if (threads_ == 1 || lookahead_.load(std::memory_order_relaxed) == 0) return;
+    std::lock_guard<std::mutex> lock(job_mutex_);
+    job_ = next;
+    job_splits_ = splits;
+    job_seq_.fetch_add(1, std::memory_order_release);
+  }
 
   void Run(const Task& a) {
     // XLA may run independent custom calls concurrently: a call that finds the pool busy computes alone.
@@ -475,7 +596,7 @@ class Pool {
     }
     const int chunks = 4 * threads_;
     chunk_ = (a.units + chunks - 1) / chunks;
-    next_.store(0, std::memory_order_relaxed);
+    range_.store(static_cast<uint64_t>(a.units), std::memory_order_relaxed);
     task_ = &a;
     open_.store(true, std::memory_order_seq_cst);
     generation_.fetch_add(1, std::memory_order_seq_cst);
@@ -483,7 +604,7 @@ class Pool {
       syscall(SYS_futex, reinterpret_cast<uint32_t*>(&generation_), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
               nullptr, 0);
     }
-    Work(a);
+    Work(a, true);
     // Dekker-style handshake with Loop: after this store, a worker that has not joined yet sees the task
     // closed and leaves it alone; one that joined before is counted in active_ and is waited for.
     open_.store(false, std::memory_order_seq_cst);
@@ -492,21 +613,49 @@ class Pool {
   }
 
  private:
-  void Work(const Task& a) {
+  // The calling thread takes chunks from the front of the units, the workers from the back (the units
+  // whose weights they prefetched while idle, see Lookahead), until the two meet.
+  void Work(const Task& a, bool front) {
+    uint64_t range = range_.load(std::memory_order_relaxed);
     for (;;) {
-      const int u0 = next_.fetch_add(chunk_, std::memory_order_relaxed);
-      if (u0 >= a.units) return;
-      a.run(a.args, u0, u0 + chunk_ < a.units ? u0 + chunk_ : a.units);
+      const uint32_t first = static_cast<uint32_t>(range >> 32), end = static_cast<uint32_t>(range);
+      if (first >= end) return;
+      uint32_t u0, u1;
+      if (front) {
+        u0 = first;
+        u1 = end - first > static_cast<uint32_t>(chunk_) ? first + chunk_ : end;
+      } else {
+        u1 = end;
+        u0 = end - first > static_cast<uint32_t>(chunk_) ? end - chunk_ : first;
+      }
+      const uint64_t rest = front ? (static_cast<uint64_t>(u1) << 32) | end : (static_cast<uint64_t>(first) << 32) | u0;
+      if (!range_.compare_exchange_weak(range, rest, std::memory_order_relaxed)) continue;
+      a.run(a.args, static_cast<int>(u0), static_cast<int>(u1));
+      range = range_.load(std::memory_order_relaxed);
     }
   }
 
-  void Loop() {
+  void Loop(int index) {
     uint32_t seen = 0;  // the generation at construction: a worker that starts late still sees the first task
+    uint32_t job_done = 0;
     for (;;) {
       int spins = 0;
       auto spin_until = std::chrono::steady_clock::now() + spin_;
       uint32_t now;
       while ((now = generation_.load(std::memory_order_acquire)) == seen) {
+        if (job_seq_.load(std::memory_order_acquire) != job_done) {
+          F32Product next;
+          int splits;
+          {
+            std::lock_guard<std::mutex> lock(job_mutex_);
+            next = job_;
+            splits = job_splits_;
+            job_done = job_seq_.load(std::memory_order_relaxed);
+          }
+          PrefetchF32(next, splits, index - 1, threads_ - 1, lookahead_.load(std::memory_order_relaxed),
+                      [&] { return generation_.load(std::memory_order_relaxed) != seen; });
+          continue;
+        }
         if ((++spins & 63) != 0 || std::chrono::steady_clock::now() < spin_until) {
           _mm_pause();
           continue;
@@ -521,17 +670,22 @@ class Pool {
       }
       seen = now;
       active_.fetch_add(1, std::memory_order_seq_cst);
-      if (open_.load(std::memory_order_seq_cst)) Work(*task_);  // the task of the newest generation
+      if (open_.load(std::memory_order_seq_cst)) Work(*task_, false);  // the task of the newest generation
       active_.fetch_sub(1, std::memory_order_seq_cst);
     }
   }
 
   const int threads_;
   const std::chrono::microseconds spin_;  // how long an idle worker spins before it sleeps
+  std::atomic<size_t> lookahead_;          // bytes of the next product each idle worker prefetches
+  std::mutex job_mutex_;
+  F32Product job_{};                       // the product expected next
+  int job_splits_ = 1;
+  std::atomic<uint32_t> job_seq_{0};       // bumped per expected product
   std::vector<std::thread> workers_;
   const Task* task_ = nullptr;
   int chunk_ = 1;                          // units per chunk of the current task
-  std::atomic<int> next_{0};               // the next unit to hand out
+  std::atomic<uint64_t> range_{0};         // units not handed out yet: [high 32 bits, low 32 bits)
   std::atomic<bool> open_{false};          // whether workers may still join the current task
   std::atomic<int> active_{0};             // workers inside the current task
   std::atomic<uint32_t> generation_{0};    // bumped per task; workers wait on it (futex)
@@ -552,8 +706,11 @@ Pool& GetPool() {
     }
     int spin = kDefaultSpinMicroseconds;
     if (const char* env = std::getenv("XLAGEN_NATIVE_SPIN_US")) spin = std::atoi(env);
+    long lookahead = kDefaultLookaheadKB;
+    if (const char* env = std::getenv("XLAGEN_NATIVE_LOOKAHEAD_KB")) lookahead = std::atol(env);
     // Never destroyed: its workers live as long as the process.
-    return new Pool(threads < 1 ? 1 : threads, std::chrono::microseconds(spin < 0 ? 0 : spin));
+    return new Pool(threads < 1 ? 1 : threads, std::chrono::microseconds(spin < 0 ? 0 : spin),
+                    lookahead < 0 ? 0 : static_cast<size_t>(lookahead) * 1024);
   }();
   return *pool;
 }
@@ -770,35 +927,21 @@ extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque
                nullptr, 0, 0, 0, 0, 0, 0};
   ParseShape(opaque, opaque_len, &a.m, &a.k, &a.n);
   Pool& pool = GetPool();
-  // Enough units for every thread to take several, but at least 64 weight rows per split.
-  const int wanted = 4 * pool.threads();
-  const bool stream = a.m <= kMaxStreamM;
-  if (stream) {  // column spans of at least kMinSpan, of equal width
-    int spans = a.n / kMinSpan;
-    spans = spans < 1 ? 1 : (spans > wanted ? wanted : spans);
-    a.span = ((a.n + spans - 1) / spans + 15) / 16 * 16;
-    a.blocks = (a.n + a.span - 1) / a.span;
-  } else {
-    a.blocks = (a.n + kBlock - 1) / kBlock;
-  }
-  int splits = (wanted + a.blocks - 1) / a.blocks;
-  const int most = a.k / 64 > 1 ? a.k / 64 : 1;
-  splits = splits < most ? splits : most;
-  const int step = stream ? kStreamRows : kChunk;
-  a.split_rows = (a.k + splits - 1) / splits;
-  a.split_rows = (a.split_rows + step - 1) / step * step;
-  splits = (a.k + a.split_rows - 1) / a.split_rows;
+  const int splits = PlanF32(&a, pool.threads());
+  F32Product next;
+  const bool predicted = GetSuccessors().Follow(a, &next);
   thread_local std::vector<float> partial;
   if (splits > 1) {
     partial.resize(static_cast<size_t>(splits - 1) * a.m * a.n);
     a.partial = partial.data();
   }
-  pool.Run(Task{&a, stream ? RunF32Stream : RunF32Units, a.blocks * splits});
+  pool.Run(Task{&a, a.m <= kMaxStreamM ? RunF32Stream : RunF32Units, a.blocks * splits});
   const size_t size = static_cast<size_t>(a.m) * a.n;
   for (int s = 1; s < splits; ++s) {
     const float* p = a.partial + static_cast<size_t>(s - 1) * size;
     for (size_t i = 0; i < size; ++i) a.y[i] += p[i];
   }
+  if (predicted) pool.Lookahead(next, PlanF32(&next, pool.threads()));
 }
 
 // The backend config is "heads,t,s,d,scale,transposed" (scale printed with 9 significant digits: exact for
@@ -817,6 +960,19 @@ extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opa
   a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
   a.call = g_attention_calls.fetch_add(1) + 1;
   GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
+}
+
+// Sets how many KiB of the product expected next each idle worker prefetches (0: none), for the calls from
+// now on; the environment's XLAGEN_NATIVE_LOOKAHEAD_KB (default kDefaultLookaheadKB) until then.
+extern "C" void xlagen_set_lookahead(long kib) {
+  GetPool().set_lookahead(kib < 0 ? 0 : static_cast<size_t>(kib) * 1024);
+}
+extern "C" long xlagen_lookahead() { return static_cast<long>(GetPool().lookahead() / 1024); }
+
+// [float32 product calls, calls that were the product predicted after the previous one, bytes read ahead]
+extern "C" void xlagen_lookahead_counts(long* out) {
+  GetSuccessors().Count(out);
+  out[2] = g_read_ahead.load(std::memory_order_relaxed);
 }
 
 // Registers the target with XLA's registry of custom-call targets (xla::CustomCallTargetRegistry, in
