@@ -15,6 +15,14 @@ GFLOP/s, and the first build's time over each other's (above 1: that build is fa
 
 numpy's BLAS on the same products is printed too (`--blas`), timed after the builds, as a yardstick;
 XLA's own dot is another program (see `ab.py --compare kernel` for the kernel against it inside `generate`).
+
+`--gap-us G` spins the calling thread for G microseconds after each product, as XLA's other operations of
+a decoding step do (GPT-2-small greedy: about 2.3 ms in 49 gaps); the GB/s are then those of the step
+without its gaps. `--lookahead KIB [KIB ...]` sets each build's read-ahead (`xlagen_set_lookahead`; one
+value for all builds, or one per source), so that one source can be compared with itself:
+
+    python benchmarks/kernel_variants.py --model t5 --rows 1 --gap-us 30 --lookahead 0 768 \
+        --sources src/xlagen/native/matmul.cc src/xlagen/native/matmul.cc
 """
 
 from __future__ import annotations
@@ -43,6 +51,13 @@ MODELS = {
 
 
 ENTRY_POINTS = {"float32": "xlagen_f32_matmul", "bfloat16": "xlagen_bf16_matmul", "int8": "xlagen_int8_matmul"}
+
+
+def _spin(seconds: float) -> None:
+    """Keeps the calling thread busy for `seconds`, as XLA's operations between two products do."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
 
 
 def stored(w: np.ndarray, weights: str) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +100,13 @@ def main(argv=None) -> int:
     parser.add_argument("--weights", choices=sorted(ENTRY_POINTS), default="float32")
     parser.add_argument("--blas", action="store_true", help="also time numpy's matmul on the same products "
                         "(in float32)")
+    parser.add_argument("--gap-us", type=float, default=0.0, help="microseconds the calling thread spins after "
+                        "each product (XLA's other work between two products)")
+    parser.add_argument("--lookahead", type=int, nargs="+", default=None, metavar="KIB",
+                        help="KiB each build's idle workers read ahead (one value, or one per source)")
     args = parser.parse_args(argv)
+    if args.lookahead is not None and len(args.lookahead) not in (1, len(args.sources)):
+        parser.error("--lookahead takes one value or one per source")
 
     layers, shapes, head = MODELS[args.model]
     rng = np.random.default_rng(0)
@@ -95,7 +116,14 @@ def main(argv=None) -> int:
     step_bytes = sum(packed.nbytes for packed in kernels)
     with tempfile.TemporaryDirectory() as scratch:
         names = [str(source) for source in args.sources]
-        functions = [entry(build(source, Path(scratch)), args.weights) for source in args.sources]
+        libraries = [build(source, Path(scratch)) for source in args.sources]
+        functions = [entry(library, args.weights) for library in libraries]
+        if args.lookahead is not None:
+            for library, kib in zip(libraries, args.lookahead * len(libraries) if len(args.lookahead) == 1
+                                    else args.lookahead):
+                ctypes.CDLL(str(library)).xlagen_set_lookahead(ctypes.c_long(kib))
+            names = [f"{name} (lookahead {kib} KiB)" for name, kib in
+                     zip(names, args.lookahead * len(names) if len(args.lookahead) == 1 else args.lookahead)]
         if args.blas:
             names.append("numpy")
         flops_per_row = sum(w.size for w in weights)
@@ -111,13 +139,17 @@ def main(argv=None) -> int:
                 pointers = (ctypes.c_void_p * 2)(xs[k].ctypes.data, packed.ctypes.data)
                 calls.append((xs[k], w, y, pointers, config))
 
+            gap = args.gap_us * 1e-6
+
             def kernel_step(function, calls=calls):
                 for _, _, y, pointers, config in calls:
                     function(y.ctypes.data, pointers, config, len(config), None)
+                    _spin(gap)
 
             def blas_step(calls=calls):
                 for x, w, y, _, _ in calls:
                     np.matmul(x, w, out=y)
+                    _spin(gap)
 
             steps = [lambda f=f: kernel_step(f) for f in functions] + ([blas_step] if args.blas else [])
             for name, step in zip(names, steps):
@@ -142,12 +174,14 @@ def main(argv=None) -> int:
             if args.blas:
                 run(len(functions), args.rounds * args.repeats)
             medians = [statistics.median(spent) for spent in times]
-            print(f"rows {rows}:", flush=True)
+            gaps = gap * len(calls)
+            print(f"rows {rows}:" + (f" (each step with {gaps * 1e3:.2f} ms of gaps)" if gaps else ""), flush=True)
             for name, median in zip(names, medians):
                 read = step_bytes if name != "numpy" else 4 * flops_per_row
-                print(f"  {name}: {median * 1e3:.2f} ms/step, {read / median / 1e9:.1f} GB/s, "
-                      f"{2 * rows * flops_per_row / median / 1e9:.0f} GFLOP/s, first / this "
-                      f"{medians[0] / median:.2f}", flush=True)
+                busy = median - gaps
+                print(f"  {name}: {median * 1e3:.2f} ms/step, {read / busy / 1e9:.1f} GB/s, "
+                      f"{2 * rows * flops_per_row / busy / 1e9:.0f} GFLOP/s, first / this "
+                      f"{medians[0] / median:.3f}", flush=True)
     return 0
 
 

@@ -182,3 +182,16 @@ def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
     broken.write_text(text.replace("_mm512_fmadd_ps(", "_mm512_fmsub_ps("))
     result = subprocess.run(command[:-2] + [str(broken)], capture_output=True, text=True)
     assert result.returncode != 0 and "wrong product" in result.stderr, result.stderr
+
+
+def test_kernel_variants_script_spins_between_products_and_sets_each_builds_lookahead():
+    script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_variants.py")
+    source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native", "matmul.cc")
+    command = [sys.executable, script, "--model", "tiny", "--rows", "1", "--rounds", "2", "--repeats", "1",
+               "--gap-us", "20", "--lookahead", "0", "768", "--sources", source, source]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    assert "(each step with 0.10 ms of gaps)" in out, out  # 5 products
+    assert "(lookahead 0 KiB)" in out and "(lookahead 768 KiB)" in out, out
+    result = subprocess.run(command[:-4] + ["1", "2", "3", "--sources", source, source], capture_output=True,
+                            text=True)
+    assert result.returncode != 0 and "one value or one per source" in result.stderr, result.stderr
