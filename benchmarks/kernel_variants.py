@@ -37,14 +37,15 @@ from pathlib import Path
 
 import numpy as np
 
-# (layers, [K, N] of each layer's decoding products, [K, N] of the head); decoders of the bench's shapes.
-# T5-small's decoder layer: self-attention q, k, v, o; cross-attention q, o (its keys and values are
-# computed once per call); the feed-forward pair. Whisper-tiny's likewise.
+# (layers, [K, N] of each layer's decoding products, [K, N] of the head); decoders of the bench's shapes,
+# as xlagen's layers multiply them: self-attention's fused q/k/v and its output; for T5-small and
+# Whisper-tiny also cross-attention's query and output (its keys and values are computed once per call);
+# the feed-forward pair.
 MODELS = {
     "gpt2": (12, [(768, 2304), (768, 768), (768, 3072), (3072, 768)], (768, 50257)),
-    "opt": (12, [(768, 768)] * 4 + [(768, 3072), (3072, 768)], (768, 50272)),
-    "t5": (6, [(512, 512)] * 6 + [(512, 2048), (2048, 512)], (512, 32128)),
-    "whisper": (4, [(384, 384)] * 6 + [(384, 1536), (1536, 384)], (384, 51865)),
+    "opt": (12, [(768, 2304), (768, 768), (768, 3072), (3072, 768)], (768, 50272)),
+    "t5": (6, [(512, 1536)] + [(512, 512)] * 3 + [(512, 2048), (2048, 512)], (512, 32128)),
+    "whisper": (4, [(384, 1152)] + [(384, 384)] * 3 + [(384, 1536), (1536, 384)], (384, 51865)),
     # ragged shapes for the test suite: a narrow last block, a product split over K, a 3-row tail
     "tiny": (2, [(64, 96), (200, 40)], (64, 300)),
 }

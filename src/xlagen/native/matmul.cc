@@ -51,6 +51,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -376,10 +377,10 @@ __attribute__((always_inline)) inline void StreamVectors(const float* const* w, 
   }
 }
 
-// One pass of the unit's group of weight rows over the columns from j, for all R rows of x (V = 2: two
-// whole vectors; V = 1: one vector under `mask`): x's vectors from registers for a few rows, else
-// broadcast from memory (hidden from the optimizer at each pass), eight rows of sums at a time.
-template <int R, int V>
+// One pass of the unit's group of weight rows over the columns from j, for block B of the R rows of x (B = 0:
+// the first eight rows, B = 1: the rest; V = 2: two whole vectors; V = 1: one vector under `mask`): x's
+// vectors from registers for a few rows, else broadcast from memory (hidden from the optimizer at each pass).
+template <int R, int V, int B>
 __attribute__((always_inline)) inline void StreamPass(const float* const* w, const float* xs, const __m512* xv,
                                                       float* out, int n, int j, bool first, __mmask16 mask,
                                                       size_t ahead) {
@@ -389,15 +390,21 @@ __attribute__((always_inline)) inline void StreamPass(const float* const* w, con
   } else {
     const float* x = xs;
     asm("" : "+r"(x));
-    StreamVectors<kFirst, V>(w, x, R, 0, out, n, j, first, mask, ahead);
-    if constexpr (R > kBlockM) StreamVectors<R - kBlockM, V>(w, x, R, kBlockM, out, n, j, first, mask, 0);
+    if constexpr (B == 0) {
+      StreamVectors<kFirst, V>(w, x, R, 0, out, n, j, first, mask, ahead);
+    } else {
+      StreamVectors<R - kBlockM, V>(w, x, R, kBlockM, out, n, j, first, mask, 0);
+    }
   }
 }
 
 template <int R>
 void StreamUnits(const F32Product& a, int u0, int u1) {
-  // Eight rows' sums over two vectors of columns fill 16 registers; rows beyond 8 take the same weight
-  // vectors again, from L1.
+  // Eight rows' sums over two vectors of columns fill 16 registers; rows beyond 8 take the same group of
+  // weight rows again (from L1 or L2) in a second sweep over the columns. Two sweeps rather than both
+  // blocks in each pass made 16-row products 1.07-1.40x faster (docs/performance.md). Not measured why;
+  // in each pass the second block loaded its sums right after the first block stored theirs, eight rows
+  // of y away (a multiple of 4 KB, which the CPU can take for an overlap until the stores complete).
   for (int u = u0; u < u1; ++u) {
     const int block = u % a.blocks, split = u / a.blocks;
     const int c0 = block * a.span;
@@ -423,12 +430,17 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
       const bool first = k0 == k_begin;
       // The next group of this unit's weight rows, if any (a prefetch never faults, but would waste a read).
       const size_t ahead = R >= kPrefetchM && k0 + 2 * kStreamRows <= k_end ? size_t{kStreamRows} * a.n : 0;
-      int j = 0;
-      for (; j + 32 <= whole; j += 32) StreamPass<R, 2>(w, xs, xv, out, a.n, j, first, 0xFFFF, ahead);
-      for (; j < width; j += 16) {  // at most one whole vector, then the masked tail
-        const __mmask16 mask = j + 16 <= width ? static_cast<__mmask16>(0xFFFF) : tail;
-        StreamPass<R, 1>(w, xs, xv, out, a.n, j, first, mask, 0);
-      }
+      auto sweep = [&](auto block) {
+        constexpr int B = decltype(block)::value;
+        int j = 0;
+        for (; j + 32 <= whole; j += 32) StreamPass<R, 2, B>(w, xs, xv, out, a.n, j, first, 0xFFFF, ahead);
+        for (; j < width; j += 16) {  // at most one whole vector, then the masked tail
+          const __mmask16 mask = j + 16 <= width ? static_cast<__mmask16>(0xFFFF) : tail;
+          StreamPass<R, 1, B>(w, xs, xv, out, a.n, j, first, mask, 0);
+        }
+      };
+      sweep(std::integral_constant<int, 0>());
+      if constexpr (R > kBlockM) sweep(std::integral_constant<int, 1>());
     }
   }
 }
