@@ -214,6 +214,24 @@ struct F32Product {
   int span;  // up to kMaxStreamM rows of x: output columns per unit (RunF32Stream)
 };
 
+// What unit u of a product reads and writes: output columns [c0, c0 + columns) over weight rows [k_begin,
+// k_end), its sums going to `out` (y for the first split of K, else the split's partial sums), at c0.
+struct Unit {
+  int c0, columns, k_begin, k_end;
+  float* out;
+};
+
+inline Unit UnitOf(const F32Product& a, int u, int width) {
+  const int block = u % a.blocks, split = u / a.blocks;
+  Unit unit;
+  unit.c0 = block * width;
+  unit.columns = a.n - unit.c0 < width ? a.n - unit.c0 : width;
+  unit.k_begin = split * a.split_rows;
+  unit.k_end = a.k < unit.k_begin + a.split_rows ? a.k : unit.k_begin + a.split_rows;
+  unit.out = (split == 0 ? a.y : a.partial + static_cast<size_t>(split - 1) * a.m * a.n) + unit.c0;
+  return unit;
+}
+
 // acc[R rows][V vectors] += x[r0.., k0..k0+rows) @ w[k0.., 16 v0 .. 16 (v0 + V)) on a full block; y holds
 // the running sums (zero when first is set).
 template <int R, int V>
@@ -266,12 +284,10 @@ int F32WholeVectors(const F32Product& a, const float* w, float* out, int r, int 
 void RunF32Units(const void* args, int u0, int u1) {
   const F32Product& a = *static_cast<const F32Product*>(args);
   for (int u = u0; u < u1; ++u) {
-    const int block = u % a.blocks, split = u / a.blocks;
-    const int c0 = block * kBlock;
-    const int k_begin = split * a.split_rows;
-    const int k_end = a.k < k_begin + a.split_rows ? a.k : k_begin + a.split_rows;
-    float* out = (split == 0 ? a.y : a.partial + static_cast<size_t>(split - 1) * a.m * a.n) + c0;
-    const bool full = c0 + kBlock <= a.n;
+    const Unit unit = UnitOf(a, u, kBlock);
+    const int c0 = unit.c0, k_begin = unit.k_begin, k_end = unit.k_end;
+    float* out = unit.out;
+    const bool full = unit.columns == kBlock;
     for (int k0 = k_begin; k0 < k_end; k0 += kChunk) {
       const int rows = k_end - k0 < kChunk ? k_end - k0 : kChunk;
       const float* w = a.w + static_cast<size_t>(k0) * a.n + c0;
@@ -406,12 +422,9 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
   // in each pass the second block loaded its sums right after the first block stored theirs, eight rows
   // of y away (a multiple of 4 KB, which the CPU can take for an overlap until the stores complete).
   for (int u = u0; u < u1; ++u) {
-    const int block = u % a.blocks, split = u / a.blocks;
-    const int c0 = block * a.span;
-    const int width = a.n - c0 < a.span ? a.n - c0 : a.span;
-    const int k_begin = split * a.split_rows;
-    const int k_end = a.k < k_begin + a.split_rows ? a.k : k_begin + a.split_rows;
-    float* out = (split == 0 ? a.y : a.partial + static_cast<size_t>(split - 1) * a.m * a.n) + c0;
+    const Unit unit = UnitOf(a, u, a.span);
+    const int c0 = unit.c0, width = unit.columns, k_begin = unit.k_begin, k_end = unit.k_end;
+    float* out = unit.out;
     const int whole = width / 16 * 16;
     const __mmask16 tail = static_cast<__mmask16>((1u << (width - whole)) - 1);
     for (int k0 = k_begin; k0 < k_end; k0 += kStreamRows) {
@@ -550,19 +563,17 @@ void PrefetchF32(const F32Product& a, int splits, int offset, int stride, size_t
   const int units = a.blocks * splits;
   const int width = a.m <= kMaxStreamM ? a.span : kBlock;
   size_t fetched = 0;
-  for (int u = units - 1 - offset; u >= 0 && fetched < budget; u -= stride) {
-    const int block = u % a.blocks, split = u / a.blocks;
-    const int c0 = block * width;
-    const int bytes = 4 * (a.n - c0 < width ? a.n - c0 : width);
-    const int k_end = a.k < (split + 1) * a.split_rows ? a.k : (split + 1) * a.split_rows;
-    for (int k = split * a.split_rows; k < k_end && fetched < budget; ++k) {
-      const char* row = reinterpret_cast<const char*>(a.w + static_cast<size_t>(k) * a.n + c0);
+  for (int u = units - 1 - offset; u >= 0; u -= stride) {
+    const Unit unit = UnitOf(a, u, width);
+    const int bytes = 4 * unit.columns;
+    for (int k = unit.k_begin; k < unit.k_end; ++k) {
+      const char* row = reinterpret_cast<const char*>(a.w + static_cast<size_t>(k) * a.n + unit.c0);
       for (int b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
       _mm_prefetch(row + bytes - 1, _MM_HINT_T0);  // the last line, when the row does not start one
       fetched += bytes;
-      if (stop()) break;
+      if (fetched >= budget || stop()) break;
     }
-    if (stop()) break;
+    if (fetched >= budget || stop()) break;
   }
   g_read_ahead.fetch_add(static_cast<long>(fetched), std::memory_order_relaxed);
 }
