@@ -554,13 +554,13 @@ Successors& GetSuccessors() {
 
 std::atomic<long> g_read_ahead{0};  // bytes the workers have read ahead
 
-// Prefetches the first `budget` bytes that a worker will read of `a` (split into `splits`): the workers take
+// Prefetches the first `budget` bytes that a worker will read of `a` (as PlanF32 split it): the workers take
 // units from the back (Pool::Work), worker `offset` of `stride` the units from the last down, one in
 // `stride`, each unit's weight rows in the order it reads them. Stops early when `stop` says to. A prefetch
 // never faults, so a product whose weights have been freed since is harmless.
 template <typename Stop>
-void PrefetchF32(const F32Product& a, int splits, int offset, int stride, size_t budget, Stop stop) {
-  const int units = a.blocks * splits;
+void PrefetchF32(const F32Product& a, int offset, int stride, size_t budget, Stop stop) {
+  const int units = a.blocks * ((a.k + a.split_rows - 1) / a.split_rows);
   const int width = a.m <= kMaxStreamM ? a.span : kBlock;
   size_t fetched = 0;
   for (int u = units - 1 - offset; u >= 0; u -= stride) {
@@ -601,13 +601,12 @@ class Pool {
   size_t lookahead() const { return threads_ == 1 ? 0 : lookahead_.load(std::memory_order_relaxed); }
   void set_lookahead(size_t bytes) { lookahead_.store(bytes, std::memory_order_relaxed); }
 
-  // Hands the idle workers the product expected next (split into `splits`), whose weights they prefetch
+  // Hands the idle workers the product expected next (as PlanF32 split it), whose weights they prefetch
   // until a task comes.
-  void Lookahead(const F32Product& next, int splits) {
+  void Lookahead(const F32Product& next) {
     if (threads_ == 1 || lookahead_.load(std::memory_order_relaxed) == 0) return;
     std::lock_guard<std::mutex> lock(job_mutex_);
     job_ = next;
-    job_splits_ = splits;
     job_seq_.fetch_add(1, std::memory_order_release);
   }
 
@@ -668,14 +667,12 @@ class Pool {
       while ((now = generation_.load(std::memory_order_acquire)) == seen) {
         if (job_seq_.load(std::memory_order_acquire) != job_done) {
           F32Product next;
-          int splits;
           {
             std::lock_guard<std::mutex> lock(job_mutex_);
             next = job_;
-            splits = job_splits_;
             job_done = job_seq_.load(std::memory_order_relaxed);
           }
-          PrefetchF32(next, splits, index - 1, threads_ - 1, lookahead_.load(std::memory_order_relaxed),
+          PrefetchF32(next, index - 1, threads_ - 1, lookahead_.load(std::memory_order_relaxed),
                       [&] { return generation_.load(std::memory_order_relaxed) != seen; });
           continue;
         }
@@ -703,7 +700,6 @@ class Pool {
   std::atomic<size_t> lookahead_;          // bytes of the next product each idle worker prefetches
   std::mutex job_mutex_;
   F32Product job_{};                       // the product expected next
-  int job_splits_ = 1;
   std::atomic<uint32_t> job_seq_{0};       // bumped per expected product
   std::vector<std::thread> workers_;
   const Task* task_ = nullptr;
@@ -964,7 +960,7 @@ extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque
     const float* p = a.partial + static_cast<size_t>(s - 1) * size;
     for (size_t i = 0; i < size; ++i) a.y[i] += p[i];
   }
-  if (predicted) pool.Lookahead(next, PlanF32(&next, pool.threads()));
+  if (predicted) pool.Lookahead(next);  // planned when it was called
 }
 
 // The backend config is "heads,t,s,d,scale,transposed" (scale printed with 9 significant digits: exact for
