@@ -383,10 +383,10 @@ def float32_kernel():
     native.set_float32_kernel(True)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 12, 16, 20])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 20])
 @pytest.mark.parametrize("k, n", [(64, 2304), (515, 300), (37, 19), (16, 50257)])
 def test_float32_kernel_matches_float64_numpy(rows, k, n):
-    # Up to 16 rows, the streaming path (above 8 rows, a second block of rows over the same weight vectors):
+    # Up to 16 rows, the streaming path (up to 3 rows two vectors of columns per pass, from 4 one vector):
     # (64, 2304) two column spans; (515, 300) one span, K split eight ways with a partial last group of
     # weight rows, and a masked tail; (16, 50257) eight spans; (37, 19) one whole vector and a tail. 20
     # rows, the tiles: (515, 300) two column blocks, the last one narrow, K split four ways with a partial

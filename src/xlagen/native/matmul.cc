@@ -333,127 +333,135 @@ void RunF32Units(const void* args, int u0, int u1) {
 
 // Up to sixteen rows of x (greedy decoding, beams, batches; beam 2 over a batch of 8): each unit streams
 // its rows of w over `span` columns (the whole row when N <= kMinSpan), eight rows at a time, each row a
-// long sequential run, and keeps its slice of y in L1 (L2 beyond 8 rows). The tiles above read 1 KB runs
-// of 32 rows instead; in a phase where this VM's memory was slow, those scattered runs read a step's
-// weights 1.3-1.9x more slowly than these streams (1.2-1.7x at 1 to 8 rows;
+// long sequential run, and keeps its sums in a packed buffer of its own (L1 or L2). The tiles above read
+// 1 KB runs of 32 rows instead; in a phase where this VM's memory was slow, those scattered runs read a
+// step's weights 1.3-1.9x more slowly than these streams (1.2-1.7x at 1 to 8 rows;
 // `benchmarks/kernel_variants.py`, docs/performance.md). The sums are in the same order: weight row by
 // weight row.
 constexpr int kStreamRows = 8;    // weight rows read side by side
 constexpr int kMinSpan = 1024;    // columns per unit at least, unless N is smaller
 constexpr int kMaxStreamM = 16;   // rows of x up to which products take this path
-constexpr int kBlockM = 8;        // rows of x whose sums share a pass over the weight vectors
+// Up to this many rows of x, a pass covers two vectors of columns for every row; from one more, one vector
+// for all the rows (up to 16 sums in registers), so that each weight vector is read once per group. At 4 to
+// 16 rows one vector per pass read GPT-2's step 1.06-1.73x faster than two vectors for 8 rows at a time
+// (the rows beyond 8 in a second sweep over the same weights), at 1 and 2 rows no faster.
+constexpr int kWideM = 3;
 // From this many rows of x, the multiply-adds take long enough per weight line that the hardware's own
 // prefetching leaves the loads waiting (memory and arithmetic took the sum of their times, not the larger):
 // each pass asks for the next group's same columns, kStreamRows rows down. At 8 rows this read GPT-2's
-// products 1.14-1.45x faster; at 1 to 6 rows it was no faster or slower (docs/performance.md).
-constexpr int kPrefetchM = 8;
+// products 1.14-1.45x faster (two vectors per pass); with one vector per pass, 4 to 7 rows gained too
+// (0.99-1.05x; docs/performance.md).
+constexpr int kPrefetchM = 4;
 // Up to this many rows of x, x's eight broadcast vectors per row stay in registers; beyond, they would be
 // spilled, and x is broadcast from memory instead (one row: 0.96-0.99x as fast from memory).
 constexpr int kVectorM = 2;
+// The packed sums: 32 columns at a time, each of the unit's rows of x 32 floats apart in them, so that a
+// pass reaches every sum it keeps at a fixed offset from one pointer (with y's rows N apart, the compiler
+// kept the sixteen row addresses of a pass in vector registers and moved them back one by one). Copied to
+// y's rows once the unit's weight rows are done.
+constexpr int kPackColumns = 32;
+
+// The calling thread's packed sums for `floats` floats, 64-byte aligned.
+float* PackedSums(size_t floats) {
+  thread_local std::vector<float> buffer;
+  if (buffer.size() < floats + 16) buffer.resize(floats + 16);
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
+}
 
 // x[i] as a vector: already broadcast (few rows: the vectors stay in registers), or broadcast from memory
-// by the multiply-add that uses it ({1to16}, on the load ports; the caller hides x from the optimizer, which
-// would otherwise hoist the values into registers and broadcast them with shuffles on the FMA pipes).
+// (the caller hides x from the optimizer, which would otherwise hoist the values into registers and
+// broadcast them with shuffles on the FMA pipes).
 __attribute__((always_inline)) inline __m512 Lane(const __m512* x, int i) { return x[i]; }
 __attribute__((always_inline)) inline __m512 Lane(const float* x, int i) { return _mm512_set1_ps(x[i]); }
 
-// Rows r0 .. r0 + RB of y, V vectors of columns from j (V = 1: one vector under `mask`): the running sums
-// (zero when first is set) plus the weight rows w[s] times x[s * stride + r].
-template <int RB, int V, typename X>
-__attribute__((always_inline)) inline void StreamVectors(const float* const* w, const X* x, int stride, int r0,
-                                                         float* out, int n, int j, bool first, __mmask16 mask,
-                                                         size_t ahead) {
-  __m512 acc[RB][V];
-  for (int r = 0; r < RB; ++r) {
-    const float* y = out + static_cast<size_t>(r0 + r) * n + j;
+// R rows of packed sums, V vectors of columns from j (Masked: one vector under `mask`), `sums` at row 0 of
+// those columns: the running sums (zero when first is set) plus the weight rows w[s] times x[s * R + r];
+// with Ahead, each weight line of the next group (`ahead` floats down) is asked for.
+template <int R, int V, bool Ahead, bool Masked, typename X>
+__attribute__((always_inline)) inline void StreamVectors(const float* const* w, const X* x, float* sums, int j,
+                                                         bool first, __mmask16 mask, size_t ahead) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) {
-      acc[r][v] = first ? _mm512_setzero_ps() : (V == 1 ? _mm512_maskz_loadu_ps(mask, y) : _mm512_loadu_ps(y + 16 * v));
+      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(sums + kPackColumns * r + 16 * v);
     }
   }
+#pragma GCC unroll 8
   for (int s = 0; s < kStreamRows; ++s) {
     __m512 wv[V];
     for (int v = 0; v < V; ++v) {
-      if (ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(w[s] + ahead + j + 16 * v), _MM_HINT_T0);
-      wv[v] = V == 1 ? _mm512_maskz_loadu_ps(mask, w[s] + j) : _mm512_loadu_ps(w[s] + j + 16 * v);
+      if constexpr (Ahead) _mm_prefetch(reinterpret_cast<const char*>(w[s] + ahead + j + 16 * v), _MM_HINT_T0);
+      wv[v] = Masked ? _mm512_maskz_loadu_ps(mask, w[s] + j) : _mm512_loadu_ps(w[s] + j + 16 * v);
     }
-    for (int r = 0; r < RB; ++r) {
-      const __m512 xv = Lane(x, s * stride + r0 + r);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = Lane(x, s * R + r);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
     }
   }
-  for (int r = 0; r < RB; ++r) {
-    float* y = out + static_cast<size_t>(r0 + r) * n + j;
-    for (int v = 0; v < V; ++v) {
-      if (V == 1) {
-        _mm512_mask_storeu_ps(y, mask, acc[r][v]);
-      } else {
-        _mm512_storeu_ps(y + 16 * v, acc[r][v]);
-      }
-    }
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) _mm512_store_ps(sums + kPackColumns * r + 16 * v, acc[r][v]);
   }
 }
 
-// One pass of the unit's group of weight rows over the columns from j, for block B of the R rows of x (B = 0:
-// the first eight rows, B = 1: the rest; V = 2: two whole vectors; V = 1: one vector under `mask`): x's
-// vectors from registers for a few rows, else broadcast from memory (hidden from the optimizer at each pass).
-template <int R, int V, int B>
-__attribute__((always_inline)) inline void StreamPass(const float* const* w, const float* xs, const __m512* xv,
-                                                      float* out, int n, int j, bool first, __mmask16 mask,
-                                                      size_t ahead) {
-  constexpr int kFirst = R < kBlockM ? R : kBlockM;
-  if constexpr (R <= kVectorM) {
-    StreamVectors<kFirst, V>(w, xv, R, 0, out, n, j, first, mask, ahead);
-  } else {
-    const float* x = xs;
-    asm("" : "+r"(x));
-    if constexpr (B == 0) {
-      StreamVectors<kFirst, V>(w, x, R, 0, out, n, j, first, mask, ahead);
-    } else {
-      StreamVectors<R - kBlockM, V>(w, x, R, kBlockM, out, n, j, first, mask, 0);
-    }
-  }
+// The unit's group of weight rows over all its columns: passes of V vectors for every row (two, then the
+// rest one by one for few rows; one for more), the last vector under `tail` if it is partial.
+template <int R, int V, bool Ahead, typename X>
+__attribute__((always_inline)) inline void StreamGroup(const float* const* w, const X* x, float* sums, int whole,
+                                                       int width, __mmask16 tail, bool first, size_t ahead) {
+  auto at = [&](int j) { return sums + (j / kPackColumns) * kPackColumns * R + j % kPackColumns; };
+  int j = 0;
+  for (; j + 16 * V <= whole; j += 16 * V) StreamVectors<R, V, Ahead, false>(w, x, at(j), j, first, 0xFFFF, ahead);
+  for (; j < whole; j += 16) StreamVectors<R, 1, false, false>(w, x, at(j), j, first, 0xFFFF, 0);
+  if (j < width) StreamVectors<R, 1, false, true>(w, x, at(j), j, first, tail, 0);
 }
 
 template <int R>
 void StreamUnits(const F32Product& a, int u0, int u1) {
-  // Eight rows' sums over two vectors of columns fill 16 registers; rows beyond 8 take the same group of
-  // weight rows again (from L1 or L2) in a second sweep over the columns. Two sweeps rather than both
-  // blocks in each pass made 16-row products 1.07-1.40x faster (docs/performance.md). Not measured why;
-  // in each pass the second block loaded its sums right after the first block stored theirs, eight rows
-  // of y away (a multiple of 4 KB, which the CPU can take for an overlap until the stores complete).
+  constexpr int V = R <= kWideM ? 2 : 1;
   for (int u = u0; u < u1; ++u) {
     const Unit unit = UnitOf(a, u, a.span);
-    const int c0 = unit.c0, width = unit.columns, k_begin = unit.k_begin, k_end = unit.k_end;
-    float* out = unit.out;
+    const int width = unit.columns, k_begin = unit.k_begin, k_end = unit.k_end;
     const int whole = width / 16 * 16;
     const __mmask16 tail = static_cast<__mmask16>((1u << (width - whole)) - 1);
+    const int packs = (width + kPackColumns - 1) / kPackColumns;
+    float* sums = PackedSums(static_cast<size_t>(packs) * kPackColumns * R);
     for (int k0 = k_begin; k0 < k_end; k0 += kStreamRows) {
       // Rows past k_end repeat row k0 (already in L1) with a zero x.
       const int rows = k_end - k0 < kStreamRows ? k_end - k0 : kStreamRows;
       const float* w[kStreamRows];
       float xs[kStreamRows * R];
-      __m512 xv[R <= kVectorM ? kStreamRows * R : 1];
       for (int s = 0; s < kStreamRows; ++s) {
-        w[s] = a.w + static_cast<size_t>(s < rows ? k0 + s : k0) * a.n + c0;
+        w[s] = a.w + static_cast<size_t>(s < rows ? k0 + s : k0) * a.n + unit.c0;
         for (int r = 0; r < R; ++r) xs[s * R + r] = s < rows ? a.x[static_cast<size_t>(r) * a.k + k0 + s] : 0.0f;
-      }
-      if constexpr (R <= kVectorM) {
-        for (int i = 0; i < kStreamRows * R; ++i) xv[i] = _mm512_set1_ps(xs[i]);
       }
       const bool first = k0 == k_begin;
       // The next group of this unit's weight rows, if any (a prefetch never faults, but would waste a read).
       const size_t ahead = R >= kPrefetchM && k0 + 2 * kStreamRows <= k_end ? size_t{kStreamRows} * a.n : 0;
-      auto sweep = [&](auto block) {
-        constexpr int B = decltype(block)::value;
-        int j = 0;
-        for (; j + 32 <= whole; j += 32) StreamPass<R, 2, B>(w, xs, xv, out, a.n, j, first, 0xFFFF, ahead);
-        for (; j < width; j += 16) {  // at most one whole vector, then the masked tail
-          const __mmask16 mask = j + 16 <= width ? static_cast<__mmask16>(0xFFFF) : tail;
-          StreamPass<R, 1, B>(w, xs, xv, out, a.n, j, first, mask, 0);
+      if constexpr (R <= kVectorM) {
+        __m512 xv[kStreamRows * R];
+        for (int i = 0; i < kStreamRows * R; ++i) xv[i] = _mm512_set1_ps(xs[i]);
+        StreamGroup<R, V, false>(w, xv, sums, whole, width, tail, first, 0);
+      } else {
+        const float* x = xs;
+        asm("" : "+r"(x));
+        if (ahead != 0) {
+          StreamGroup<R, V, true>(w, x, sums, whole, width, tail, first, ahead);
+        } else {
+          StreamGroup<R, V, false>(w, x, sums, whole, width, tail, first, 0);
         }
-      };
-      sweep(std::integral_constant<int, 0>());
-      if constexpr (R > kBlockM) sweep(std::integral_constant<int, 1>());
+      }
+    }
+    for (int r = 0; r < R; ++r) {  // the packed sums to the unit's rows of y (or of its split's partial sums)
+      float* y = unit.out + static_cast<size_t>(r) * a.n;
+      for (int j = 0; j < width; j += 16) {
+        const __m512 v = _mm512_load_ps(sums + (j / kPackColumns) * kPackColumns * R + kPackColumns * r +
+                                        j % kPackColumns);
+        if (j < whole) {
+          _mm512_storeu_ps(y + j, v);
+        } else {
+          _mm512_mask_storeu_ps(y + j, tail, v);
+        }
+      }
     }
   }
 }
