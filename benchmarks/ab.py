@@ -17,6 +17,8 @@ call by call in alternation.
                  the fused native kernel (B, the default; `xlagen.native.ATTENTION_MIN_KEYS`).
   cross-attention  Whisper's decoder cross-attention (keys given transposed) with XLA's ops (A) against the
                  fused kernel (B, the default); the encoder's attention is the kernel in both.
+  step-attention a decoding step's self-attention with XLA's ops (A: two dots and the softmax's fusions per
+                 layer) against the native kernel (B, the default; `xlagen.native.use_step_attention`).
   lookahead      the kernel's idle workers reading nothing ahead (A) against the start of the next
                  product's weights (B, the default; `xlagen.native.set_lookahead`). One program: the choice
                  is made at run time, before each call.
@@ -45,7 +47,7 @@ def _choices(compare: str):
     from xlagen.layers import block
 
     cap, floor_bytes, min_keys = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES, native.ATTENTION_MIN_KEYS
-    use_attention = native.use_attention_kernel
+    use_attention, use_step = native.use_attention_kernel, native.use_step_attention
     former_cap, former_floor = 16384, 2 * 2**20  # the limits in force before every product went on the kernel
     lookahead = native.lookahead_kib() if compare == "lookahead" else 0  # the default in force
 
@@ -65,6 +67,9 @@ def _choices(compare: str):
         native.use_attention_kernel = use_attention if fused else (
             lambda *args, key_transposed=False, **kwargs: not key_transposed and use_attention(*args, **kwargs))
 
+    def step(native_step):  # looked up on the module at every trace, like `cross`
+        native.use_step_attention = use_step if native_step else (lambda *args: False)
+
     return {
         "kernel": {"xla_dot": lambda: native.set_float32_kernel(False),
                    "kernel": lambda: native.set_float32_kernel(True)},
@@ -74,16 +79,18 @@ def _choices(compare: str):
         "shared-traces": {"block_by_block": lambda: share(False), "shared": lambda: share(True)},
         "attention": {"xla_attention": lambda: keys(2**62), "fused_attention": lambda: keys(min_keys)},
         "cross-attention": {"xla_cross_attention": lambda: cross(False), "fused_cross_attention": lambda: cross(True)},
+        "step-attention": {"xla_step_attention": lambda: step(False), "step_attention": lambda: step(True)},
         "lookahead": {"no_lookahead": lambda: native.set_lookahead(0),
                       "lookahead": lambda: native.set_lookahead(lookahead)},
     }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True),
-                          keys(min_keys), cross(True)))
+                          keys(min_keys), cross(True), step(True)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compare", default="kernel", choices=["kernel", "heads", "rules", "shared-traces",
-                                                                "attention", "cross-attention", "lookahead"])
+                                                                "attention", "cross-attention", "step-attention",
+                                                                "lookahead"])
     parser.add_argument("--model", default="gpt2", help="an `xlagen bench` model: gpt2, opt, t5, whisper")
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
     parser.add_argument("--batch-size", type=int, default=1)

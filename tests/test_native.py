@@ -411,7 +411,8 @@ def _assert_kernel_changes_nothing(model, inputs: dict, **options):
                                                        _float32_generate(model, inputs, False, **options))
     _assert_same_outputs(with_kernel, without)
     assert f'custom_call_target="{native.FLOAT32_TARGET}"' in hlo_with
-    assert native.FLOAT32_TARGET not in hlo_without
+    assert f'custom_call_target="{native.STEP_ATTENTION_TARGET}"' in hlo_with
+    assert native.FLOAT32_TARGET not in hlo_without and native.STEP_ATTENTION_TARGET not in hlo_without
 
 
 @pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3},
@@ -657,3 +658,83 @@ def test_float32_kernel_refuses_other_dtypes():
 def test_set_lookahead_refuses_negative_sizes():
     with pytest.raises(ValueError, match=">= 0"):
         native.set_lookahead(-1)
+
+
+# ----------------------------------------------------------------------------- a decoding step's attention
+
+
+def _step_attention_reference(q, keys, values, key, value, bias, scale):
+    """float64 numpy: softmax over [cache keys, new key] of scale * q.k + bias (-inf: MASK_VALUE)."""
+    q, keys, values, key, value, bias = (np.asarray(t, np.float64) for t in (q, keys, values, key, value, bias))
+    scores = np.concatenate([np.einsum("ghkd,ghsd->ghks", q, keys), np.sum(q * key, -1, keepdims=True)], -1)
+    scores = np.where(np.isneginf(bias), -1e9, scores * scale + np.where(np.isneginf(bias), 0, bias))
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("ghks,ghsd->ghkd", weights[..., :-1], values) + weights[..., -1:] * value
+
+
+@pytest.mark.parametrize("groups, heads, queries, s, d, bias_heads", [
+    (1, 12, 1, 136, 64, 1), (2, 3, 2, 2 * 45, 32, 3), (3, 2, 4, 4 * 17, 16, 1), (1, 1, 1, 1, 128, 1),
+    (8, 4, 2, 2 * 300, 64, 4), (8, 12, 1, 600, 64, 1), (2, 4, 1, 9, 8, 4), (1, 2, 3, 3 * 20, 40, 1)])
+def test_step_attention_kernel_matches_float64_numpy(groups, heads, queries, s, d, bias_heads):
+    # Key counts (s + 1) not a multiple of 16; a random third of the keys masked, every query's new key
+    # visible except in one row that sees only cache keys; two cases large enough for the workers; head
+    # sizes not a multiple of 16 (8, 40: the tiny test models' and a masked last vector).
+    rng = np.random.default_rng(groups * 100 + s)
+    q = rng.standard_normal((groups, heads, queries, d)).astype(np.float32)
+    keys, values = ((2 * rng.standard_normal((groups, heads, s, d))).astype(np.float32) for _ in range(2))
+    key, value = (rng.standard_normal((groups, heads, queries, d)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal((groups, bias_heads, queries, s + 1)).astype(np.float32)
+    bias[rng.random(bias.shape) < 1 / 3] = -np.inf
+    bias[..., -1] = np.where(np.isneginf(bias[..., -1]), 0.0, bias[..., -1])
+    if s > 1:
+        bias[0, :, 0, -1] = -np.inf
+        bias[0, :, 0, 0] = 0.5
+    scale = d ** -0.5
+    out = _xla(lambda *args: native.step_attention(*args, scale), q, keys, values, key, value, bias)
+    expected = _step_attention_reference(q, keys, values, key, value, bias, scale)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
+
+
+def test_step_attention_kernel_refuses_a_bias_or_head_size_it_cannot_take():
+    q = tf.zeros((2, 3, 1, 32))
+    keys = tf.zeros((2, 3, 10, 32))
+    with pytest.raises(ValueError, match="does not match"):
+        native.step_attention(q, keys, keys, q, q, tf.zeros((2, 1, 1, 10)), 1.0)
+    wide = tf.zeros((2, 3, 1, native.STEP_ATTENTION_MAX_HEAD_DIM + 16))
+    with pytest.raises(ValueError, match="head size"):
+        native.step_attention(wide, wide, wide, wide, wide, tf.zeros((2, 1, 1, 2)), 1.0)
+
+
+def test_step_attention_kernel_only_in_compiled_decoding_loops(float32_kernel):
+    q, keys = tf.zeros((2, 2, 1, 64)), tf.zeros((2, 2, 9, 64))
+    seen = {}
+
+    def probe(name, *args):
+        seen[name] = native.use_step_attention(*args)
+
+    def body(i):
+        probe("loop", q, keys)
+        probe("two beams of one prompt", tf.zeros((1, 2, 2, 64)), keys[:1])
+        probe("one row", q[:1], keys[:1])
+        probe("bfloat16", tf.cast(q, tf.bfloat16), tf.cast(keys, tf.bfloat16))
+        wide = tf.zeros((2, 2, 1, native.STEP_ATTENTION_MAX_HEAD_DIM + 16))
+        probe("head size 272", wide, tf.zeros((2, 2, 9, native.STEP_ATTENTION_MAX_HEAD_DIM + 16)))
+        with native.portable():
+            probe("portable", q, keys)
+        return (i + 1,)
+
+    def traced():
+        probe("outside the loop", q, keys)
+        return tf.while_loop(lambda i: i < 1, body, (tf.constant(0),))
+
+    tf.function(traced, jit_compile=True)()
+    assert native.STEP_ATTENTION_MIN_ROWS == 2
+    assert seen == {"outside the loop": False, "loop": True, "two beams of one prompt": True, "one row": False,
+                    "bfloat16": False, "head size 272": False,
+                    "portable": False}
+    tf.function(traced)()  # a graph not compiled by XLA
+    assert not any(seen.values())
+    float32_kernel(False)
+    tf.function(traced, jit_compile=True)()
+    assert not any(seen.values())

@@ -221,22 +221,30 @@ class Attention(_MultiHead):
         positions = ops.arange(length, dtype="int32")  # [S]
         slot_positions = ops.tile(positions, (beams,)) if beams > 1 else positions  # [K * S]
         at_index = slot_positions == index
-        old = _per_query(lambda q: ops.matmul(keys, ops.transpose(q, (0, 1, 3, 2))), query, -1)  # [G, H, K * S, K]
-        old = ops.transpose(old, (0, 1, 3, 2))  # [G, H, K, K * S]
-        new = ops.sum(query * key, axis=-1, keepdims=True)  # [G, H, K, 1]
-        scores = ops.cast(ops.concatenate([old, new], axis=-1) * self.scale, "float32")
+        visible_new = ops.any(ops.logical_and(mask, at_index), axis=-1, keepdims=True)
+        visible = ops.concatenate([ops.logical_and(mask, slot_positions < index), visible_new], axis=-1)
         if bias is not None:  # [1, H, 1, S] (T5's relative positions do not depend on the row)
             bias = ops.cast(bias, "float32")
             bias_new = ops.sum(ops.where(positions == index, bias, 0.0), axis=-1, keepdims=True)
             bias_old = ops.tile(bias, (1, 1, 1, beams)) if beams > 1 else bias
-            scores = scores + ops.concatenate([bias_old, bias_new], axis=-1)
-        visible_new = ops.any(ops.logical_and(mask, at_index), axis=-1, keepdims=True)
-        visible_old = ops.logical_and(mask, slot_positions < index)
-        scores = ops.where(ops.concatenate([visible_old, visible_new], axis=-1), scores, MASK_VALUE)
-        weights = ops.cast(ops.softmax(scores, axis=-1), value.dtype)
-        weights = self.dropout(weights, training=training)
-        attended = _per_query(lambda w: ops.matmul(w, values), weights[..., :beams * length], 2)
-        attended = attended + weights[..., beams * length:] * value
+            bias = ops.concatenate([bias_old, bias_new], axis=-1)  # [1, H, 1, K * S + 1]
+        dropout = self.dropout.rate > 0 and training is not None and training is not False
+        if not dropout and native.use_step_attention(query, keys):
+            # One native call: the cache read in place, the new key last, -inf where a query may not see.
+            masked = ops.where(visible, 0.0 if bias is None else bias, float("-inf"))
+            attended = native.step_attention(query, keys, values, key, value, masked, self.scale)
+        else:
+            old = _per_query(lambda q: ops.matmul(keys, ops.transpose(q, (0, 1, 3, 2))), query, -1)  # [G, H, K * S, K]
+            old = ops.transpose(old, (0, 1, 3, 2))  # [G, H, K, K * S]
+            new = ops.sum(query * key, axis=-1, keepdims=True)  # [G, H, K, 1]
+            scores = ops.cast(ops.concatenate([old, new], axis=-1) * self.scale, "float32")
+            if bias is not None:
+                scores = scores + bias
+            scores = ops.where(visible, scores, MASK_VALUE)
+            weights = ops.cast(ops.softmax(scores, axis=-1), value.dtype)
+            weights = self.dropout(weights, training=training)
+            attended = _per_query(lambda w: ops.matmul(w, values), weights[..., :beams * length], 2)
+            attended = attended + weights[..., beams * length:] * value
         # Exactly 0, but computed from `attended`: a data dependency that orders the cache write after
         # the dots read the cache. (XLA keeps `0.0 * x` for floats; the 0/1 flag keeps it NaN-free.)
         order = 0.0 * ops.cast(ops.isnan(ops.sum(attended)), "float32")

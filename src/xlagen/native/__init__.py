@@ -20,7 +20,9 @@ And one fused attention (`attention`): `softmax(scale * q k^T) v` over every key
 float32 attention under XLA: Whisper's encoder (1500 positions), whose scores XLA writes out and reads
 back twice, and its decoder's cross-attention over them, whose keys and values XLA's dots read at a third
 of the memory's rate; the kernel keeps the scores in the core's cache and streams the keys and values
-once (`use_attention_kernel` says where it runs).
+once (`use_attention_kernel` says where it runs). And a decoding step's masked self-attention over the
+static cache (`step_attention`): one call per layer instead of XLA's two dots and softmax fusions, from 2
+query rows (`use_step_attention`).
 
 The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
 cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source. It needs
@@ -51,6 +53,13 @@ TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
 INT8_TARGET = "xlagen_int8_matmul"
 ATTENTION_TARGET = "xlagen_f32_attention"
+STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
+STEP_ATTENTION_MAX_HEAD_DIM = 256  # matmul.cc's kStepAttentionMaxD
+# A decoding step's self-attention runs as one native call per layer (`step_attention`) from this many
+# query rows (batch x beams): at 2 and 8 rows it made GPT-2-small's `generate` 1.035x and 1.074x faster, at
+# one row 0.98-0.99x (the kernel's workers already read the next weights during XLA's attention ops there;
+# `benchmarks/ab.py --compare step-attention`, docs/performance.md).
+STEP_ATTENTION_MIN_ROWS = 2
 PANEL = 32  # output columns per packed bfloat16 panel (matmul.cc's kPanel)
 INT8_PANEL = 64  # output columns per int8 panel (matmul.cc's kInt8Panel)
 WEIGHT_DTYPES = ("bfloat16", "int8")  # what `pack_tensor` packs
@@ -470,3 +479,55 @@ def attention(query, key, value, scale: float, key_transposed: bool = False):
         return tf.reshape(out, (batch, heads, length, head_dim)), gradient
 
     return fused(query, key, value)
+
+
+def use_step_attention(query, keys) -> bool:
+    """Whether a decoding step's self-attention being traced now (`xlagen.layers.attention.Attention._step`)
+    should be `step_attention`: float32 `[G, H, K, D]` queries and `[G, H, S', D]` cache keys of static
+    shapes, at least `STEP_ATTENTION_MIN_ROWS` queries (G x K), D at most `STEP_ATTENTION_MAX_HEAD_DIM`,
+    inside a `tf.while_loop` compiled by XLA, the float32 kernels enabled (`set_float32_kernel`), not
+    `portable()`, and loadable."""
+    import tensorflow as tf
+
+    if not _float32_enabled or _portable.get() or query.dtype != tf.float32 or keys.dtype != tf.float32:
+        return False
+    if query.shape.rank != 4 or keys.shape.rank != 4:
+        return False
+    if not (query.shape.is_fully_defined() and keys.shape.is_fully_defined()):
+        return False
+    if query.shape[3] > STEP_ATTENTION_MAX_HEAD_DIM or keys.shape[3] != query.shape[3]:
+        return False
+    if query.shape[0] * query.shape[2] < STEP_ATTENTION_MIN_ROWS:
+        return False
+    xla, in_loop = _context()
+    return xla and in_loop and _float32_kernel_ready()
+
+
+def step_attention(query, keys, values, key, value, bias, scale: float):
+    """One decoding step's self-attention as the native kernel's custom call (call it under XLA only; see
+    `use_step_attention`): for each of the K queries `[G, H, K, D]`, softmax over the cache's keys
+    `[G, H, S', D]` and the step's own new key (`key`, `[G, H, K, D]`, query k's), of `scale * q . k +
+    bias`, then the weighted sum of `values` and `value`. `bias` `[G, 1 or H, K, S' + 1]` (float32; the new
+    key last) is -inf where a query may not see a key; such a score is `MASK_VALUE` (-1e9), as
+    `xlagen.layers.attention` masks. Returns `[G, H, K, D]`.
+
+    The same sums as the two products and the softmax in TensorFlow ops, in one call per layer instead of
+    several XLA operations (two dots and the softmax's fusions), reading the cache in place."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    groups, heads, queries, head_dim = query.shape
+    length = keys.shape[2]
+    if head_dim > STEP_ATTENTION_MAX_HEAD_DIM or keys.shape[3] != head_dim:
+        raise ValueError(f"step_attention: head size {head_dim} (keys {keys.shape[3]}); the kernel takes equal "
+                         f"sizes up to {STEP_ATTENTION_MAX_HEAD_DIM}")
+    if bias.shape[0] != groups or bias.shape[1] not in (1, heads) or tuple(bias.shape[2:]) != (queries, length + 1):
+        raise ValueError(f"step_attention: bias {bias.shape} does not match {groups} groups, {heads} heads, "
+                         f"{queries} queries and {length} + 1 keys")
+    config = f"{groups},{heads},{queries},{length},{head_dim},{bias.shape[1]},{float(np.float32(scale))!r}"
+    (out,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[query, keys, values, key, value, tf.cast(bias, tf.float32)], call_target_name=STEP_ATTENTION_TARGET,
+        backend_config=config, has_side_effect=False, result_dtypes=[tf.float32],
+        result_shapes=[tf.TensorShape([groups, heads, queries, head_dim])])
+    return out

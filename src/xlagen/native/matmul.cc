@@ -928,6 +928,97 @@ void RunAttention(const void* args, int u0, int u1) {
   }
 }
 
+// One decoding step's self-attention (T = 1 per sequence; a prompt's K beams as K queries over its K slots of
+// the cache laid end to end): for query i of group g and head h, the scores of the cache's S keys and of the
+// step's own new key, softmax, and the weighted sum of the values and the new value. `bias` [G, bias_heads,
+// K, S + 1] is added to the scaled scores; -inf marks a key the query may not see (its score is then
+// kMaskValue, as `xlagen.layers.attention` masks: finite, so no row turns into NaN).
+struct StepAttention {
+  const float* q;      // [G, H, K, D]
+  const float* k;      // [G, H, S, D]: the cache as it was before this step
+  const float* v;      // [G, H, S, D]
+  const float* new_k;  // [G, H, K, D]
+  const float* new_v;  // [G, H, K, D]
+  const float* bias;   // [G, bias_heads, K, S + 1]
+  float* out;          // [G, H, K, D]
+  int heads, queries, s, d, bias_heads;
+  float scale;
+};
+
+constexpr float kMaskValue = -1e9f;  // xlagen.layers.attention.MASK_VALUE
+// Steps with fewer multiply-adds than this (heads x queries x keys x head dim) run on the calling thread
+// alone: waking the workers would stop them reading the next product's weights ahead, for a few us of work.
+constexpr long kStepAttentionAlone = 1L << 20;
+
+constexpr int kStepAttentionMaxD = 256;  // head sizes up to this (xlagen.native.STEP_ATTENTION_MAX_HEAD_DIM)
+
+// The D = 16 (whole - 1) + tail floats of a head vector: `whole` vectors, the last under `tail`.
+inline float DotRow(const float* a, const float* b, int whole, __mmask16 tail) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int c = 0; c + 1 < whole; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + 16 * c), _mm512_loadu_ps(b + 16 * c), acc);
+  const int c = whole - 1;
+  acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + 16 * c), _mm512_maskz_loadu_ps(tail, b + 16 * c), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+void RunStepAttention(const void* args, int u0, int u1) {
+  const StepAttention& a = *static_cast<const StepAttention*>(args);
+  thread_local std::vector<float> scores;
+  const int n = a.s + 1;  // the cache's keys, then the new one
+  scores.resize(static_cast<size_t>(n));
+  const int vectors = (a.d + 15) / 16;  // of a head vector, the last under `last`
+  const __mmask16 last = static_cast<__mmask16>(0xFFFFu >> (16 * vectors - a.d));
+  for (int u = u0; u < u1; ++u) {  // u = (g * heads + h) * queries + i
+    const int i = u % a.queries, gh = u / a.queries, g = gh / a.heads, h = gh % a.heads;
+    const float* q = a.q + static_cast<size_t>(u) * a.d;
+    const float* k = a.k + static_cast<size_t>(gh) * a.s * a.d;
+    const float* v = a.v + static_cast<size_t>(gh) * a.s * a.d;
+    const float* bias =
+        a.bias + ((static_cast<size_t>(g) * a.bias_heads + (a.bias_heads == 1 ? 0 : h)) * a.queries + i) * n;
+    float* row = scores.data();
+    float top = -INFINITY;
+    for (int j = 0; j < n; ++j) {
+      float score = kMaskValue;
+      if (bias[j] != -INFINITY) {
+        const float* key = j < a.s ? k + static_cast<size_t>(j) * a.d : a.new_k + static_cast<size_t>(u) * a.d;
+        score = DotRow(q, key, vectors, last) * a.scale + bias[j];
+      }
+      row[j] = score;
+      top = score > top ? score : top;
+    }
+    const int whole = n / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
+    const __m512 high = _mm512_set1_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int j = 0; j < whole; j += 16) {
+      const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), high));
+      _mm512_storeu_ps(row + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (tail) {
+      const __m512 x = _mm512_maskz_loadu_ps(tail, row + whole);
+      const __m512 e = _mm512_maskz_mov_ps(tail, ExpNonPositive(_mm512_sub_ps(x, high)));
+      _mm512_mask_storeu_ps(row + whole, tail, e);
+      total = _mm512_add_ps(total, e);
+    }
+    // The weighted values (a masked key's weight is 0 and is skipped: its value is never read).
+    __m512 acc[kStepAttentionMaxD / 16];
+    for (int c = 0; c < vectors; ++c) acc[c] = _mm512_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+      if (row[j] == 0.0f) continue;
+      const __m512 w = _mm512_set1_ps(row[j]);
+      const float* value = j < a.s ? v + static_cast<size_t>(j) * a.d : a.new_v + static_cast<size_t>(u) * a.d;
+      for (int c = 0; c + 1 < vectors; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * c), acc[c]);
+      acc[vectors - 1] =
+          _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(last, value + 16 * (vectors - 1)), acc[vectors - 1]);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    float* out = a.out + static_cast<size_t>(u) * a.d;
+    for (int c = 0; c + 1 < vectors; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inverse));
+    _mm512_mask_storeu_ps(out + 16 * (vectors - 1), last, _mm512_mul_ps(acc[vectors - 1], inverse));
+  }
+}
+
 }  // namespace
 
 extern "C" void xlagen_bf16_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
@@ -989,6 +1080,29 @@ extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opa
   GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
 }
 
+// The backend config is "groups,heads,queries,s,d,bias_heads,scale" (scale printed with 9 significant digits).
+extern "C" void xlagen_f32_step_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                          XlaCustomCallStatus_* /*status*/) {
+  StepAttention a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<const float*>(in[2]),
+                  static_cast<const float*>(in[3]), static_cast<const float*>(in[4]), static_cast<const float*>(in[5]),
+                  static_cast<float*>(out), 0, 0, 0, 0, 0, 0.0f};
+  char config[128];
+  const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
+  std::memcpy(config, opaque, length);
+  config[length] = '\0';
+  int groups = 0;
+  if (std::sscanf(config, "%d,%d,%d,%d,%d,%d,%f", &groups, &a.heads, &a.queries, &a.s, &a.d, &a.bias_heads,
+                  &a.scale) != 7 || a.d < 1 || a.d > kStepAttentionMaxD) {
+    std::abort();
+  }
+  const int units = groups * a.heads * a.queries;
+  if (static_cast<long>(units) * (a.s + 1) * a.d < kStepAttentionAlone) {
+    RunStepAttention(&a, 0, units);
+  } else {
+    GetPool().Run(Task{&a, RunStepAttention, units});
+  }
+}
+
 // Sets how many KiB of the product expected next each idle worker prefetches (0: none), for the calls from
 // now on; the environment's XLAGEN_NATIVE_LOOKAHEAD_KB (default kDefaultLookaheadKB) until then.
 extern "C" void xlagen_set_lookahead(long kib) {
@@ -1020,6 +1134,8 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), std::string("Host"));
   add(global(), std::string("xlagen_int8_matmul"), reinterpret_cast<void*>(&xlagen_int8_matmul), std::string("Host"));
   add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention),
+      std::string("Host"));
+  add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention),
       std::string("Host"));
   return 0;
 }
