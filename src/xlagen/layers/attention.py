@@ -246,7 +246,8 @@ class Attention(_MultiHead):
             attended = _per_query(lambda w: ops.matmul(w, values), weights[..., :beams * length], 2)
             attended = attended + weights[..., beams * length:] * value
         # Exactly 0, but computed from `attended`: a data dependency that orders the cache write after
-        # the dots (or the native call) read the cache. (XLA keeps `0.0 * x` for floats; the 0/1 flag keeps it NaN-free.)
+        # the dots (or the native call) read the cache. (XLA keeps `0.0 * x` for floats; the 0/1 flag keeps
+        # it NaN-free.)
         order = 0.0 * ops.cast(ops.isnan(ops.sum(attended)), "float32")
         key, value = key + ops.cast(order, key.dtype), value + ops.cast(order, value.dtype)
         if beams > 1:  # [G, H, K, D] -> [G, H, K, 1, D]
