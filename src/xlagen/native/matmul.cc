@@ -368,6 +368,11 @@ float* PackedSums(size_t floats) {
   return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
 }
 
+// Where the packed sums of row r (of R) at column j are.
+__attribute__((always_inline)) inline float* PackedAt(float* sums, int rows, int r, int j) {
+  return sums + (j / kPackColumns) * kPackColumns * rows + kPackColumns * r + j % kPackColumns;
+}
+
 // x[i] as a vector: already broadcast (few rows: the vectors stay in registers), or broadcast from memory
 // (the caller hides x from the optimizer, which would otherwise hoist the values into registers and
 // broadcast them with shuffles on the FMA pipes).
@@ -408,7 +413,7 @@ __attribute__((always_inline)) inline void StreamVectors(const float* const* w, 
 template <int R, int V, bool Ahead, typename X>
 __attribute__((always_inline)) inline void StreamGroup(const float* const* w, const X* x, float* sums, int whole,
                                                        int width, __mmask16 tail, bool first, size_t ahead) {
-  auto at = [&](int j) { return sums + (j / kPackColumns) * kPackColumns * R + j % kPackColumns; };
+  auto at = [&](int j) { return PackedAt(sums, R, 0, j); };
   int j = 0;
   for (; j + 16 * V <= whole; j += 16 * V) StreamVectors<R, V, Ahead, false>(w, x, at(j), j, first, 0xFFFF, ahead);
   for (; j < whole; j += 16) StreamVectors<R, 1, false, false>(w, x, at(j), j, first, 0xFFFF, 0);
@@ -454,8 +459,7 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
     for (int r = 0; r < R; ++r) {  // the packed sums to the unit's rows of y (or of its split's partial sums)
       float* y = unit.out + static_cast<size_t>(r) * a.n;
       for (int j = 0; j < width; j += 16) {
-        const __m512 v = _mm512_load_ps(sums + (j / kPackColumns) * kPackColumns * R + kPackColumns * r +
-                                        j % kPackColumns);
+        const __m512 v = _mm512_load_ps(PackedAt(sums, R, r, j));
         if (j < whole) {
           _mm512_storeu_ps(y + j, v);
         } else {
