@@ -19,6 +19,8 @@ call by call in alternation.
                  fused kernel (B, the default); the encoder's attention is the kernel in both.
   step-attention a decoding step's self-attention with XLA's ops (A: two dots and the softmax's fusions per
                  layer) against the native kernel (B, the default; `xlagen.native.use_step_attention`).
+  argmax         greedy's choice of token with XLA's argmax (A) against the native kernel's (B, the default;
+                 `xlagen.native.use_argmax`).
   lookahead      the kernel's idle workers reading nothing ahead (A) against the start of the next
                  product's weights (B, the default; `xlagen.native.set_lookahead`). One program: the choice
                  is made at run time, before each call.
@@ -47,7 +49,7 @@ def _choices(compare: str):
     from xlagen.layers import block
 
     cap, floor_bytes, min_keys = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES, native.ATTENTION_MIN_KEYS
-    use_attention, use_step = native.use_attention_kernel, native.use_step_attention
+    use_attention, use_step, use_argmax = native.use_attention_kernel, native.use_step_attention, native.use_argmax
     former_cap, former_floor = 16384, 2 * 2**20  # the limits in force before every product went on the kernel
     lookahead = native.lookahead_kib() if compare == "lookahead" else 0  # the default in force
 
@@ -70,6 +72,9 @@ def _choices(compare: str):
     def step(native_step):  # looked up on the module at every trace, like `cross`
         native.use_step_attention = use_step if native_step else (lambda *args: False)
 
+    def argmax(native_argmax):  # looked up on the module at every trace, like `cross`
+        native.use_argmax = use_argmax if native_argmax else (lambda *args: False)
+
     return {
         "kernel": {"xla_dot": lambda: native.set_float32_kernel(False),
                    "kernel": lambda: native.set_float32_kernel(True)},
@@ -80,17 +85,19 @@ def _choices(compare: str):
         "attention": {"xla_attention": lambda: keys(2**62), "fused_attention": lambda: keys(min_keys)},
         "cross-attention": {"xla_cross_attention": lambda: cross(False), "fused_cross_attention": lambda: cross(True)},
         "step-attention": {"xla_step_attention": lambda: step(False), "step_attention": lambda: step(True)},
+        "argmax": {"xla_argmax": lambda: argmax(False), "native_argmax": lambda: argmax(True)},
         "lookahead": {"no_lookahead": lambda: native.set_lookahead(0),
                       "lookahead": lambda: native.set_lookahead(lookahead)},
     }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True),
-                          keys(min_keys), cross(True), step(True)))
+                          keys(min_keys), cross(True), step(True),
+                          argmax(True)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compare", default="kernel", choices=["kernel", "heads", "rules", "shared-traces",
                                                                 "attention", "cross-attention", "step-attention",
-                                                                "lookahead"])
+                                                                "argmax", "lookahead"])
     parser.add_argument("--model", default="gpt2", help="an `xlagen bench` model: gpt2, opt, t5, whisper")
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
     parser.add_argument("--batch-size", type=int, default=1)

@@ -412,7 +412,9 @@ def _assert_kernel_changes_nothing(model, inputs: dict, **options):
     _assert_same_outputs(with_kernel, without)
     assert f'custom_call_target="{native.FLOAT32_TARGET}"' in hlo_with
     assert f'custom_call_target="{native.STEP_ATTENTION_TARGET}"' in hlo_with
-    assert native.FLOAT32_TARGET not in hlo_without and native.STEP_ATTENTION_TARGET not in hlo_without
+    assert (f'custom_call_target="{native.ARGMAX_TARGET}"' in hlo_with) == (options.get("num_beams", 1) == 1)
+    for target in (native.FLOAT32_TARGET, native.STEP_ATTENTION_TARGET, native.ARGMAX_TARGET):
+        assert target not in hlo_without
 
 
 @pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3},
@@ -737,4 +739,50 @@ def test_step_attention_kernel_only_in_compiled_decoding_loops(float32_kernel):
     assert not any(seen.values())
     float32_kernel(False)
     tf.function(traced, jit_compile=True)()
+    assert not any(seen.values())
+
+
+@pytest.mark.parametrize("rows, n", [(1, 1), (1, 15), (3, 16), (2, 17), (8, 51865), (16, 50257), (5, 1000)])
+def test_argmax_kernel_matches_numpy(rows, n):
+    # One row on the caller, more on the pool; vocabularies that are and are not a multiple of 16 lanes.
+    x = np.random.default_rng(rows * n).standard_normal((rows, n)).astype(np.float32)
+    np.testing.assert_array_equal(_xla(native.argmax, x), x.argmax(-1))
+
+
+def test_argmax_kernel_ties_infinities_and_nan():
+    x = np.zeros((6, 40), np.float32)
+    x[0, [5, 21, 30]] = 1.0  # ties in different lanes and vectors: the first
+    x[1] = -np.inf  # nothing larger than -inf: 0, as tf.argmax
+    x[2, [3, 9]] = [np.nan, 2.0]  # NaN is skipped
+    x[3, 39] = np.inf  # the last lane of the tail
+    x[4] = np.nan
+    x[5, [0, 16]] = 7.0  # the same lane in two vectors: the first
+    np.testing.assert_array_equal(_xla(native.argmax, x), [5, 0, 9, 39, 0, 0])
+    expected = tf.argmax(x, -1, output_type=tf.int32).numpy()
+    np.testing.assert_array_equal(_xla(native.argmax, x)[[0, 1, 3, 5]], expected[[0, 1, 3, 5]])
+
+
+def test_argmax_kernel_only_for_static_float32_scores_under_xla(float32_kernel):
+    seen = {}
+
+    def probe(name, scores):
+        seen[name] = native.use_argmax(scores)
+
+    def traced(scores):
+        probe("compiled", scores)
+        probe("bfloat16", tf.cast(scores, tf.bfloat16))
+        probe("three axes", scores[None])
+        with native.portable():
+            probe("portable", scores)
+        return scores
+
+    scores = tf.zeros((2, 50))
+    tf.function(traced, jit_compile=True)(scores)
+    assert seen == {"compiled": True, "bfloat16": False, "three axes": False, "portable": False}
+    tf.function(traced)(scores)  # a graph not compiled by XLA
+    assert not any(seen.values())
+    tf.function(traced, jit_compile=True, input_signature=[tf.TensorSpec((None, 50))])(scores)
+    assert not seen["compiled"]  # rows not static
+    float32_kernel(False)
+    tf.function(traced, jit_compile=True)(scores)
     assert not any(seen.values())

@@ -1107,6 +1107,63 @@ extern "C" void xlagen_f32_step_attention(void* out, const void** in, const char
   }
 }
 
+// "xlagen_f32_argmax": the index of each row's largest value, the first on ties (greedy decoding's choice
+// over a vocabulary of logits). XLA's argmax is a reduction of (value, index) pairs that its CPU backend
+// runs one element at a time (about 0.9 ms per step for Whisper-tiny's 8 x 51,865 logits); here each of 16
+// lanes keeps its own largest value and index, and the lanes are compared once at the end. NaN is never
+// larger than anything, so it is skipped (the lanes' values are never NaN); a row of only -inf or NaN gives 0.
+struct Argmax {
+  const float* x;  // [rows, n]
+  int32_t* out;    // [rows]
+  int n;
+};
+
+void RunArgmax(const void* args, int u0, int u1) {
+  const Argmax& a = *static_cast<const Argmax*>(args);
+  const __m512i step = _mm512_set1_epi32(16);
+  const int whole = a.n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (a.n - whole)) - 1);
+  for (int r = u0; r < u1; ++r) {
+    const float* row = a.x + static_cast<size_t>(r) * a.n;
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i where = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i index = where;
+    for (int j = 0; j < whole; j += 16) {
+      const __mmask16 larger = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + j), best, _CMP_GT_OQ);
+      best = _mm512_mask_loadu_ps(best, larger, row + j);
+      where = _mm512_mask_mov_epi32(where, larger, index);
+      index = _mm512_add_epi32(index, step);
+    }
+    if (tail) {
+      const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), tail, row + whole);
+      const __mmask16 larger = _mm512_cmp_ps_mask(x, best, _CMP_GT_OQ);
+      best = _mm512_mask_mov_ps(best, larger, x);
+      where = _mm512_mask_mov_epi32(where, larger, index);
+    }
+    // Each lane holds its first maximum; of the lanes with the row's maximum, the smallest index.
+    const float top = _mm512_reduce_max_ps(best);
+    const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+    a.out[r] = _mm512_mask_reduce_min_epi32(at_top, where);
+  }
+}
+
+// The backend config is "rows,n".
+extern "C" void xlagen_f32_argmax(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                  XlaCustomCallStatus_* /*status*/) {
+  char config[64];
+  const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
+  std::memcpy(config, opaque, length);
+  config[length] = '\0';
+  int rows = 0;
+  Argmax a{static_cast<const float*>(in[0]), static_cast<int32_t*>(out), 0};
+  if (std::sscanf(config, "%d,%d", &rows, &a.n) != 2 || rows < 0 || a.n < 1) std::abort();
+  if (rows < 2) {
+    RunArgmax(&a, 0, rows);
+  } else {
+    GetPool().Run(Task{&a, RunArgmax, rows});
+  }
+}
+
 // Sets how many KiB of the product expected next each idle worker prefetches (0: none), for the calls from
 // now on; the environment's XLAGEN_NATIVE_LOOKAHEAD_KB (default kDefaultLookaheadKB) until then.
 extern "C" void xlagen_set_lookahead(long kib) {
@@ -1141,5 +1198,6 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
       std::string("Host"));
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention),
       std::string("Host"));
+  add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), std::string("Host"));
   return 0;
 }
