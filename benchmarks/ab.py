@@ -89,8 +89,7 @@ def _choices(compare: str):
         "lookahead": {"no_lookahead": lambda: native.set_lookahead(0),
                       "lookahead": lambda: native.set_lookahead(lookahead)},
     }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True),
-                          keys(min_keys), cross(True), step(True),
-                          argmax(True)))
+                          keys(min_keys), cross(True), step(True), argmax(True)))
 
 
 def main() -> None:

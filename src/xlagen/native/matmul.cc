@@ -746,13 +746,20 @@ Pool& GetPool() {
   return *pool;
 }
 
+// A custom call's backend config as a C string for sscanf (XLA passes its bytes without a terminating 0).
+struct BackendConfig {
+  char text[128];
+  BackendConfig(const char* opaque, size_t length) {
+    if (length > sizeof(text) - 1) length = sizeof(text) - 1;
+    std::memcpy(text, opaque, length);
+    text[length] = '\0';
+  }
+};
+
 // The backend config "M,K,N" (xlagen always writes it so).
 void ParseShape(const char* opaque, size_t opaque_len, int* m, int* k, int* n) {
-  char config[64];
-  const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
-  std::memcpy(config, opaque, length);
-  config[length] = '\0';
-  if (std::sscanf(config, "%d,%d,%d", m, k, n) != 3) std::abort();
+  const BackendConfig config(opaque, opaque_len);
+  if (std::sscanf(config.text, "%d,%d,%d", m, k, n) != 3) std::abort();
 }
 
 // "xlagen_f32_attention": softmax(scale * q k^T) v over all keys (no mask), for each of B x H heads, for
@@ -1072,11 +1079,8 @@ extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opa
                                      XlaCustomCallStatus_* /*status*/) {
   Attention a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<const float*>(in[2]),
               static_cast<float*>(out), 0, 0, 0, 0, 0, 0.0f, 0, 0};
-  char config[128];
-  const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
-  std::memcpy(config, opaque, length);
-  config[length] = '\0';
-  if (std::sscanf(config, "%d,%d,%d,%d,%f,%d", &a.heads, &a.t, &a.s, &a.d, &a.scale, &a.transposed) != 6) {
+  const BackendConfig config(opaque, opaque_len);
+  if (std::sscanf(config.text, "%d,%d,%d,%d,%f,%d", &a.heads, &a.t, &a.s, &a.d, &a.scale, &a.transposed) != 6) {
     std::abort();
   }
   a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
@@ -1090,12 +1094,9 @@ extern "C" void xlagen_f32_step_attention(void* out, const void** in, const char
   StepAttention a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<const float*>(in[2]),
                   static_cast<const float*>(in[3]), static_cast<const float*>(in[4]), static_cast<const float*>(in[5]),
                   static_cast<float*>(out), 0, 0, 0, 0, 0, 0.0f};
-  char config[128];
-  const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
-  std::memcpy(config, opaque, length);
-  config[length] = '\0';
+  const BackendConfig config(opaque, opaque_len);
   int groups = 0;
-  if (std::sscanf(config, "%d,%d,%d,%d,%d,%d,%f", &groups, &a.heads, &a.queries, &a.s, &a.d, &a.bias_heads,
+  if (std::sscanf(config.text, "%d,%d,%d,%d,%d,%d,%f", &groups, &a.heads, &a.queries, &a.s, &a.d, &a.bias_heads,
                   &a.scale) != 7 || a.d < 1 || a.d > kStepAttentionMaxD) {
     std::abort();
   }
@@ -1150,13 +1151,10 @@ void RunArgmax(const void* args, int u0, int u1) {
 // The backend config is "rows,n".
 extern "C" void xlagen_f32_argmax(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* /*status*/) {
-  char config[64];
-  const size_t length = opaque_len < sizeof(config) - 1 ? opaque_len : sizeof(config) - 1;
-  std::memcpy(config, opaque, length);
-  config[length] = '\0';
+  const BackendConfig config(opaque, opaque_len);
   int rows = 0;
   Argmax a{static_cast<const float*>(in[0]), static_cast<int32_t*>(out), 0};
-  if (std::sscanf(config, "%d,%d", &rows, &a.n) != 2 || rows < 0 || a.n < 1) std::abort();
+  if (std::sscanf(config.text, "%d,%d", &rows, &a.n) != 2 || rows < 0 || a.n < 1) std::abort();
   if (rows < 2) {
     RunArgmax(&a, 0, rows);
   } else {
