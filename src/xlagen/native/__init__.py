@@ -416,6 +416,17 @@ def matmul_float32(x, kernel):
     return _custom_call(FLOAT32_TARGET, x, kernel, kernel.shape[-1])
 
 
+def _static_float32(rank: int, *tensors) -> bool:
+    """Whether the float32 kernels may take `tensors` at all: the kernels enabled (`set_float32_kernel`), not
+    `portable()`, and every tensor float32 with `rank` axes of static sizes (what `use_attention_kernel`,
+    `use_step_attention` and `use_argmax` all ask first)."""
+    import tensorflow as tf
+
+    if not _float32_enabled or _portable.get():
+        return False
+    return all(t.dtype == tf.float32 and t.shape.rank == rank and t.shape.is_fully_defined() for t in tensors)
+
+
 def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False,
                          key_transposed: bool = False) -> bool:
     """Whether `softmax(scale * query @ key^T) @ value` being traced now should be `attention`: float32
@@ -425,11 +436,7 @@ def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False
     (`set_float32_kernel`), not `portable()`, and loadable."""
     import tensorflow as tf
 
-    if not _float32_enabled or _portable.get() or bias is not None or dropout:
-        return False
-    if query.dtype != tf.float32 or key.dtype != tf.float32 or query.shape.rank != 4 or key.shape.rank != 4:
-        return False
-    if not (query.shape.is_fully_defined() and key.shape.is_fully_defined()):
+    if bias is not None or dropout or not _static_float32(4, query, key):
         return False
     keys, key_dim = (key.shape[3], key.shape[2]) if key_transposed else (key.shape[2], key.shape[3])
     if keys < ATTENTION_MIN_KEYS or query.shape[3] not in ATTENTION_HEAD_DIMS or key_dim != query.shape[3]:
@@ -489,13 +496,7 @@ def use_step_attention(query, keys) -> bool:
     shapes, at least `STEP_ATTENTION_MIN_ROWS` queries (G x K), D at most `STEP_ATTENTION_MAX_HEAD_DIM`,
     inside a `tf.while_loop` compiled by XLA, the float32 kernels enabled (`set_float32_kernel`), not
     `portable()`, and loadable."""
-    import tensorflow as tf
-
-    if not _float32_enabled or _portable.get() or query.dtype != tf.float32 or keys.dtype != tf.float32:
-        return False
-    if query.shape.rank != 4 or keys.shape.rank != 4:
-        return False
-    if not (query.shape.is_fully_defined() and keys.shape.is_fully_defined()):
+    if not _static_float32(4, query, keys):
         return False
     if query.shape[3] > STEP_ATTENTION_MAX_HEAD_DIM or keys.shape[3] != query.shape[3]:
         return False
@@ -539,11 +540,7 @@ def use_argmax(scores) -> bool:
     """Whether an argmax over the last axis of `scores` being traced now should be `argmax`: float32 `[R, N]`
     of static shape, under XLA (in or out of a loop), the float32 kernels enabled (`set_float32_kernel`),
     not `portable()`, and loadable."""
-    import tensorflow as tf
-
-    if not _float32_enabled or _portable.get() or scores.dtype != tf.float32 or scores.shape.rank != 2:
-        return False
-    if not scores.shape.is_fully_defined() or scores.shape[1] == 0:
+    if not _static_float32(2, scores) or scores.shape[1] == 0:
         return False
     xla, _ = _context()
     return xla and _float32_kernel_ready()
