@@ -21,6 +21,9 @@ call by call in alternation.
                  layer) against the native kernel (B, the default; `xlagen.native.use_step_attention`).
   argmax         greedy's choice of token with XLA's argmax (A) against the native kernel's (B, the default;
                  `xlagen.native.use_argmax`).
+  fold           Whisper's cross-attention over its projected keys and values (A: projected once before the
+                 loop, read per layer) against the encoder output itself with the projections folded in (B,
+                 the default for greedy and sampling; `xlagen.native.use_memory_attention`).
   lookahead      the kernel's idle workers reading nothing ahead (A) against the start of the next
                  product's weights (B, the default; `xlagen.native.set_lookahead`). One program: the choice
                  is made at run time, before each call.
@@ -50,6 +53,7 @@ def _choices(compare: str):
 
     cap, floor_bytes, min_keys = native.FLOAT32_MAX_COLUMNS, native.FLOAT32_MIN_BYTES, native.ATTENTION_MIN_KEYS
     use_attention, use_step, use_argmax = native.use_attention_kernel, native.use_step_attention, native.use_argmax
+    use_memory = native.use_memory_attention
     former_cap, former_floor = 16384, 2 * 2**20  # the limits in force before every product went on the kernel
     lookahead = native.lookahead_kib() if compare == "lookahead" else 0  # the default in force
 
@@ -75,6 +79,9 @@ def _choices(compare: str):
     def argmax(native_argmax):  # looked up on the module at every trace, like `cross`
         native.use_argmax = use_argmax if native_argmax else (lambda *args: False)
 
+    def fold(folded):  # looked up on the module at every trace, like `cross`
+        native.use_memory_attention = use_memory if folded else (lambda *args: False)
+
     return {
         "kernel": {"xla_dot": lambda: native.set_float32_kernel(False),
                    "kernel": lambda: native.set_float32_kernel(True)},
@@ -86,17 +93,18 @@ def _choices(compare: str):
         "cross-attention": {"xla_cross_attention": lambda: cross(False), "fused_cross_attention": lambda: cross(True)},
         "step-attention": {"xla_step_attention": lambda: step(False), "step_attention": lambda: step(True)},
         "argmax": {"xla_argmax": lambda: argmax(False), "native_argmax": lambda: argmax(True)},
+        "fold": {"projected_memory": lambda: fold(False), "folded_memory": lambda: fold(True)},
         "lookahead": {"no_lookahead": lambda: native.set_lookahead(0),
                       "lookahead": lambda: native.set_lookahead(lookahead)},
     }[compare], (lambda: (columns(cap), floor(floor_bytes), share(True), native.set_float32_kernel(True),
-                          keys(min_keys), cross(True), step(True), argmax(True)))
+                          keys(min_keys), cross(True), step(True), argmax(True), fold(True)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--compare", default="kernel", choices=["kernel", "heads", "rules", "shared-traces",
                                                                 "attention", "cross-attention", "step-attention",
-                                                                "argmax", "lookahead"])
+                                                                "argmax", "fold", "lookahead"])
     parser.add_argument("--model", default="gpt2", help="an `xlagen bench` model: gpt2, opt, t5, whisper")
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
     parser.add_argument("--batch-size", type=int, default=1)

@@ -8,6 +8,7 @@ step, over all threads.
 
     python benchmarks/profile_step.py --model gpt2 --strategy beam2 --new-tokens 128
     python benchmarks/profile_step.py --model gpt2 --timeline 3   # every event of 3 ms mid-call
+    python benchmarks/profile_step.py --model whisper --batch-size 8 --phase before-loop   # the encoder
 
 The profiler itself adds about 10-20 % to a call, mostly at the thread-pool hand-offs, so compare rows
 with each other rather than with `xlagen bench`. The models are `xlagen bench`'s random-weight shapes.
@@ -46,6 +47,20 @@ WRAPPERS = ("ThunkExecutor::Execute", "ThreadpoolListener", "generate", "EagerEx
             "EagerKernelExecute", "TFE_Py_Execute", "CpuExecutable", "BlockUntilReady", "__inference")
 
 
+def phase(events: list, which: str) -> list:
+    """The events of one phase of the call: `before-loop` (prefill, and an encoder's whole run), `loop` (the
+    decoding steps: inside the outermost `while`), or `all`."""
+    if which == "all":
+        return events
+    loops = [(s, s + d) for s, d, _, n in events if n == "while" or n.startswith("while.")]
+    if not loops:
+        raise SystemExit("no `while` event in the profile")
+    start, end = min(loops)[0], max(e for _, e in loops)
+    if which == "before-loop":
+        return [e for e in events if e[0] + e[1] <= start or e[3].startswith("CpuExecutable::ExecuteAsyncOnStream")]
+    return [e for e in events if start <= e[0] < end or e[3].startswith("CpuExecutable::ExecuteAsyncOnStream")]
+
+
 def summarise(events: list, steps: int, top: int) -> str:
     totals, counts = collections.Counter(), collections.Counter()
     call = 0
@@ -58,10 +73,12 @@ def summarise(events: list, steps: int, top: int) -> str:
         totals[key] += duration
         counts[key] += 1
     lines = [f"one call: {call / 1e9:.1f} ms, {call / 1e6 / steps:.1f} us per step (profiled)", "",
-             "| instruction | per step | us per step (all threads) | share of the call |", "|---|---|---|---|"]
+             "| instruction | per step | us per step (all threads) | ms per call | share of the call |",
+             "|---|---|---|---|---|"]
     for key, total in totals.most_common(top):
         share = total / call if call else 0.0
-        lines.append(f"| {key} | {counts[key] / steps:.1f} | {total / 1e6 / steps:.1f} | {share:.1%} |")
+        lines.append(f"| {key} | {counts[key] / steps:.1f} | {total / 1e6 / steps:.1f} | {total / 1e9:.1f} "
+                     f"| {share:.1%} |")
     return "\n".join(lines)
 
 
@@ -82,7 +99,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--top", type=int, default=25, help="rows of the table")
     parser.add_argument("--timeline", type=float, default=0.0, metavar="MS",
-                        help="also print every event of a window of this many ms from the middle of the call")
+                        help="also print every event of a window of this many ms from the middle of the decoding loop")
+    parser.add_argument("--phase", choices=("all", "before-loop", "loop"), default="all",
+                        help="sum only the events before the decoding loop (prefill, an encoder) or inside it")
     args = parser.parse_args()
 
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
@@ -107,10 +126,15 @@ def main() -> int:
         events = list(_events(logdir))
     print(f"{scenario.label()}: {unprofiled / args.new_tokens * 1e3:.2f} ms/token unprofiled, "
           f"{profiled / args.new_tokens * 1e3:.2f} profiled\n")
-    print(summarise(events, args.new_tokens, args.top))
+    print(summarise(phase(events, args.phase), args.new_tokens, args.top))
     if args.timeline:
-        span = max(s + d for s, d, _, _ in events) - min(s for s, _, _, _ in events)
-        print("\n" + timeline(events, span / 2e9, args.timeline))
+        loops = [(d, s) for s, d, _, n in events if n == "while" or n.startswith("while.")]
+        if loops:  # the middle of the decoding loop
+            duration, start = max(loops)
+            middle = start + duration // 2 - min(s for s, _, _, _ in events)
+        else:
+            middle = (max(s + d for s, d, _, _ in events) - min(s for s, _, _, _ in events)) // 2
+        print("\n" + timeline(events, middle / 1e9, args.timeline))
     return 0
 
 

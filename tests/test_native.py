@@ -563,6 +563,103 @@ def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla(flo
     assert not any(seen.values())
 
 
+# ----------------------------------------------------------------------------- the folded cross-attention
+
+
+def _memory_inputs(groups, queries, heads, d, length, embed, seed=0):
+    rng = np.random.default_rng(seed)
+    query = rng.standard_normal((groups, queries, heads * d)).astype(np.float32)
+    states = rng.standard_normal((groups, length, embed)).astype(np.float32)
+    kv_kernel = (2 * rng.standard_normal((embed, 2 * heads * d)) / np.sqrt(embed)).astype(np.float32)
+    kv_bias = rng.standard_normal(2 * heads * d).astype(np.float32)
+    return query, states, kv_kernel, kv_bias
+
+
+@pytest.mark.parametrize("groups, queries, heads, d, length, embed", [
+    (2, 1, 6, 64, 1500, 384), (1, 1, 7, 16, 257, 64), (3, 2, 4, 32, 301, 128), (1, 4, 2, 128, 1000, 256),
+    (5, 1, 1, 16, 256, 64), (1, 3, 5, 64, 3001, 320)])
+def test_memory_attention_matches_float64_numpy_over_projected_keys_and_values(groups, queries, heads, d,
+                                                                                length, embed):
+    # Query rows per memory row (queries x heads) below, at and past the kernel's blocks of 6; keys not a
+    # multiple of its 4 (nor of 16) and split into chunks; a key bias that the softmax must ignore. The
+    # expectation projects keys and values first, as `CrossAttention.project_memory` does.
+    query, states, kv_kernel, kv_bias = _memory_inputs(groups, queries, heads, d, length, embed,
+                                                       seed=groups * length + embed)
+    width, scale = heads * d, d ** -0.5
+    out = _xla(lambda q, m, w, b: native.memory_attention(q, m, tf.transpose(w[:, :width]), w, b, heads, scale),
+               query, states, kv_kernel, kv_bias)
+    projected = states.astype(np.float64) @ kv_kernel + kv_bias  # [G, L, 2 * H * D]
+    keys = projected[..., :width].reshape(groups, length, heads, d)
+    values = projected[..., width:].reshape(groups, length, heads, d)
+    scores = np.einsum("gqhd,glhd->gqhl", query.reshape(groups, queries, heads, d), keys) * scale
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    expected = np.einsum("gqhl,glhd->gqhd", weights, values).reshape(groups, queries, width)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+    reference = native.reference_memory_attention(tf.constant(query), tf.constant(states),
+                                                  tf.transpose(kv_kernel[:, :width]), tf.constant(kv_kernel),
+                                                  tf.constant(kv_bias), heads, scale)
+    np.testing.assert_allclose(reference.numpy(), expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+
+
+def test_memory_attention_gradients_are_the_reference_formulas():
+    inputs = [tf.constant(t) for t in _memory_inputs(2, 1, 4, 16, 300, 64, seed=4)]
+    inputs.insert(2, tf.transpose(inputs[2][:, :64]))
+
+    def gradients(attention):
+        with tf.GradientTape() as tape:
+            tape.watch(inputs)
+            loss = tf.reduce_sum(tf.sin(attention(*inputs, 4, 0.25)))
+        return tape.gradient(loss, inputs)
+
+    ours = tf.function(lambda: gradients(native.memory_attention), jit_compile=True)()
+    reference = tf.function(lambda: gradients(native.reference_memory_attention), jit_compile=True)()
+    for got, expected in zip(ours, reference):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=0,
+                                   atol=1e-5 * max(np.abs(expected.numpy()).max(), 1.0))
+
+
+def test_memory_attention_refuses_shapes_it_has_no_code_for():
+    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in _memory_inputs(1, 1, 2, 24, 300, 64))
+    with pytest.raises(ValueError, match="head sizes"):
+        native.memory_attention(query, states, tf.transpose(kv_kernel[:, :48]), kv_kernel, kv_bias, 2, 1.0)
+    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in _memory_inputs(1, 1, 2, 16, 300, 64))
+    with pytest.raises(ValueError, match="do not match"):
+        native.memory_attention(query, states, kv_kernel[:, :32], kv_kernel, kv_bias, 2, 1.0)
+
+
+def test_memory_attention_only_for_large_unmasked_float32_states_under_xla(float32_kernel, monkeypatch):
+    states = tf.zeros((2, native.ATTENTION_MIN_KEYS, 128))
+    seen = {}
+
+    def probe(name, *args):
+        seen[name] = native.use_memory_attention(*args)
+
+    def traced():
+        probe("plain", states, None, 64)
+        probe("mask", states, tf.ones((2, native.ATTENTION_MIN_KEYS)), 64)
+        probe("short", states[:, 1:], None, 64)
+        probe("width 96", states[..., :96], None, 32)
+        probe("head size 48", states, None, 48)
+        probe("bfloat16", tf.cast(states, tf.bfloat16), None, 64)
+        with native.portable():
+            probe("portable", states, None, 64)
+        return tf.zeros(())
+
+    tf.function(traced, jit_compile=True)()
+    assert not any(seen.values())  # 256 KB: smaller than MEMORY_ATTENTION_MIN_BYTES
+    monkeypatch.setattr(native, "MEMORY_ATTENTION_MIN_BYTES", 4 * 2 * native.ATTENTION_MIN_KEYS * 128)
+    tf.function(traced, jit_compile=True)()
+    assert seen == {"plain": True, "mask": False, "short": False, "width 96": False, "head size 48": False,
+                    "bfloat16": False, "portable": False}
+    assert not native.use_memory_attention(states, None, 64)  # eager: not under XLA
+    tf.function(traced)()  # a graph not compiled by XLA
+    assert not any(seen.values())
+    float32_kernel(False)
+    tf.function(traced, jit_compile=True)()
+    assert not any(seen.values())
+
+
 # ----------------------------------------------------------------------------- reading ahead
 
 

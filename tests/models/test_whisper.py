@@ -282,6 +282,35 @@ def test_fused_attention_matches_transformers(whisper_heads_16):
         assert_same_tokens(program(tf.constant(x)).numpy(), hf_generate(reference, x, max_new_tokens=10, **options))
 
 
+@pytest.fixture(scope="module")
+def whisper_folded(tmp_path_factory):
+    """A width of 64 (4 heads of 16): a generation's cross-attention reads the encoder output folded
+    (`xlagen.native.memory_attention`)."""
+    folder = tmp_path_factory.mktemp("whisper64")
+    reference = save_tiny_whisper(folder, seed=9, d_model=64, decoder_layers=3)
+    return reference, TFWhisperForConditionalGeneration.from_pretrained(folder), folder
+
+
+def test_folded_cross_attention_matches_transformers(whisper_folded, monkeypatch):
+    """Greedy decoding attends over the encoder output with the key and value projections folded in (no
+    projection before the loop); beam search projects the keys and values once its beams share a memory
+    row (`EncoderContext.projected`). Both give transformers' tokens."""
+    reference, model, _ = whisper_folded
+    monkeypatch.setattr(native, "MEMORY_ATTENTION_MIN_BYTES", 0)  # read while tracing: fold these 2 rows
+    x = features(2, seed=12)
+    checked = native.unavailable_reason() is None or os.environ.get("XLAGEN_CI")
+    for options, folded_calls, attention_calls in ((dict(language="en"), 6, 2),
+                                                   (dict(language="de", num_beams=2), 3, 5)):
+        program = tf.function(lambda x: model.generate(x, max_new_tokens=10, **options), jit_compile=True)
+        if checked:
+            hlo = program.experimental_get_compiler_ir(tf.constant(x))(stage="optimized_hlo")
+            # greedy: the 3 decoder layers' cross-attention folded in the prefill and in the step; beams: in
+            # the prefill only, then the fused kernel over projected keys in the step (and the 2 encoder layers)
+            assert hlo.count(f'custom_call_target="{native.MEMORY_ATTENTION_TARGET}"') == folded_calls
+            assert hlo.count(f'custom_call_target="{native.ATTENTION_TARGET}"') == attention_calls
+        assert_same_tokens(program(tf.constant(x)).numpy(), hf_generate(reference, x, max_new_tokens=10, **options))
+
+
 def test_training_through_the_fused_encoder_attention(whisper_heads_16, monkeypatch):
     """A compiled training step's loss and gradients are the same with the fused encoder attention as
     with XLA's attention ops (the kernel's gradient is the formula's)."""

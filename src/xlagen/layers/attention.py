@@ -6,6 +6,8 @@ Shapes: B batch, T tokens in this call, S cache length (static), L encoder lengt
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import keras
 from keras import ops
 
@@ -257,6 +259,20 @@ class Attention(_MultiHead):
         return self.output_projection(attended), layer_cache
 
 
+class FoldedMemory(NamedTuple):
+    """A cross-attention's memory as the encoder output itself, for `native.memory_attention` (see
+    `CrossAttention.fold_memory`).
+
+    Attributes:
+        states: The encoder output `[G, L, hidden]`, the same tensor for every layer.
+        key_kernel_t: This layer's key projection kernel transposed, `[H * D, hidden]` (made once per
+            generation rather than at every decoding step).
+    """
+
+    states: object
+    key_kernel_t: object
+
+
 class CrossAttention(_MultiHead):
     """Attention from the decoder over an encoder's output, whose keys/values are projected once
     (arguments: see `_MultiHead`)."""
@@ -269,8 +285,24 @@ class CrossAttention(_MultiHead):
         key, value = self._heads(self.key_value(encoder_output), 2)
         return cache_lib.LayerCache(ops.transpose(key, (0, 1, 3, 2)), value)
 
-    def call(self, x, memory: cache_lib.LayerCache, key_mask, training=False):
-        """Attends from `x` `[B, T, hidden]` over `memory` (from `project_memory`) with `key_mask`
+    def can_fold(self, states, mask) -> bool:
+        """Whether this layer's attention over the encoder output `states` `[G, L, hidden]` being traced now
+        may be `fold_memory`'s: float32 weights not packed to a lower precision, and
+        `native.use_memory_attention`."""
+        kernel = self.key_value
+        return (kernel.packed_kernel is None and kernel.kernel.dtype == "float32"
+                and native.use_memory_attention(states, mask, self.head_dim))
+
+    def fold_memory(self, states) -> FoldedMemory:
+        """The memory of a generation that reads the encoder output `states` itself at every step, the key and
+        value projections folded into the query and the output (`native.memory_attention`): each layer then
+        reads `states` once per step instead of its own keys and values (twice the bytes), and nothing is
+        projected before the loop. Check `can_fold` first."""
+        width = self.num_heads * self.head_dim
+        return FoldedMemory(states, ops.transpose(self.key_value.kernel[:, :width]))
+
+    def call(self, x, memory: cache_lib.LayerCache | FoldedMemory, key_mask, training=False):
+        """Attends from `x` `[B, T, hidden]` over `memory` (from `project_memory` or `fold_memory`) with `key_mask`
         `[G, 1, 1, L]`, or None when every position of the memory is real (Whisper's 30 s windows). (Not
         named `mask`: Keras fills an argument of that name left None from the input's Keras mask.)
 
@@ -283,6 +315,16 @@ class CrossAttention(_MultiHead):
             `[B, T, hidden]`.
         """
         rows, length = ops.shape(x)[0], ops.shape(x)[1]
+        if isinstance(memory, FoldedMemory):
+            grouped = ops.reshape(x, (ops.shape(memory.states)[0], -1, self.hidden_size))  # [G, K * T, hidden]
+            kernel = ops.convert_to_tensor(self.key_value.kernel)
+            bias = self.key_value.bias
+            bias = ops.zeros((kernel.shape[1],), kernel.dtype) if bias is None else ops.convert_to_tensor(bias)
+            attend_folded = native.memory_attention if native.use_memory_attention(
+                memory.states, None, self.head_dim) else native.reference_memory_attention
+            attended = attend_folded(self.query(grouped), memory.states, memory.key_kernel_t, kernel, bias,
+                                     self.num_heads, self.scale)
+            return ops.reshape(self.output_projection(attended), (rows, length, self.hidden_size))
         grouped = ops.reshape(x, (ops.shape(memory.value)[0], -1, self.hidden_size))  # [G, K * T, hidden]
         (query,) = self._heads(self.query(grouped), 1)
         attended = self._attend(query, memory.key, memory.value, key_mask, None, training, key_transposed=True)

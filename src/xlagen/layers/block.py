@@ -15,7 +15,7 @@ from typing import NamedTuple
 import keras
 
 from xlagen import cache as cache_lib
-from xlagen.layers.attention import Attention, CrossAttention
+from xlagen.layers.attention import Attention, CrossAttention, FoldedMemory
 from xlagen.layers.dense import Dense
 from xlagen.layers.feedforward import FeedForward
 from xlagen.layers.norms import layer_norm, rms_norm
@@ -66,11 +66,12 @@ class CrossInputs(NamedTuple):
     """What a block's cross-attention attends to.
 
     Attributes:
-        memory: The encoder output's keys `[B, H, D, L]` and values `[B, H, L, D]` for this layer (`LayerCache`).
+        memory: The encoder output's keys `[B, H, D, L]` and values `[B, H, L, D]` for this layer (`LayerCache`),
+            or the encoder output itself (`attention.FoldedMemory`).
         mask: bool `[B, 1, 1, L]`, see `attention.padding_mask`; or None, every position real.
     """
 
-    memory: cache_lib.LayerCache
+    memory: cache_lib.LayerCache | FoldedMemory
     mask: object
 
 

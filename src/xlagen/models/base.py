@@ -11,7 +11,7 @@ from typing import NamedTuple
 from keras import ops
 
 from xlagen import cache as cache_lib
-from xlagen.layers.attention import causal_mask, padding_mask
+from xlagen.layers.attention import FoldedMemory, causal_mask, padding_mask
 from xlagen.layers.block import run_blocks
 from xlagen.models.training import unpack_inputs
 
@@ -89,17 +89,36 @@ class EncoderContext(NamedTuple):
 
     Attributes:
         memory: Per decoder layer, the cross-attention keys `[B, H, D, L]` (transposed once) and values
-            `[B, H, L, D]` as a `LayerCache` (see `CrossAttention.project_memory`).
+            `[B, H, L, D]` as a `LayerCache` (see `CrossAttention.project_memory`); or, with `states`, the
+            layer's key kernel transposed (`CrossAttention.fold_memory`).
         mask: int32 `[B, L]`, the encoder input's attention mask; or `()` when every position is real
             (Whisper), so that cross-attention runs unmasked (and can be the fused native kernel).
+        states: `()`, or the encoder output `[B, L, hidden]` that every layer attends to with its
+            projections folded in (`native.memory_attention`).
     """
 
     memory: tuple
     mask: object
+    states: object = ()
 
     def key_mask(self):
         """The cross-attention's mask, bool `[B, 1, 1, L]` (`attention.padding_mask`), or None without one."""
         return None if isinstance(self.mask, tuple) else padding_mask(self.mask)
+
+    def layer_memories(self) -> tuple:
+        """Each decoder layer's `memory` argument of `CrossAttention.call`."""
+        if isinstance(self.states, tuple):
+            return self.memory
+        return tuple(FoldedMemory(self.states, key_kernel_t) for key_kernel_t in self.memory)
+
+    def projected(self, decoder_blocks) -> "EncoderContext":
+        """This context with every layer's keys and values projected (`CrossAttention.project_memory`):
+        what beam search attends over, where a prompt's K beams share one memory row and the folded
+        attention would compute K times as much per step."""
+        if isinstance(self.states, tuple):
+            return self
+        memory = tuple(block.cross_attention.project_memory(self.states) for block in decoder_blocks)
+        return EncoderContext(memory, self.mask)
 
 
 def decoder_start_prompt(batch, default_start, decoder_start_token_id=None, decoder_input_ids=None,
@@ -120,11 +139,19 @@ def decoder_start_prompt(batch, default_start, decoder_start_token_id=None, deco
     return ops.full((batch, 1), start, "int32"), ops.ones((batch, 1), "int32")
 
 
-def encoder_context(decoder_blocks, encoder_output, attention_mask) -> EncoderContext:
+def encoder_context(decoder_blocks, encoder_output, attention_mask, fold: bool = False) -> EncoderContext:
     """The `EncoderContext` of an encoder output `[B, L, hidden]`: each decoder block's cross-attention
-    keys/values (projected once) and the encoder mask `[B, L]` (None: every position is real)."""
-    memory = tuple(block.cross_attention.project_memory(encoder_output) for block in decoder_blocks)
-    return EncoderContext(memory, () if attention_mask is None else ops.cast(attention_mask, "int32"))
+    keys/values (projected once) and the encoder mask `[B, L]` (None: every position is real).
+
+    With `fold` (a generation's context, not a training forward pass), where every block's cross-attention
+    `can_fold`, the context keeps the encoder output itself and each block's transposed key kernel instead
+    (`CrossAttention.fold_memory`); `EncoderContext.projected` turns it into the projected form."""
+    mask = () if attention_mask is None else ops.cast(attention_mask, "int32")
+    attentions = [block.cross_attention for block in decoder_blocks]
+    if fold and all(attention.can_fold(encoder_output, attention_mask) for attention in attentions):
+        memory = tuple(attention.fold_memory(encoder_output).key_kernel_t for attention in attentions)
+        return EncoderContext(memory, mask, encoder_output)
+    return EncoderContext(tuple(attention.project_memory(encoder_output) for attention in attentions), mask)
 
 
 def extend_mask(attention_mask, total_length: int):
@@ -197,13 +224,17 @@ class CausalDecoding:
         The attention mask is repeated per beam; the cache goes to the beam layout
         (`xlagen.cache.expand_beams`), where each beam starts from a copy of the prompt in its own slot.
         The encoder context keeps one row per prompt: its K beams attend over it together
-        (`CrossAttention.call`), which reads an encoder's keys and values once per step, not K times.
+        (`CrossAttention.call`), which reads an encoder's keys and values once per step, not K times; a
+        folded context is projected here (`EncoderContext.projected`).
         """
         groups, length = ops.shape(state.attention_mask)[0], state.attention_mask.shape[1]
         rows = ops.repeat(ops.arange(groups, dtype="int32"), num_beams)
         mask = cache_lib.batch_gather(state.attention_mask, rows)
         slots = ops.broadcast_to(ops.arange(num_beams, dtype="int32")[None, :, None], (groups, num_beams, length))
-        return DecoderState(cache_lib.expand_beams(state.cache, num_beams), mask, state.context, slots=slots)
+        context = state.context
+        if isinstance(context, EncoderContext):
+            context = context.projected(self.decoder_blocks)
+        return DecoderState(cache_lib.expand_beams(state.cache, num_beams), mask, context, slots=slots)
 
     def reorder_state(self, state: DecoderState, rows) -> DecoderState:
         """The state of `expand_beams`' rows `rows` `[B * K]` (beam search: each beam continues a parent

@@ -289,8 +289,8 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         x, _ = run_blocks(self.encoder_blocks, x, mask, training=training, position_bias=bias)
         return self.dropout(self.encoder_final_norm(x), training=training)
 
-    def _context(self, encoder_output, attention_mask) -> EncoderContext:
-        return encoder_context(self.decoder_blocks, encoder_output, attention_mask)
+    def _context(self, encoder_output, attention_mask, fold: bool = False) -> EncoderContext:
+        return encoder_context(self.decoder_blocks, encoder_output, attention_mask, fold)
 
     def _decode(self, token_ids, attention_mask, context: EncoderContext, cache=None, cache_index=None,
                 last_only=False, training=False, slots=None):
@@ -302,7 +302,7 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         bias = self.decoder_position_bias.bias(queries, ops.arange(ops.shape(attention_mask)[1], dtype="int32"))
         mask, cross_mask = causal_mask(attention_mask, start, num_tokens, slots), context.key_mask()
         x = self.dropout(self.token_embedding(token_ids), training=training)
-        cross = [CrossInputs(memory, cross_mask) for memory in context.memory]
+        cross = [CrossInputs(memory, cross_mask) for memory in context.layer_memories()]
         x, new_cache = run_blocks(self.decoder_blocks, x, mask, cache, cache_index, training, bias, cross)
         x = self.dropout(self.decoder_final_norm(x[:, -1:] if last_only else x), training=training)
         if self.lm_head is None:  # Mesh TensorFlow's rescaling before the tied projection
@@ -369,8 +369,9 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         return ids, mask, encoder
 
     def encode_context(self, encoder_ids, encoder_mask) -> EncoderContext:
-        """Runs the encoder once and projects its output to every decoder block's cross-attention keys/values."""
-        return self._context(self.encode(encoder_ids, encoder_mask), encoder_mask)
+        """Runs the encoder once and projects its output to every decoder block's cross-attention keys/values
+        (or keeps it for the folded cross-attention, see `encoder_context`)."""
+        return self._context(self.encode(encoder_ids, encoder_mask), encoder_mask, fold=True)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None):
         """Zero decoder self-attention cache `L x (k, v) [B, H, S, D]`."""

@@ -243,15 +243,15 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         x, _ = run_blocks(self.encoder_blocks, x, None, training=training)  # no mask: every frame is real
         return self.encoder_final_norm(x)
 
-    def _context(self, encoder_output) -> EncoderContext:
-        return encoder_context(self.decoder_blocks, encoder_output, None)  # every frame is real
+    def _context(self, encoder_output, fold: bool = False) -> EncoderContext:
+        return encoder_context(self.decoder_blocks, encoder_output, None, fold)  # every frame is real
 
     def _decode(self, token_ids, positions, mask, context: EncoderContext, cache=None, cache_index=None,
                 last_only=False, training=False):
         """The decoder and the tied output projection on `token_ids` `[B, T]` at `positions` `[B, T]`."""
         x = self.token_embedding(token_ids) + self.position_embedding(positions)
         x = self.dropout(x, training=training)
-        cross = [CrossInputs(memory, context.key_mask()) for memory in context.memory]
+        cross = [CrossInputs(memory, context.key_mask()) for memory in context.layer_memories()]
         x, new_cache = run_blocks(self.decoder_blocks, x, mask, cache, cache_index, training, cross=cross)
         x = self.decoder_final_norm(x[:, -1:] if last_only else x)
         return ops.cast(self.token_embedding.attend(x), "float32"), new_cache
@@ -312,8 +312,9 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         return ids, mask, encoder
 
     def encode_context(self, input_features) -> EncoderContext:
-        """Runs the encoder once and projects its output to every decoder block's cross-attention keys/values."""
-        return self._context(self.encode(input_features))
+        """Runs the encoder once and projects its output to every decoder block's cross-attention keys/values
+        (or keeps it for the folded cross-attention, see `encoder_context`)."""
+        return self._context(self.encode(input_features), fold=True)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None):
         """Zero decoder self-attention cache `L x (k, v) [B, H, S, D]`."""

@@ -56,6 +56,7 @@ INT8_TARGET = "xlagen_int8_matmul"
 ATTENTION_TARGET = "xlagen_f32_attention"
 STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
+MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
 STEP_ATTENTION_MAX_HEAD_DIM = 256  # matmul.cc's kStepAttentionMaxD
 # A decoding step's self-attention runs as one native call per layer (`step_attention`) from this many
 # query rows (batch x beams): at 2 and 8 rows it made GPT-2-small's `generate` 1.035x and 1.074x faster, at
@@ -83,6 +84,12 @@ FLOAT32_MAX_COLUMNS = None
 # with XLA's ops.
 ATTENTION_MIN_KEYS = 256
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the kernel has code for
+# A generation's cross-attention reads the encoder output itself, the projections folded in
+# (`memory_attention`), when the encoder output has at least this many bytes: the per-layer keys and values
+# it replaces (twice as many bytes, per layer) no longer stay in the CPU's caches between steps. Whisper-tiny
+# greedy, 128 tokens (`benchmarks/ab.py --compare fold`): batch 8 (18 MB) 1.059x, batch 4 (9 MB) 1.021x,
+# batch 1 (2.3 MB) 0.96x (docs/performance.md).
+MEMORY_ATTENTION_MIN_BYTES = 8 * 2**20
 
 logger = logging.getLogger(__name__)
 _portable = contextvars.ContextVar("xlagen_native_portable", default=False)
@@ -561,3 +568,83 @@ def argmax(scores):
         operands=[scores], call_target_name=ARGMAX_TARGET, backend_config=f"{rows},{n}", has_side_effect=False,
         result_dtypes=[tf.int32], result_shapes=[tf.TensorShape([rows])])
     return out
+
+
+def use_memory_attention(states, mask, head_dim: int) -> bool:
+    """Whether a generation's cross-attention over the encoder output `states` `[G, L, E]` (being traced now,
+    `xlagen.models.base.encoder_context`) should run as `memory_attention`, the key and value projections
+    folded in: float32 of static shape and at least `MEMORY_ATTENTION_MIN_BYTES`, L >= `ATTENTION_MIN_KEYS`,
+    E a multiple of 64, D in `ATTENTION_HEAD_DIMS`, no mask (every encoder position real), under XLA (in or
+    out of a loop), the float32 kernels enabled (`set_float32_kernel`), not `portable()`, and loadable."""
+    if mask is not None or not _static_float32(3, states):
+        return False
+    if states.shape[1] < ATTENTION_MIN_KEYS or states.shape[2] % 64 or head_dim not in ATTENTION_HEAD_DIMS:
+        return False
+    if 4 * states.shape.num_elements() < MEMORY_ATTENTION_MIN_BYTES:
+        return False
+    xla, _ = _context()
+    return xla and _float32_kernel_ready()
+
+
+def reference_memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, heads: int, scale: float):
+    """What `memory_attention` computes, in TensorFlow ops (its gradient, and the path without the kernel):
+    each head's softmax attention of `query` over keys `states @ Wk_h` and values `states @ Wv_h + bv_h`,
+    where `Wk` is `key_kernel_t` transposed and `[Wk, Wv]`, `[bk, bv]` are `kv_kernel`, `kv_bias`."""
+    import tensorflow as tf
+
+    groups, queries, width = query.shape
+    head_dim = width // heads
+    embed = states.shape[-1]
+    query = tf.reshape(query, (groups, queries, heads, head_dim))
+    folded = tf.einsum("gqhd,hde->gqhe", query, tf.reshape(key_kernel_t, (heads, head_dim, embed))) * scale
+    weights = tf.nn.softmax(tf.einsum("gqhe,gle->gqhl", folded, states), axis=-1)
+    mixed = tf.einsum("gqhl,gle->gqhe", weights, states)
+    values = tf.reshape(kv_kernel[:, width:], (embed, heads, head_dim))
+    out = tf.einsum("gqhe,ehd->gqhd", mixed, values) + tf.reshape(kv_bias[width:], (heads, head_dim))
+    return tf.reshape(out, (groups, queries, width))
+
+
+def memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, heads: int, scale: float):
+    """Cross-attention of float32 queries `query` `[G, Q, H * D]` (Q query rows per row of the encoder output:
+    the tokens of one step or prompt, times the beams sharing it) over an encoder output `states`
+    `[G, L, E]` whose keys and values are its projections: `kv_kernel` `[E, 2 * H * D]` (keys, then
+    values, as `CrossAttention.key_value` holds them), `kv_bias` `[2 * H * D]` and `key_kernel_t` the key
+    half of `kv_kernel` transposed, `[H * D, E]`. Returns `[G, Q, H * D]`, the heads side by side.
+
+    As the native kernel's custom call (call it under XLA only; see `use_memory_attention`), which folds
+    the projections into the query and the output: `softmax(q Wk_h^T states^T) states Wv_h + bv_h`, so
+    each decoder layer reads `states` rather than its own projected keys and values (half the bytes, and
+    no projection before the loop; docs/performance.md). The key bias moves every score of a row by the
+    same amount, which the softmax ignores. Gradients are those of `reference_memory_attention`."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    groups, queries, width = query.shape
+    _, length, embed = states.shape
+    head_dim = width // heads
+    if head_dim * heads != width or head_dim not in ATTENTION_HEAD_DIMS or embed % 64:
+        raise ValueError(f"memory_attention: {heads} heads of width {width} over states of width {embed}; the "
+                         f"kernel takes head sizes {ATTENTION_HEAD_DIMS} and widths that are multiples of 64")
+    if tuple(key_kernel_t.shape) != (width, embed) or tuple(kv_kernel.shape) != (embed, 2 * width):
+        raise ValueError(f"memory_attention: kernels {key_kernel_t.shape} and {kv_kernel.shape} do not match "
+                         f"{width} query columns over states of width {embed}")
+    config = f"{groups},{queries},{heads},{head_dim},{length},{embed},{float(np.float32(scale))!r}"
+
+    @tf.custom_gradient
+    def fused(query, states, key_kernel_t, kv_kernel, kv_bias):
+        (out,) = gen_xla_ops.xla_custom_call_v2(
+            operands=[query, states, key_kernel_t, kv_kernel, kv_bias], call_target_name=MEMORY_ATTENTION_TARGET,
+            backend_config=config, has_side_effect=False, result_dtypes=[tf.float32],
+            result_shapes=[tf.TensorShape([groups, queries, width])])
+
+        def gradient(upstream):
+            inputs = [query, states, key_kernel_t, kv_kernel, kv_bias]
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                reference = reference_memory_attention(*inputs, heads, scale)
+            return tape.gradient(reference, inputs, output_gradients=upstream)
+
+        return out, gradient
+
+    return fused(query, states, key_kernel_t, kv_kernel, kv_bias)

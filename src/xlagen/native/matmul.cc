@@ -806,6 +806,25 @@ inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// row[0..n) = exp(row[j] - top) in place, for a row whose largest value is `top`; returns their sum.
+inline float ExpInPlace(float* row, int n, float top) {
+  const int whole = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
+  const __m512 high = _mm512_set1_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  for (int j = 0; j < whole; j += 16) {
+    const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), high));
+    _mm512_storeu_ps(row + j, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (tail) {
+    const __m512 e = _mm512_maskz_mov_ps(tail, ExpNonPositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + whole), high)));
+    _mm512_mask_storeu_ps(row + whole, tail, e);
+    total = _mm512_add_ps(total, e);
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
 // out[rows of the unit] = weights @ v / sums, for D = 16 DV, R rows of weights at a time (4 DV sums).
 template <int DV>
 void AttentionOutput(const Attention& a, const float* weights, int padded, const float* sums, const float* v,
@@ -997,21 +1016,7 @@ void RunStepAttention(const void* args, int u0, int u1) {
       row[j] = score;
       top = score > top ? score : top;
     }
-    const int whole = n / 16 * 16;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
-    const __m512 high = _mm512_set1_ps(top);
-    __m512 total = _mm512_setzero_ps();
-    for (int j = 0; j < whole; j += 16) {
-      const __m512 e = ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), high));
-      _mm512_storeu_ps(row + j, e);
-      total = _mm512_add_ps(total, e);
-    }
-    if (tail) {
-      const __m512 x = _mm512_maskz_loadu_ps(tail, row + whole);
-      const __m512 e = _mm512_maskz_mov_ps(tail, ExpNonPositive(_mm512_sub_ps(x, high)));
-      _mm512_mask_storeu_ps(row + whole, tail, e);
-      total = _mm512_add_ps(total, e);
-    }
+    const float total = ExpInPlace(row, n, top);
     // The weighted values (a masked key's weight is 0 and is skipped: its value is never read).
     __m512 acc[kStepAttentionMaxD / 16];
     for (int c = 0; c < vectors; ++c) acc[c] = _mm512_setzero_ps();
@@ -1023,7 +1028,7 @@ void RunStepAttention(const void* args, int u0, int u1) {
       acc[vectors - 1] =
           _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(last, value + 16 * (vectors - 1)), acc[vectors - 1]);
     }
-    const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+    const __m512 inverse = _mm512_set1_ps(1.0f / total);
     float* out = a.out + static_cast<size_t>(u) * a.d;
     for (int c = 0; c + 1 < vectors; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inverse));
     _mm512_mask_storeu_ps(out + 16 * (vectors - 1), last, _mm512_mul_ps(acc[vectors - 1], inverse));
@@ -1148,6 +1153,246 @@ void RunArgmax(const void* args, int u0, int u1) {
   }
 }
 
+// "xlagen_f32_memory_attention": a decoding step's cross-attention over a long encoder output M [L, E] with
+// the key and value projections folded in, for one query row per head (greedy decoding, sampling). With
+// keys K_h = M Wk_h and values V_h = M Wv_h + bv_h of head h,
+//   softmax(q_h K_h^T) V_h = (softmax((q_h Wk_h^T) M^T) M) Wv_h + bv_h
+// (the key bias adds the same amount to every score, which the softmax ignores). Each of the decoder's
+// layers then reads M itself rather than its own projected keys and values: half the bytes per layer (M
+// once against K and V), and the same M for every layer, with no projection of M per layer before the
+// loop. The price is compute: the scores and the weighted sum run over E rather than D per head, which
+// pays while a head has few query rows (one per memory row: 6 x 1500 x 384 multiply-adds per row and
+// layer for Whisper-tiny, against reading 2 x 1500 x 384 floats). See docs/performance.md.
+//
+// Three passes on the pool: (1) q'_h = scale * q_h Wk_h^T for every query row (Wk given transposed,
+// [H * D, E], made once per generation); (2) per memory row and chunk of keys, the scores of its rows
+// against the chunk (M's rows read once, in order), their exponentials and the partial weighted sum of the
+// chunk's rows of M (still in L2), with the chunk's maximum and total; (3) per head and row, the partial
+// sums combined and projected with Wv_h, plus bv_h.
+struct MemoryAttention {
+  const float* q;    // [groups, queries, heads, d]
+  const float* m;    // [groups, l, e]
+  const float* wkt;  // [heads * d, e]
+  const float* wkv;  // [e, 2 * heads * d]: the key/value kernel, the values in the second half
+  const float* bkv;  // [2 * heads * d]
+  float* out;        // [groups, queries, heads * d]
+  float* qp;         // scratch [groups, queries * heads, e]
+  float* partial;    // scratch [groups, chunks, queries * heads, e + 2]: the weighted sum, maximum, total
+  int groups, queries, heads, d, l, e, chunks, chunk;
+  float scale;
+};
+
+constexpr int kMemoryRows = 6;  // query rows per register block (6 x 4 accumulators)
+
+// Pass 1, one unit per query row of one memory row: qp[row] = scale * q[row] @ wkt[head rows].
+void RunMemoryQueries(const void* args, int u0, int u1) {
+  const MemoryAttention& a = *static_cast<const MemoryAttention*>(args);
+  for (int u = u0; u < u1; ++u) {
+    const int head = u % a.heads;
+    const float* q = a.q + static_cast<size_t>(u) * a.d;
+    const float* w = a.wkt + static_cast<size_t>(head) * a.d * a.e;
+    float* out = a.qp + static_cast<size_t>(u) * a.e;
+    for (int c = 0; c < a.e; c += 64) {
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int k = 0; k < a.d; ++k) {
+        const __m512 x = _mm512_set1_ps(q[k] * a.scale);
+        const float* row = w + static_cast<size_t>(k) * a.e + c;
+        for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(x, _mm512_loadu_ps(row + 16 * v), acc[v]);
+      }
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + c + 16 * v, acc[v]);
+    }
+  }
+}
+
+// The scores [R, keys] (row stride `stride`) of R query rows qp [R, e] against rows m [keys, e], four keys
+// at a time: each key row is read once for the R rows.
+template <int R>
+void MemoryScores(const float* qp, const float* m, int keys, int e, float* scores, int stride) {
+  int j = 0;
+  for (; j + 4 <= keys; j += 4) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
+    for (int c = 0; c < e; c += 16) {
+      __m512 key[4];
+      for (int k = 0; k < 4; ++k) {
+        key[k] = _mm512_loadu_ps(m + static_cast<size_t>(j + k) * e + c);
+        _mm_prefetch(reinterpret_cast<const char*>(m + static_cast<size_t>(j + 8 + k) * e + c), _MM_HINT_T0);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_loadu_ps(qp + static_cast<size_t>(r) * e + c);
+        for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_fmadd_ps(x, key[k], acc[r][k]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 4; ++k) scores[static_cast<size_t>(r) * stride + j + k] = _mm512_reduce_add_ps(acc[r][k]);
+  }
+  for (; j < keys; ++j) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < e; c += 16) {
+      const __m512 key = _mm512_loadu_ps(m + static_cast<size_t>(j) * e + c);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + static_cast<size_t>(r) * e + c), key, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) scores[static_cast<size_t>(r) * stride + j] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+// out[r] = sum over the keys of weights[r, key] * m[key] for R rows (row stride `stride`), 64 columns at a
+// time: each pass reads a quarter-kilobyte column strip of every key row, so m is read once overall.
+template <int R>
+void MemorySums(const float* weights, int stride, const float* m, int keys, int e, float* out, int out_stride) {
+  for (int c = 0; c < e; c += 64) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int j = 0; j < keys; ++j) {
+      __m512 row[4];
+      for (int v = 0; v < 4; ++v) {
+        row[v] = _mm512_loadu_ps(m + static_cast<size_t>(j) * e + c + 16 * v);
+        _mm_prefetch(reinterpret_cast<const char*>(m + static_cast<size_t>(j + 6) * e + c + 16 * v), _MM_HINT_T0);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(weights[static_cast<size_t>(r) * stride + j]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(w, row[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + static_cast<size_t>(r) * out_stride + c + 16 * v, acc[r][v]);
+  }
+}
+
+template <int R>
+void MemoryBlock(const float* qp, const float* m, int keys, int e, float* scores, int stride, float* out) {
+  MemoryScores<R>(qp, m, keys, e, scores, stride);
+  // Softmax numerators in place (against the chunk's own maximum), with their maximum and total.
+  const int whole = keys / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (keys - whole)) - 1);
+  for (int r = 0; r < R; ++r) {
+    float* row = scores + static_cast<size_t>(r) * stride;
+    __m512 high = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < whole; j += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(row + j));
+    if (tail) high = _mm512_mask_max_ps(high, tail, high, _mm512_maskz_loadu_ps(tail, row + whole));
+    const float top = _mm512_reduce_max_ps(high);
+    out[static_cast<size_t>(r) * (e + 2) + e] = top;
+    out[static_cast<size_t>(r) * (e + 2) + e + 1] = ExpInPlace(row, keys, top);
+  }
+  MemorySums<R>(scores, stride, m, keys, e, out, e + 2);
+}
+
+// Pass 2, one unit per memory row and chunk of keys.
+void RunMemoryChunks(const void* args, int u0, int u1) {
+  const MemoryAttention& a = *static_cast<const MemoryAttention*>(args);
+  const int rows = a.queries * a.heads;
+  const int stride = (a.chunk + 15) / 16 * 16;
+  thread_local std::vector<float> scores;
+  scores.resize(static_cast<size_t>(kMemoryRows) * stride);
+  for (int u = u0; u < u1; ++u) {
+    const int group = u / a.chunks, first = (u % a.chunks) * a.chunk;
+    const int keys = std::min(a.chunk, a.l - first);
+    const float* m = a.m + (static_cast<size_t>(group) * a.l + first) * a.e;
+    const float* qp = a.qp + static_cast<size_t>(group) * rows * a.e;
+    float* out = a.partial + static_cast<size_t>(u) * rows * (a.e + 2);
+    for (int r = 0; r < rows; r += kMemoryRows) {
+      const float* q = qp + static_cast<size_t>(r) * a.e;
+      float* o = out + static_cast<size_t>(r) * (a.e + 2);
+      switch (std::min(kMemoryRows, rows - r)) {
+        case 1: MemoryBlock<1>(q, m, keys, a.e, scores.data(), stride, o); break;
+        case 2: MemoryBlock<2>(q, m, keys, a.e, scores.data(), stride, o); break;
+        case 3: MemoryBlock<3>(q, m, keys, a.e, scores.data(), stride, o); break;
+        case 4: MemoryBlock<4>(q, m, keys, a.e, scores.data(), stride, o); break;
+        case 5: MemoryBlock<5>(q, m, keys, a.e, scores.data(), stride, o); break;
+        default: MemoryBlock<6>(q, m, keys, a.e, scores.data(), stride, o); break;
+      }
+    }
+  }
+}
+
+// out[D = 16 DV] = u[e] @ w (row stride `stride`) + bias.
+template <int DV>
+void MemoryProject(const float* u, int e, const float* w, size_t stride, const float* bias, float* out) {
+  __m512 acc[DV];
+  for (int v = 0; v < DV; ++v) acc[v] = _mm512_loadu_ps(bias + 16 * v);
+  for (int c = 0; c < e; ++c) {
+    const __m512 x = _mm512_set1_ps(u[c]);
+    for (int v = 0; v < DV; ++v) acc[v] = _mm512_fmadd_ps(x, _mm512_loadu_ps(w + c * stride + 16 * v), acc[v]);
+  }
+  for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
+}
+
+// Pass 3, one unit per head and query row (head-major, so that consecutive units share the head's Wv).
+void RunMemoryOutputs(const void* args, int u0, int u1) {
+  const MemoryAttention& a = *static_cast<const MemoryAttention*>(args);
+  const int rows = a.queries * a.heads, per_head = a.groups * a.queries, hd = a.heads * a.d;
+  thread_local std::vector<float> u;
+  u.resize(a.e);
+  for (int unit = u0; unit < u1; ++unit) {
+    const int head = unit / per_head, group = unit % per_head / a.queries, query = unit % a.queries;
+    const int row = query * a.heads + head;
+    const size_t width = a.e + 2;
+    const float* p = a.partial + (static_cast<size_t>(group) * a.chunks * rows + row) * width;
+    const size_t chunk_stride = static_cast<size_t>(rows) * width;
+    float top = -INFINITY;
+    for (int c = 0; c < a.chunks; ++c) top = std::max(top, p[c * chunk_stride + a.e]);
+    float total = 0.0f;
+    std::fill(u.begin(), u.end(), 0.0f);
+    for (int c = 0; c < a.chunks; ++c) {
+      const float* part = p + c * chunk_stride;
+      const float weight = std::exp(part[a.e] - top);
+      total += weight * part[a.e + 1];
+      const __m512 w = _mm512_set1_ps(weight);
+      for (int k = 0; k < a.e; k += 16) {
+        _mm512_storeu_ps(u.data() + k, _mm512_fmadd_ps(w, _mm512_loadu_ps(part + k), _mm512_loadu_ps(u.data() + k)));
+      }
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / total);
+    for (int k = 0; k < a.e; k += 16) _mm512_storeu_ps(u.data() + k, _mm512_mul_ps(_mm512_loadu_ps(u.data() + k), inverse));
+    const float* w = a.wkv + hd + static_cast<size_t>(head) * a.d;
+    const float* bias = a.bkv + hd + static_cast<size_t>(head) * a.d;
+    float* out = a.out + (static_cast<size_t>(group) * a.queries + query) * hd + static_cast<size_t>(head) * a.d;
+    switch (a.d / 16) {
+      case 1: MemoryProject<1>(u.data(), a.e, w, 2 * hd, bias, out); break;
+      case 2: MemoryProject<2>(u.data(), a.e, w, 2 * hd, bias, out); break;
+      case 4: MemoryProject<4>(u.data(), a.e, w, 2 * hd, bias, out); break;
+      case 8: MemoryProject<8>(u.data(), a.e, w, 2 * hd, bias, out); break;
+      default: std::abort();  // xlagen only emits D = 16, 32, 64 or 128
+    }
+  }
+}
+
+constexpr int kMemoryChunkFloats = 1 << 17;  // a chunk of M up to 512 KB: it stays in L2 for the weighted sum
+
+// The backend config is "groups,queries,heads,d,l,e,scale" (scale printed with 9 significant digits); the
+// operands q, m, wkt, wkv, bkv (see MemoryAttention).
+extern "C" void xlagen_f32_memory_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                            XlaCustomCallStatus_* /*status*/) {
+  MemoryAttention a{static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
+                    static_cast<const float*>(in[2]), static_cast<const float*>(in[3]),
+                    static_cast<const float*>(in[4]), static_cast<float*>(out), nullptr, nullptr,
+                    0, 0, 0, 0, 0, 0, 0, 0, 0.0f};
+  const BackendConfig config(opaque, opaque_len);
+  if (std::sscanf(config.text, "%d,%d,%d,%d,%d,%d,%f", &a.groups, &a.queries, &a.heads, &a.d, &a.l, &a.e,
+                  &a.scale) != 7 || a.groups < 1 || a.queries < 1 || a.l < 1 || a.e % 64 != 0 || a.d % 16 != 0) {
+    std::abort();
+  }
+  Pool& pool = GetPool();
+  // Chunks of at most kMemoryChunkFloats, and at least two per thread over all memory rows.
+  const int longest = std::max(4, kMemoryChunkFloats / a.e / 4 * 4);
+  int chunks = std::max((a.l + longest - 1) / longest, (2 * pool.threads() + a.groups - 1) / a.groups);
+  chunks = std::min(chunks, (a.l + 15) / 16);
+  a.chunk = (a.l + chunks - 1) / chunks;
+  a.chunks = (a.l + a.chunk - 1) / a.chunk;
+  const int rows = a.queries * a.heads;
+  thread_local std::vector<float> qp, partial;
+  qp.resize(static_cast<size_t>(a.groups) * rows * a.e);
+  partial.resize(static_cast<size_t>(a.groups) * a.chunks * rows * (a.e + 2));
+  a.qp = qp.data();
+  a.partial = partial.data();
+  pool.Run(Task{&a, RunMemoryQueries, a.groups * rows});
+  pool.Run(Task{&a, RunMemoryChunks, a.groups * a.chunks});
+  pool.Run(Task{&a, RunMemoryOutputs, a.groups * rows});
+}
+
 // The backend config is "rows,n".
 extern "C" void xlagen_f32_argmax(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* /*status*/) {
@@ -1197,5 +1442,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention),
       std::string("Host"));
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), std::string("Host"));
+  add(global(), std::string("xlagen_f32_memory_attention"), reinterpret_cast<void*>(&xlagen_f32_memory_attention),
+      std::string("Host"));
   return 0;
 }
