@@ -1204,6 +1204,17 @@ void RunMemoryQueries(const void* args, int u0, int u1) {
   }
 }
 
+// The four sums of the lanes of a0..a3, in that order.
+inline __m128 FourSums(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  __m512 s = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+                           _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps128(s);
+}
+
 // The scores [R, keys] (row stride `stride`) of R query rows qp [R, e] against rows m [keys, e], four keys
 // at a time: each key row is read once for the R rows.
 template <int R>
@@ -1224,8 +1235,9 @@ void MemoryScores(const float* qp, const float* m, int keys, int e, float* score
         for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_fmadd_ps(x, key[k], acc[r][k]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int k = 0; k < 4; ++k) scores[static_cast<size_t>(r) * stride + j + k] = _mm512_reduce_add_ps(acc[r][k]);
+    for (int r = 0; r < R; ++r) {
+      _mm_storeu_ps(scores + static_cast<size_t>(r) * stride + j, FourSums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    }
   }
   for (; j < keys; ++j) {
     __m512 acc[R];
@@ -1240,18 +1252,22 @@ void MemoryScores(const float* qp, const float* m, int keys, int e, float* score
 
 // out[r] = sum over the keys of weights[r, key] * m[key] for R rows (row stride `stride`), 64 columns at a
 // time: each pass reads a quarter-kilobyte column strip of every key row, so m is read once overall.
+// While it runs (compute on rows already in L2), it brings `ahead` (the next unit's rows, `ahead_lines` cache
+// lines) from memory into L2, spread evenly over its iterations.
 template <int R>
-void MemorySums(const float* weights, int stride, const float* m, int keys, int e, float* out, int out_stride) {
+void MemorySums(const float* weights, int stride, const float* m, int keys, int e, float* out, int out_stride,
+                const char* ahead, int ahead_lines) {
+  const int iterations = e / 64 * keys;
+  const int per_iteration = iterations > 0 ? (ahead_lines + iterations - 1) / iterations : 0;
+  const char* const ahead_end = ahead + static_cast<size_t>(ahead_lines) * 64;
   for (int c = 0; c < e; c += 64) {
     __m512 acc[R][4];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
     for (int j = 0; j < keys; ++j) {
       __m512 row[4];
-      for (int v = 0; v < 4; ++v) {
-        row[v] = _mm512_loadu_ps(m + static_cast<size_t>(j) * e + c + 16 * v);
-        _mm_prefetch(reinterpret_cast<const char*>(m + static_cast<size_t>(j + 6) * e + c + 16 * v), _MM_HINT_T0);
-      }
+      for (int v = 0; v < 4; ++v) row[v] = _mm512_loadu_ps(m + static_cast<size_t>(j) * e + c + 16 * v);
+      for (int p = 0; p < per_iteration && ahead < ahead_end; ++p, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
       for (int r = 0; r < R; ++r) {
         const __m512 w = _mm512_set1_ps(weights[static_cast<size_t>(r) * stride + j]);
         for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(w, row[v], acc[r][v]);
@@ -1263,7 +1279,8 @@ void MemorySums(const float* weights, int stride, const float* m, int keys, int 
 }
 
 template <int R>
-void MemoryBlock(const float* qp, const float* m, int keys, int e, float* scores, int stride, float* out) {
+void MemoryBlock(const float* qp, const float* m, int keys, int e, float* scores, int stride, float* out,
+                 const char* ahead, int ahead_lines) {
   MemoryScores<R>(qp, m, keys, e, scores, stride);
   // Softmax numerators in place (against the chunk's own maximum), with their maximum and total.
   const int whole = keys / 16 * 16;
@@ -1277,7 +1294,7 @@ void MemoryBlock(const float* qp, const float* m, int keys, int e, float* scores
     out[static_cast<size_t>(r) * (e + 2) + e] = top;
     out[static_cast<size_t>(r) * (e + 2) + e + 1] = ExpInPlace(row, keys, top);
   }
-  MemorySums<R>(scores, stride, m, keys, e, out, e + 2);
+  MemorySums<R>(scores, stride, m, keys, e, out, e + 2, ahead, ahead_lines);
 }
 
 // Pass 2, one unit per memory row and chunk of keys.
@@ -1293,16 +1310,24 @@ void RunMemoryChunks(const void* args, int u0, int u1) {
     const float* m = a.m + (static_cast<size_t>(group) * a.l + first) * a.e;
     const float* qp = a.qp + static_cast<size_t>(group) * rows * a.e;
     float* out = a.partial + static_cast<size_t>(u) * rows * (a.e + 2);
+    // The next unit's rows of M (most often this thread's next unit), read ahead during this one's sums.
+    const char* ahead = nullptr;
+    int lines = 0;
+    if (u + 1 < a.groups * a.chunks) {
+      const int next_group = (u + 1) / a.chunks, next_first = ((u + 1) % a.chunks) * a.chunk;
+      ahead = reinterpret_cast<const char*>(a.m + (static_cast<size_t>(next_group) * a.l + next_first) * a.e);
+      lines = static_cast<int>((static_cast<size_t>(std::min(a.chunk, a.l - next_first)) * a.e * 4 + 63) / 64);
+    }
     for (int r = 0; r < rows; r += kMemoryRows) {
       const float* q = qp + static_cast<size_t>(r) * a.e;
       float* o = out + static_cast<size_t>(r) * (a.e + 2);
       switch (std::min(kMemoryRows, rows - r)) {
-        case 1: MemoryBlock<1>(q, m, keys, a.e, scores.data(), stride, o); break;
-        case 2: MemoryBlock<2>(q, m, keys, a.e, scores.data(), stride, o); break;
-        case 3: MemoryBlock<3>(q, m, keys, a.e, scores.data(), stride, o); break;
-        case 4: MemoryBlock<4>(q, m, keys, a.e, scores.data(), stride, o); break;
-        case 5: MemoryBlock<5>(q, m, keys, a.e, scores.data(), stride, o); break;
-        default: MemoryBlock<6>(q, m, keys, a.e, scores.data(), stride, o); break;
+        case 1: MemoryBlock<1>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        case 2: MemoryBlock<2>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        case 3: MemoryBlock<3>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        case 4: MemoryBlock<4>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        case 5: MemoryBlock<5>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        default: MemoryBlock<6>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
       }
     }
   }
@@ -1360,7 +1385,7 @@ void RunMemoryOutputs(const void* args, int u0, int u1) {
   }
 }
 
-constexpr int kMemoryChunkFloats = 1 << 17;  // a chunk of M up to 512 KB: it stays in L2 for the weighted sum
+constexpr int kMemoryChunkFloats = 1 << 16;  // a chunk of M up to 256 KB: it and the next stay in L2
 
 // The backend config is "groups,queries,heads,d,l,e,scale" (scale printed with 9 significant digits); the
 // operands q, m, wkt, wkv, bkv (see MemoryAttention).
