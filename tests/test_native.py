@@ -619,6 +619,18 @@ def test_memory_attention_gradients_are_the_reference_formulas():
                                    atol=1e-5 * max(np.abs(expected.numpy()).max(), 1.0))
 
 
+def test_reference_memory_attention_takes_unknown_batch_sizes():
+    # The path without the kernel (a folded context traced where the kernel cannot run) in a graph whose
+    # batch and query counts are unknown until it runs.
+    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in _memory_inputs(2, 3, 4, 16, 300, 64, seed=2))
+    key_kernel_t = tf.transpose(kv_kernel[:, :64])
+    signature = [tf.TensorSpec((None, None, 64)), tf.TensorSpec((None, 300, 64))]
+    traced = tf.function(lambda q, m: native.reference_memory_attention(q, m, key_kernel_t, kv_kernel, kv_bias, 4,
+                                                                        0.25), input_signature=signature)
+    expected = native.reference_memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, 4, 0.25)
+    np.testing.assert_allclose(traced(query, states).numpy(), expected.numpy(), rtol=0, atol=1e-6)
+
+
 def test_memory_attention_refuses_shapes_it_has_no_code_for():
     query, states, kv_kernel, kv_bias = (tf.constant(t) for t in _memory_inputs(1, 1, 2, 24, 300, 64))
     with pytest.raises(ValueError, match="head sizes"):

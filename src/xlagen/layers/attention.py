@@ -320,10 +320,12 @@ class CrossAttention(_MultiHead):
             kernel = ops.convert_to_tensor(self.key_value.kernel)
             bias = self.key_value.bias
             bias = ops.zeros((kernel.shape[1],), kernel.dtype) if bias is None else ops.convert_to_tensor(bias)
-            attend_folded = native.memory_attention if native.use_memory_attention(
-                memory.states, None, self.head_dim) else native.reference_memory_attention
-            attended = attend_folded(self.query(grouped), memory.states, memory.key_kernel_t, kernel, bias,
-                                     self.num_heads, self.scale)
+            query = self.query(grouped)
+            native_call = query.shape.is_fully_defined() and native.use_memory_attention(memory.states, None,
+                                                                                        self.head_dim)
+            attend_folded = native.memory_attention if native_call else native.reference_memory_attention
+            attended = attend_folded(query, memory.states, memory.key_kernel_t, kernel, bias, self.num_heads,
+                                     self.scale)
             return ops.reshape(self.output_projection(attended), (rows, length, self.hidden_size))
         grouped = ops.reshape(x, (ops.shape(memory.value)[0], -1, self.hidden_size))  # [G, K * T, hidden]
         (query,) = self._heads(self.query(grouped), 1)

@@ -592,7 +592,7 @@ def reference_memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, 
     where `Wk` is `key_kernel_t` transposed and `[Wk, Wv]`, `[bk, bv]` are `kv_kernel`, `kv_bias`."""
     import tensorflow as tf
 
-    groups, queries, width = query.shape
+    groups, queries, width = tf.shape(query)[0], tf.shape(query)[1], query.shape[-1]
     head_dim = width // heads
     embed = states.shape[-1]
     query = tf.reshape(query, (groups, queries, heads, head_dim))

@@ -30,7 +30,8 @@
 // workers read ahead the start of the weights they will take in the next product (see Successors).
 //
 // A fourth target, "xlagen_f32_attention", is not a product of weights: the whole softmax attention of a
-// long encoder (see RunAttention), on the same pool.
+// long encoder (see RunAttention), on the same pool; nor are the step attention, the argmax and the
+// folded cross-attention over an encoder output ("xlagen_f32_memory_attention", see MemoryAttention).
 
 #include <dlfcn.h>
 #include <immintrin.h>
