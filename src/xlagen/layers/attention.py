@@ -261,7 +261,7 @@ class Attention(_MultiHead):
 
 class FoldedMemory(NamedTuple):
     """A cross-attention's memory as the encoder output itself, for `native.memory_attention` (see
-    `CrossAttention.fold_memory`).
+    `CrossAttention.folded_key_kernel`).
 
     Attributes:
         states: The encoder output `[G, L, hidden]`, the same tensor for every layer.
@@ -287,22 +287,21 @@ class CrossAttention(_MultiHead):
 
     def can_fold(self, states, mask) -> bool:
         """Whether this layer's attention over the encoder output `states` `[G, L, hidden]` being traced now
-        may be `fold_memory`'s: float32 weights not packed to a lower precision, and
+        may read `states` itself (a `FoldedMemory`): float32 weights not packed to a lower precision, and
         `native.use_memory_attention`."""
-        kernel = self.key_value
-        return (kernel.packed_kernel is None and kernel.kernel.dtype == "float32"
+        projection = self.key_value
+        return (projection.packed_kernel is None and projection.kernel.dtype == "float32"
                 and native.use_memory_attention(states, mask, self.head_dim))
 
-    def fold_memory(self, states) -> FoldedMemory:
-        """The memory of a generation that reads the encoder output `states` itself at every step, the key and
-        value projections folded into the query and the output (`native.memory_attention`): each layer then
-        reads `states` once per step instead of its own keys and values (twice the bytes), and nothing is
-        projected before the loop. Check `can_fold` first."""
-        width = self.num_heads * self.head_dim
-        return FoldedMemory(states, ops.transpose(self.key_value.kernel[:, :width]))
+    def folded_key_kernel(self):
+        """The key projection's kernel transposed, `[H * D, hidden]`: with the encoder output, this layer's
+        `FoldedMemory`. Attending over it folds the key and value projections into the query and the output
+        (`native.memory_attention`), so each layer reads the encoder output once per step instead of its own
+        keys and values (twice the bytes), and nothing is projected before the loop. Check `can_fold` first."""
+        return ops.transpose(self.key_value.kernel[:, :self.num_heads * self.head_dim])
 
     def call(self, x, memory: cache_lib.LayerCache | FoldedMemory, key_mask, training=False):
-        """Attends from `x` `[B, T, hidden]` over `memory` (from `project_memory` or `fold_memory`) with `key_mask`
+        """Attends from `x` `[B, T, hidden]` over `memory` (`project_memory`'s, or a `FoldedMemory`) with `key_mask`
         `[G, 1, 1, L]`, or None when every position of the memory is real (Whisper's 30 s windows). (Not
         named `mask`: Keras fills an argument of that name left None from the input's Keras mask.)
 

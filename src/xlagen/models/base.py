@@ -90,7 +90,7 @@ class EncoderContext(NamedTuple):
     Attributes:
         memory: Per decoder layer, the cross-attention keys `[B, H, D, L]` (transposed once) and values
             `[B, H, L, D]` as a `LayerCache` (see `CrossAttention.project_memory`); or, with `states`, the
-            layer's key kernel transposed (`CrossAttention.fold_memory`).
+            layer's key kernel transposed (`CrossAttention.folded_key_kernel`).
         mask: int32 `[B, L]`, the encoder input's attention mask; or `()` when every position is real
             (Whisper), so that cross-attention runs unmasked (and can be the fused native kernel).
         states: `()`, or the encoder output `[B, L, hidden]` that every layer attends to with its
@@ -145,11 +145,11 @@ def encoder_context(decoder_blocks, encoder_output, attention_mask, fold: bool =
 
     With `fold` (a generation's context, not a training forward pass), where every block's cross-attention
     `can_fold`, the context keeps the encoder output itself and each block's transposed key kernel instead
-    (`CrossAttention.fold_memory`); `EncoderContext.projected` turns it into the projected form."""
+    (`CrossAttention.folded_key_kernel`); `EncoderContext.projected` turns it into the projected form."""
     mask = () if attention_mask is None else ops.cast(attention_mask, "int32")
     attentions = [block.cross_attention for block in decoder_blocks]
     if fold and all(attention.can_fold(encoder_output, attention_mask) for attention in attentions):
-        memory = tuple(attention.fold_memory(encoder_output).key_kernel_t for attention in attentions)
+        memory = tuple(attention.folded_key_kernel() for attention in attentions)
         return EncoderContext(memory, mask, encoder_output)
     return EncoderContext(tuple(attention.project_memory(encoder_output) for attention in attentions), mask)
 
