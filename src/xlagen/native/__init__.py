@@ -434,6 +434,24 @@ def _static_float32(rank: int, *tensors) -> bool:
     return all(t.dtype == tf.float32 and t.shape.rank == rank and t.shape.is_fully_defined() for t in tensors)
 
 
+def _with_reference_gradient(call, reference, *inputs):
+    """`call(*inputs)` (a native custom call) with the gradients of `reference(*inputs)`, the same formula
+    in TensorFlow ops."""
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def fused(*inputs):
+        def gradient(upstream):
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                expected = reference(*inputs)
+            return tape.gradient(expected, list(inputs), output_gradients=upstream)
+
+        return call(*inputs), gradient
+
+    return fused(*inputs)
+
+
 def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False,
                          key_transposed: bool = False) -> bool:
     """Whether `softmax(scale * query @ key^T) @ value` being traced now should be `attention`: float32
@@ -479,22 +497,15 @@ def attention(query, key, value, scale: float, key_transposed: bool = False):
     keys = key.shape[3] if key_transposed else key.shape[2]
     config = f"{batch * heads},{length},{keys},{head_dim},{float(np.float32(scale))!r},{int(key_transposed)}"
 
-    @tf.custom_gradient
-    def fused(query, key, value):
+    def call(query, key, value):
         (out,) = gen_xla_ops.xla_custom_call_v2(
             operands=[tf.reshape(t, (batch * heads, -1, t.shape[-1])) for t in (query, key, value)],
             call_target_name=ATTENTION_TARGET, backend_config=config, has_side_effect=False,
             result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([batch * heads, length, head_dim])])
+        return tf.reshape(out, (batch, heads, length, head_dim))
 
-        def gradient(upstream):
-            with tf.GradientTape() as tape:
-                tape.watch([query, key, value])
-                reference = _reference_attention(query, key, value, scale, key_transposed)
-            return tape.gradient(reference, [query, key, value], output_gradients=upstream)
-
-        return tf.reshape(out, (batch, heads, length, head_dim)), gradient
-
-    return fused(query, key, value)
+    return _with_reference_gradient(call, lambda *inputs: _reference_attention(*inputs, scale, key_transposed),
+                                    query, key, value)
 
 
 def use_step_attention(query, keys) -> bool:
@@ -631,20 +642,11 @@ def memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, heads: int
                          f"{width} query columns over states of width {embed}")
     config = f"{groups},{queries},{heads},{head_dim},{length},{embed},{float(np.float32(scale))!r}"
 
-    @tf.custom_gradient
-    def fused(query, states, key_kernel_t, kv_kernel, kv_bias):
+    def call(*inputs):
         (out,) = gen_xla_ops.xla_custom_call_v2(
-            operands=[query, states, key_kernel_t, kv_kernel, kv_bias], call_target_name=MEMORY_ATTENTION_TARGET,
-            backend_config=config, has_side_effect=False, result_dtypes=[tf.float32],
-            result_shapes=[tf.TensorShape([groups, queries, width])])
+            operands=list(inputs), call_target_name=MEMORY_ATTENTION_TARGET, backend_config=config,
+            has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([groups, queries, width])])
+        return out
 
-        def gradient(upstream):
-            inputs = [query, states, key_kernel_t, kv_kernel, kv_bias]
-            with tf.GradientTape() as tape:
-                tape.watch(inputs)
-                reference = reference_memory_attention(*inputs, heads, scale)
-            return tape.gradient(reference, inputs, output_gradients=upstream)
-
-        return out, gradient
-
-    return fused(query, states, key_kernel_t, kv_kernel, kv_bias)
+    return _with_reference_gradient(call, lambda *inputs: reference_memory_attention(*inputs, heads, scale),
+                                    query, states, key_kernel_t, kv_kernel, kv_bias)

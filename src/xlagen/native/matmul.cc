@@ -807,6 +807,16 @@ inline __m512 ExpNonPositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// The largest of row[0..n).
+inline float RowMax(const float* row, int n) {
+  const int whole = n / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (n - whole)) - 1);
+  __m512 high = _mm512_set1_ps(-INFINITY);
+  for (int j = 0; j < whole; j += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(row + j));
+  if (tail) high = _mm512_mask_max_ps(high, tail, high, _mm512_maskz_loadu_ps(tail, row + whole));
+  return _mm512_reduce_max_ps(high);
+}
+
 // row[0..n) = exp(row[j] - top) in place, for a row whose largest value is `top`; returns their sum.
 inline float ExpInPlace(float* row, int n, float top) {
   const int whole = n / 16 * 16;
@@ -928,24 +938,11 @@ void RunAttention(const void* args, int u0, int u1) {
         }
       }
     }
-    // Softmax numerators in place, and their sums; the columns past s get weight 0.
+    // Softmax numerators in place, and their sums (the columns past s are never read).
     float sums[kAttentionRows];
-    const int whole = a.s / 16 * 16;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (a.s - whole)) - 1);
     for (int r = 0; r < rows; ++r) {
       float* row = scores.data() + static_cast<size_t>(r) * padded;
-      __m512 high = _mm512_set1_ps(-INFINITY);
-      for (int j = 0; j < whole; j += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(row + j));
-      if (tail) high = _mm512_mask_max_ps(high, tail, high, _mm512_loadu_ps(row + whole));
-      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(high));
-      __m512 total = _mm512_setzero_ps();
-      for (int j = 0; j < padded; j += 16) {
-        const __mmask16 keep = j + 16 <= a.s ? static_cast<__mmask16>(0xFFFF) : (j < a.s ? tail : 0);
-        const __m512 e = _mm512_maskz_mov_ps(keep, ExpNonPositive(_mm512_sub_ps(_mm512_loadu_ps(row + j), top)));
-        _mm512_storeu_ps(row + j, e);
-        total = _mm512_add_ps(total, e);
-      }
-      sums[r] = _mm512_reduce_add_ps(total);
+      sums[r] = ExpInPlace(row, a.s, RowMax(row, a.s));
     }
     const float* v = a.v + head_offset;
     float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
@@ -1284,14 +1281,9 @@ void MemoryBlock(const float* qp, const float* m, int keys, int e, float* scores
                  const char* ahead, int ahead_lines) {
   MemoryScores<R>(qp, m, keys, e, scores, stride);
   // Softmax numerators in place (against the chunk's own maximum), with their maximum and total.
-  const int whole = keys / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (keys - whole)) - 1);
   for (int r = 0; r < R; ++r) {
     float* row = scores + static_cast<size_t>(r) * stride;
-    __m512 high = _mm512_set1_ps(-INFINITY);
-    for (int j = 0; j < whole; j += 16) high = _mm512_max_ps(high, _mm512_loadu_ps(row + j));
-    if (tail) high = _mm512_mask_max_ps(high, tail, high, _mm512_maskz_loadu_ps(tail, row + whole));
-    const float top = _mm512_reduce_max_ps(high);
+    const float top = RowMax(row, keys);
     out[static_cast<size_t>(r) * (e + 2) + e] = top;
     out[static_cast<size_t>(r) * (e + 2) + e + 1] = ExpInPlace(row, keys, top);
   }
