@@ -7,14 +7,18 @@ import subprocess
 import sys
 import textwrap
 
+import importlib
+import importlib.util
+
 import huggingface_hub
 import pytest
-import requests
 from huggingface_hub import errors as hub_errors
 
 from xlagen import hub
 from xlagen.hub import resolve_model_dir
 
+# huggingface_hub 1.x/2.x talks through httpx (2.x through its fork httpx2).
+httpx = importlib.import_module("httpx2" if importlib.util.find_spec("httpx2") else "httpx")
 SHA_MAIN = "a" * 40
 SHA_DEV = "b" * 40
 
@@ -148,6 +152,12 @@ def _raise(error):
     return fake_snapshot_download
 
 
+def _http_error(error_class, status: int):
+    """A huggingface_hub HTTP error as the Hub client raises it, with its response."""
+    response = httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api/models/org/tiny"))
+    return error_class(f"{status} error", response=response)
+
+
 def _offline_error():
     try:
         try:
@@ -161,8 +171,8 @@ def _offline_error():
 def _connection_failure():
     try:
         try:
-            raise requests.exceptions.ConnectionError("DNS failure")
-        except requests.exceptions.ConnectionError as cause:
+            raise httpx.ConnectError("DNS failure")
+        except httpx.ConnectError as cause:
             raise hub_errors.LocalEntryNotFoundError("not cached") from cause
     except hub_errors.LocalEntryNotFoundError as e:
         return e
@@ -171,12 +181,12 @@ def _connection_failure():
 @pytest.mark.parametrize(
     ("error", "pattern"),
     [
-        (hub_errors.RepositoryNotFoundError("404"), "Repository 'org/tiny' was not found"),
-        (hub_errors.GatedRepoError("403"), "is gated"),
-        (hub_errors.RevisionNotFoundError("404"), "Revision 'main' does not exist"),
-        (requests.exceptions.ConnectionError("boom"), "Could not download 'org/tiny'"),
-        (requests.exceptions.SSLError("bad cert"), "Could not download"),
-        (hub_errors.HfHubHTTPError("500 server error"), "Could not download"),
+        (_http_error(hub_errors.RepositoryNotFoundError, 404), "Repository 'org/tiny' was not found"),
+        (_http_error(hub_errors.GatedRepoError, 403), "is gated"),
+        (_http_error(hub_errors.RevisionNotFoundError, 404), "Revision 'main' does not exist"),
+        (httpx.ProxyError("proxy refused"), "Could not download 'org/tiny'"),
+        (httpx.ReadTimeout("read timed out"), "Could not download"),
+        (_http_error(hub_errors.HfHubHTTPError, 500), "Could not download"),
         (_offline_error(), "offline mode is on"),
         (_connection_failure(), "the Hub could not be reached"),
     ],

@@ -25,6 +25,21 @@ from huggingface_hub.utils import validate_repo_id
 
 logger = logging.getLogger(__name__)
 
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """The HTTP clients' network errors that are not OSErrors: huggingface_hub 1.x/2.x talks through
+    httpx (or its fork httpx2), whose errors derive from Exception only; 0.x used requests (OSErrors)."""
+    errors: list[type[BaseException]] = []
+    for module in ("httpx2", "httpx"):
+        try:
+            errors.append(__import__(module).TransportError)
+        except (ImportError, AttributeError):
+            continue
+    return tuple(errors)
+
+
+_TRANSPORT_ERRORS = _transport_errors()
+
 # Top-level files fetched from a Hub repo. Everything else (pickle weights, ONNX, Flax, ...) is
 # left on the Hub.
 ALLOW_PATTERNS: tuple[str, ...] = (
@@ -41,6 +56,7 @@ ALLOW_PATTERNS: tuple[str, ...] = (
     "merges.txt",
     "spiece.model",
     "preprocessor_config.json",
+    "processor_config.json",  # transformers 5 writes the feature extractor's settings here
     "normalizer.json",
 )
 # fnmatch's "*" also matches "/", so "*.safetensors" alone would pull e.g. "onnx/model.safetensors".
@@ -167,8 +183,9 @@ def _download(
             f"Revision '{shown_revision}' does not exist in the Hub repo '{repo_id}'; pass an "
             "existing branch, tag or commit hash as revision=."
         ) from e
-    except OSError as e:
-        # requests' ConnectionError, Timeout, SSLError, ProxyError and HfHubHTTPError are OSErrors.
+    except (OSError, *_TRANSPORT_ERRORS) as e:
+        # HfHubHTTPError and requests' errors are OSErrors; httpx's (proxy errors, a connection lost while
+        # downloading a file) are not.
         raise OSError(f"Could not download {where} from the Hugging Face Hub: {e}") from e
     logger.debug("Resolved %s to %s", where, folder)
     return pathlib.Path(folder)
