@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from conftest import requires_kernels
 from xlagen.cli import bench
 from xlagen.cli.__main__ import build_parser, main
 
@@ -165,6 +166,7 @@ def test_profile_step_script_sums_xla_instructions_per_step():
     assert "thread" in out.split("share of the call")[-1], "the --timeline window printed no events"
 
 
+@requires_kernels
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
 def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
     # benchmarks/kernel_variants.py compiles each source, checks its products against numpy, and times them;
@@ -184,6 +186,7 @@ def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
     assert result.returncode != 0 and "wrong product" in result.stderr, result.stderr
 
 
+@requires_kernels
 def test_kernel_variants_script_spins_between_products_and_sets_each_builds_lookahead():
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_variants.py")
     source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native", "matmul.cc")

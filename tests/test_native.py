@@ -17,13 +17,10 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import random_ids, tiny_family_model
+from conftest import random_ids, requires_kernels, tiny_family_model
 from xlagen import native
 
-# Skipped on machines that cannot run the kernel, except in CI (XLAGEN_CI=1, set by .ci/run), where they
-# must run: a missing compiler or CPU feature fails there instead of silently skipping.
-pytestmark = pytest.mark.skipif(native.unavailable_reason() is not None and not os.environ.get("XLAGEN_CI"),
-                                reason=str(native.unavailable_reason()))
+pytestmark = requires_kernels
 
 
 def _rounded(w: np.ndarray) -> np.ndarray:

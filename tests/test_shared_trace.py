@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import random_ids, tiny_family_model
+from conftest import random_ids, requires_kernels, tiny_family_model
 from xlagen.layers import block as block_lib
 
 
@@ -61,6 +61,7 @@ def test_blocks_of_different_specs_get_their_own_trace(monkeypatch):
     _assert_sharing_changes_nothing(model, {"input_ids": ids}, monkeypatch, max_new_tokens=5)
 
 
+@requires_kernels
 @pytest.mark.parametrize("weight_dtype", ["bfloat16", "int8"])
 def test_each_block_reads_its_own_packed_weights(monkeypatch, weight_dtype):
     model = _tiny_gpt2()

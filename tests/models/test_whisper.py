@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 
 import numpy as np
 import pytest
@@ -12,6 +11,7 @@ import tensorflow as tf
 import torch
 import transformers
 
+from conftest import kernels_expected
 from xlagen import TFAutoModelForSpeechSeq2Seq, TFWhisperForConditionalGeneration, WhisperConfig, native
 from xlagen.generation.compiled import CompiledGenerator
 
@@ -267,7 +267,7 @@ def test_fused_attention_matches_transformers(whisper_heads_16):
     reference, model, _ = whisper_heads_16
     x = features(2, seed=8)
     encode = tf.function(lambda x: model.encode(x), jit_compile=True)
-    if native.unavailable_reason() is None or os.environ.get("XLAGEN_CI"):
+    if kernels_expected():
         hlo = encode.experimental_get_compiler_ir(tf.constant(x))(stage="optimized_hlo")
         assert hlo.count(f'custom_call_target="{native.ATTENTION_TARGET}"') == 2  # one per encoder layer
     with torch.no_grad():
@@ -275,7 +275,7 @@ def test_fused_attention_matches_transformers(whisper_heads_16):
     np.testing.assert_allclose(encode(tf.constant(x)).numpy(), expected, atol=1e-4 * np.abs(expected).max(), rtol=0)
     for options in (dict(language="en"), dict(language="fr", num_beams=2)):
         program = tf.function(lambda x: model.generate(x, max_new_tokens=10, **options), jit_compile=True)
-        if native.unavailable_reason() is None or os.environ.get("XLAGEN_CI"):
+        if kernels_expected():
             hlo = program.experimental_get_compiler_ir(tf.constant(x))(stage="optimized_hlo")
             # the encoder's 2 layers, then the decoder's 2 cross-attentions in the prefill and in the step
             assert hlo.count(f'custom_call_target="{native.ATTENTION_TARGET}"') == 6
@@ -298,7 +298,7 @@ def test_folded_cross_attention_matches_transformers(whisper_folded, monkeypatch
     reference, model, _ = whisper_folded
     monkeypatch.setattr(native, "MEMORY_ATTENTION_MIN_BYTES", 0)  # read while tracing: fold these 2 rows
     x = features(2, seed=12)
-    checked = native.unavailable_reason() is None or os.environ.get("XLAGEN_CI")
+    checked = kernels_expected()
     for options, folded_calls, attention_calls in ((dict(language="en"), 6, 2),
                                                    (dict(language="de", num_beams=2), 3, 5)):
         program = tf.function(lambda x: model.generate(x, max_new_tokens=10, **options), jit_compile=True)
@@ -325,7 +325,7 @@ def test_training_through_the_fused_encoder_attention(whisper_heads_16, monkeypa
         return loss, tape.gradient(loss, model.trainable_variables)
 
     fused = tf.function(step, jit_compile=True)
-    if native.unavailable_reason() is None or os.environ.get("XLAGEN_CI"):
+    if kernels_expected():
         assert native.ATTENTION_TARGET in fused.experimental_get_compiler_ir(batch)(stage="optimized_hlo")
     loss, gradients = fused(batch)
     monkeypatch.setattr(native, "ATTENTION_MIN_KEYS", 10**9)  # read while tracing: XLA's ops

@@ -101,8 +101,9 @@ class NativeUnavailable(RuntimeError):
     """The native kernels cannot run on this machine; the message says why."""
 
 
-def unavailable_reason() -> str | None:
-    """Why the native kernels cannot run here, or None if they can (before trying to build them)."""
+def hardware_reason() -> str | None:
+    """Why this machine itself cannot run the native kernels (its system, architecture or CPU: nothing that
+    an install would change), or None if it can."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return (f"xlagen's native kernels need Linux on x86-64; this is {platform.system()} on "
                 f"{platform.machine()}")
@@ -113,6 +114,14 @@ def unavailable_reason() -> str | None:
         flags = []
     if "avx512f" not in flags:
         return "xlagen's native kernels need a CPU with AVX-512 (avx512f); this CPU does not report it"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot run here, or None if they can (before trying to build them)."""
+    reason = hardware_reason()
+    if reason:
+        return reason
     if _compiler() is None:
         return ("xlagen's native kernels need a C++ compiler to build them once (set CXX, or install g++, "
                 "e.g. `apt-get install g++`)")
