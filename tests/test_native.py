@@ -476,7 +476,7 @@ def test_float32_kernel_limits_by_size_and_width(gpt2_model, float32_kernel, mon
 def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_model, caplog):
     ids = random_ids((1, 5), 300, seed=2)
     expected = gpt2_model.generate(ids, max_new_tokens=4).numpy()  # eager: XLA's kernels are not involved
-    monkeypatch.setattr(native, "unavailable_reason", lambda: "no AVX-512 here")
+    monkeypatch.setattr(native, "_platform_reason", lambda: "no AVX-512 here")
     native._float32_kernel_ready.cache_clear()
     try:
         program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=4), jit_compile=True)

@@ -14,8 +14,8 @@ this user can have written it, and only the exact bytes recorded when it was bui
 - A cached library is used only if it and its record are regular files (opened with O_NOFOLLOW, so not
   symbolic links; O_NONBLOCK, so a FIFO cannot hang the open), belong to this user and are not writable by
   group or others, and the bytes read from the open library hash to the record. Otherwise (missing,
-  empty, corrupt, replaced, another user's, a link) it is built again over it, with one warning naming the
-  file and the reason; without a compiler, `NativeUnavailable` says both.
+  empty, corrupt, replaced, another user's, a link) it is built again over it, then one warning names the
+  file and the reason; if it cannot be built, `NativeUnavailable` says both (and nothing is logged).
 - The caller `dlopen`s the verified descriptor itself, as `/proc/self/fd/N` (`opened`): the file hashed
   is the file loaded, whatever happens to the folder's names meanwhile, and only this user (or root) could
   change its bytes, since it is this user's and not writable by others. (glibc's dlopen treats two loads of
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import logging
 import os
@@ -42,7 +41,6 @@ FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared", "-pthrea
 RECORD_SUFFIX = ".sha256"  # beside the library: its SHA-256, written when it was built
 NO_COMPILER = ("xlagen's native kernels need a C++ compiler to build them once (set CXX, or install g++, "
                "e.g. `apt-get install g++`)")
-_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _MAX_RECORD_BYTES = 4096
 
 logger = logging.getLogger(__name__)
@@ -139,6 +137,9 @@ def _library_descriptor(source: Path) -> int:
                 return _open_verified(folder_fd, name)
             except _Unusable as problem:
                 return _build_into(folder_fd, folder, name, source, problem)
+    except OSError as error:  # reading or cleaning up (the steps that can be fixed say so themselves)
+        raise NativeUnavailable(f"using the kernel cache folder {folder} failed ({error}); set XLAGEN_CACHE to "
+                                "another folder of yours") from error
     finally:
         os.close(folder_fd)
 
@@ -177,6 +178,8 @@ def _open_folder(folder: Path) -> int:
 @contextlib.contextmanager
 def _locked(folder_fd: int) -> Iterator[None]:
     """Holds an exclusive advisory lock on the folder: one builder at a time (safety does not rely on it)."""
+    import fcntl  # POSIX only, like the rest of this module; imported here so that importing it works anywhere
+
     try:
         fcntl.flock(folder_fd, fcntl.LOCK_EX)
     except OSError as error:  # e.g. a file system without flock: builders may then compile twice
@@ -192,7 +195,7 @@ def _locked(folder_fd: int) -> Iterator[None]:
 def _open_owned(name: str, folder_fd: int) -> int:
     """Opens `name` in the folder for reading if it is a regular file (not a link) of this user."""
     try:
-        fd = os.open(name, _READ_FLAGS, dir_fd=folder_fd)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder_fd)
     except FileNotFoundError as error:
         raise _Unusable("is missing", level=0) from error
     except OSError as error:
@@ -250,11 +253,21 @@ def _open_verified(folder_fd: int, name: str) -> int:
 
 
 def _build_into(folder_fd: int, folder: Path, name: str, source: Path, problem: _Unusable) -> int:
-    """Compiles `source` privately, records its hash, renames both into place; returns the build's descriptor."""
+    """Compiles `source` privately, records its hash, renames both into place; returns the build's descriptor.
+    Says why the cached library (`problem`) was not used once: logged after a build, else in the error."""
+    try:
+        fd = _build_privately(folder_fd, folder, name, source)
+    except NativeUnavailable as error:
+        if not problem.level:
+            raise
+        raise NativeUnavailable(f"{error}; and the cached {folder / name} {problem}") from error
     if problem.level:
-        if _compiler() is None:
-            raise NativeUnavailable(f"{NO_COMPILER}; the cached {folder / name} {problem}")
-        logger.log(problem.level, "the cached kernel library %s %s; building it again", folder / name, problem)
+        logger.log(problem.level, "the cached kernel library %s %s; built it again", folder / name, problem)
+    return fd
+
+
+def _build_privately(folder_fd: int, folder: Path, name: str, source: Path) -> int:
+    """Compiles `source` in a scratch folder of its own and installs the result (`_install`)."""
     scratch = f".{name}.{secrets.token_hex(8)}"
     try:
         os.mkdir(scratch, 0o700, dir_fd=folder_fd)
@@ -280,7 +293,8 @@ def _install(folder_fd: int, scratch_fd: int, folder: Path, name: str) -> int:
     try:
         fd = _open_owned(name, scratch_fd)
     except _Unusable as problem:
-        raise NativeUnavailable(f"the compiler's output {folder / name} {problem}") from problem
+        raise NativeUnavailable(f"the compiler's output ({name}, in a build folder inside {folder}) {problem}") \
+            from problem
     try:
         os.fchmod(fd, 0o700)  # the linker's mode follows the umask (0o775 under umask 002)
         os.fsync(fd)
