@@ -364,7 +364,8 @@ def test_the_kernel_library_builds_into_the_cache_folder_once(tmp_path, monkeypa
     assert library.parent == tmp_path / "native" and library.suffix == ".so"
     built = library.stat().st_mtime_ns
     assert native._build() == library and library.stat().st_mtime_ns == built  # cached: not rebuilt
-    assert [p.name for p in library.parent.iterdir()] == [library.name]  # no scratch left behind
+    # no scratch left behind; the library's SHA-256 beside it (tests/test_native_build.py)
+    assert sorted(p.name for p in library.parent.iterdir()) == [library.name, library.name + ".sha256"]
     monkeypatch.setenv("XLAGEN_CACHE", str(tmp_path / "file"))
     (tmp_path / "file").write_text("")  # a file where the folder should be
     with pytest.raises(native.NativeUnavailable, match="XLAGEN_CACHE"):
@@ -472,7 +473,7 @@ def test_float32_kernel_limits_by_size_and_width(gpt2_model, float32_kernel, mon
 def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_model, caplog):
     ids = random_ids((1, 5), 300, seed=2)
     expected = gpt2_model.generate(ids, max_new_tokens=4).numpy()  # eager: XLA's kernels are not involved
-    monkeypatch.setattr(native, "unavailable_reason", lambda: "no AVX-512 here")
+    monkeypatch.setattr(native, "hardware_reason", lambda: "no AVX-512 here")
     native._float32_kernel_ready.cache_clear()
     try:
         program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=4), jit_compile=True)

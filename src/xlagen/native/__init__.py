@@ -26,10 +26,13 @@ query rows (`use_step_attention`). And greedy decoding's choice of token (`argma
 logit at a time.
 
 The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
-cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source. It needs
-Linux on x86-64 with AVX-512 (`avx512f`). `XLAGEN_NATIVE_THREADS` sets its thread count (default: the
-CPUs this process may use, at most 8). Programs that leave the process (SavedModel export, `xlagen aot`)
-are traced under `portable()`, without the kernels.
+cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source, in a folder
+only this user may write, with its SHA-256 beside it; a cached build is loaded only if it is this user's,
+not writable by others and matches that hash, else it is built again (`build.py` says how). It needs
+Linux on x86-64 with AVX-512 (`avx512f`). Where it cannot be built, float32 decoding uses XLA's dot, with
+one warning; packed weights raise `NativeUnavailable` with the reason. `XLAGEN_NATIVE_THREADS` sets its
+thread count (default: the CPUs this process may use, at most 8). Programs that leave the process
+(SavedModel export, `xlagen aot`) are traced under `portable()`, without the kernels.
 """
 
 from __future__ import annotations
@@ -38,18 +41,17 @@ import contextlib
 import contextvars
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-SOURCE = Path(__file__).with_name("matmul.cc")
+from xlagen.native import build
+# Re-exported: NativeUnavailable and compile_library are public (benchmarks/kernel_variants.py), SOURCE too.
+from xlagen.native.build import NO_COMPILER, SOURCE, NativeUnavailable, _compiler, compile_library  # noqa: F401
+
 TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
 INT8_TARGET = "xlagen_int8_matmul"
@@ -94,11 +96,13 @@ MEMORY_ATTENTION_MIN_BYTES = 8 * 2**20
 logger = logging.getLogger(__name__)
 _portable = contextvars.ContextVar("xlagen_native_portable", default=False)
 _float32_enabled = os.environ.get("XLAGEN_FLOAT32_KERNEL", "1") != "0"
-_FLAGS = ["-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared", "-pthread"]
+_cache_dir = build.cache_folder
+_build = build.build
 
 
-class NativeUnavailable(RuntimeError):
-    """The native kernels cannot run on this machine; the message says why."""
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot run here, or None if they can (before trying to build them)."""
+    return hardware_reason() or (NO_COMPILER if _compiler() is None else None)
 
 
 def hardware_reason() -> str | None:
@@ -117,76 +121,27 @@ def hardware_reason() -> str | None:
     return None
 
 
-def unavailable_reason() -> str | None:
-    """Why the native kernels cannot run here, or None if they can (before trying to build them)."""
-    reason = hardware_reason()
-    if reason:
-        return reason
-    if _compiler() is None:
-        return ("xlagen's native kernels need a C++ compiler to build them once (set CXX, or install g++, "
-                "e.g. `apt-get install g++`)")
-    return None
-
-
-def _compiler() -> str | None:
-    for candidate in (os.environ.get("CXX"), "g++", "c++"):
-        if candidate and shutil.which(candidate):
-            return shutil.which(candidate)
-    return None
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("XLAGEN_CACHE") or Path.home() / ".cache" / "xlagen"
-    return Path(root) / "native"
-
-
-def _build() -> Path:
-    """Compiles matmul.cc once per source and flags; returns the cached library's path."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    library = _cache_dir() / f"matmul-{key}.so"
-    if library.exists():
-        return library
-    try:
-        library.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise NativeUnavailable(f"cannot create the kernel cache folder {library.parent} ({error}); set "
-                                "XLAGEN_CACHE to a writable folder") from error
-    # Build beside the target and rename: processes building at once each install a whole library.
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        built = Path(scratch) / library.name
-        compile_library(SOURCE, built)
-        os.replace(built, library)
-    return library
-
-
-def compile_library(source: Path, library: Path) -> None:
-    """Compiles a kernel source (`matmul.cc`, or a variant of it for `benchmarks/kernel_variants.py`) into
-    the shared library `library` with xlagen's flags.
-
-    Raises:
-        NativeUnavailable: the compiler failed (its message is included).
-    """
-    command = [_compiler(), *_FLAGS, str(source), "-o", str(library), "-ldl"]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise NativeUnavailable(f"building xlagen's native kernels failed ({' '.join(command)}):\n"
-                                f"{result.stderr[-2000:]}")
-
-
 @functools.lru_cache(maxsize=None)
 def load() -> ctypes.CDLL:
     """Builds (once) and loads the kernel library and registers its XLA custom-call targets.
 
     Raises:
-        NativeUnavailable: the machine cannot run it (see `unavailable_reason`) or the build failed.
+        NativeUnavailable: the machine cannot run it (see `unavailable_reason`), the cache folder is unsafe
+            (another user's) or not writable, or the build or the loading failed.
     """
-    reason = unavailable_reason()
+    reason = hardware_reason()
     if reason:
         raise NativeUnavailable(reason)
     import tensorflow as tf  # noqa: F401  (loads libtensorflow_cc, whose registry the kernel joins)
 
-    library = ctypes.CDLL(str(_build()))
+    # `build.opened` verifies the cached build (owner, mode, SHA-256) and names its open descriptor, so the
+    # bytes verified are the bytes loaded.
+    with build.opened() as verified:
+        try:
+            library = ctypes.CDLL(verified)
+        except OSError as error:
+            raise NativeUnavailable(f"loading xlagen's native kernels "
+                                    f"({build.cache_folder() / build.library_name()}) failed: {error}") from error
     library.xlagen_register.argtypes = [ctypes.c_char_p]
     code = library.xlagen_register(b"libtensorflow_cc.so.2")
     if code != 0:
@@ -382,8 +337,9 @@ def lookahead_counts() -> dict[str, int]:
 
 @functools.lru_cache(maxsize=None)
 def _float32_kernel_ready() -> bool:
-    """Whether the kernels load here; the first failure is logged once, then XLA's dot is used."""
-    reason = unavailable_reason()
+    """Whether the kernels load here; if not, XLA's dot is used, said once: at INFO level on a system or CPU
+    that cannot run them, as a warning when they could run but cannot be built or loaded."""
+    reason = hardware_reason()
     if reason:
         logger.info("float32 decoding uses XLA's dot: %s", reason)
         return False
