@@ -1,17 +1,18 @@
-"""xlagen's kernels alone, two or more builds of `matmul.cc` side by side in one process.
+"""xlagen's kernels alone, two or more builds of the kernel sources side by side in one process.
 
-    git show HEAD~1:src/xlagen/native/matmul.cc > /tmp/old.cc
-    python benchmarks/kernel_variants.py --model gpt2 --rows 1 2 8 --sources /tmp/old.cc src/xlagen/native/matmul.cc
+    mkdir -p old && git archive HEAD~1 src/xlagen/native | tar -x --strip-components=3 -C old
+    python benchmarks/kernel_variants.py --model gpt2 --rows 1 2 8 --sources old/native src/xlagen/native
 
-Each source is compiled with xlagen's own flags and loaded with ctypes (TensorFlow is not involved), and
-the entry point of `--weights` (float32: `xlagen_f32_matmul` on XLA's [K, N] layout; bfloat16 and int8:
-`xlagen_bf16_matmul` / `xlagen_int8_matmul` on `xlagen.native`'s packed layouts) is called as XLA calls
-it. One "step" is every product of the model's decoding step for one turn of `generate`'s loop: each
-layer's projections, with weights of their own (so they come from memory, as in a real step, not from
-the cache), then the LM head, on `--rows` rows of x. The builds take turns, `--repeats` steps each per
-round, so that this VM's bandwidth, which moves from minute to minute, is shared alike. Every build's
-output is checked against numpy first. Prints, per row count, each build's median ms per step, the weights' GB/s, its
-GFLOP/s, and the first build's time over each other's (above 1: that build is faster).
+Each source folder (its *.cc and *.h, as in src/xlagen/native) is compiled with xlagen's own flags and
+loaded with ctypes (TensorFlow is not involved), and the plain entry point of `--weights` (float32:
+`xlagen_f32_product` on XLA's [K, N] layout; bfloat16 and int8: `xlagen_bf16_product` /
+`xlagen_int8_product` on `xlagen.native`'s packed layouts; see kernels.h) is called. One "step" is every
+product of the model's decoding step for one turn of `generate`'s loop: each layer's projections, with
+weights of their own (so they come from memory, as in a real step, not from the cache), then the LM head,
+on `--rows` rows of x. The builds take turns, `--repeats` steps each per round, so that a shared machine's
+bandwidth, which moves from minute to minute, is shared alike. Every build's output is checked against
+numpy first. Prints, per row count, each build's median ms per step, the weights' GB/s, its GFLOP/s, and
+the first build's time over each other's (above 1: that build is faster).
 
 numpy's BLAS on the same products is printed too (`--blas`), timed after the builds, as a yardstick;
 XLA's own dot is another program (see `ab.py --compare kernel` for the kernel against it inside `generate`).
@@ -22,7 +23,7 @@ without its gaps. `--lookahead KIB [KIB ...]` sets each build's read-ahead (`xla
 value for all builds, or one per source), so that one source can be compared with itself:
 
     python benchmarks/kernel_variants.py --model t5 --rows 1 --gap-us 30 --lookahead 0 768 \
-        --sources src/xlagen/native/matmul.cc src/xlagen/native/matmul.cc
+        --sources src/xlagen/native src/xlagen/native
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ MODELS = {
 }
 
 
-ENTRY_POINTS = {"float32": "xlagen_f32_matmul", "bfloat16": "xlagen_bf16_matmul", "int8": "xlagen_int8_matmul"}
+ENTRY_POINTS = {"float32": "xlagen_f32_product", "bfloat16": "xlagen_bf16_product", "int8": "xlagen_int8_product"}
 
 
 def _spin(seconds: float) -> None:
@@ -79,21 +80,21 @@ def stored(w: np.ndarray, weights: str) -> tuple[np.ndarray, np.ndarray]:
 def build(source: Path, folder: Path) -> Path:
     from xlagen import native
 
-    library = folder / f"{len(list(folder.iterdir()))}-{source.stem}.so"
+    library = folder / f"{len(list(folder.iterdir()))}-{source.name}.so"
     native.compile_library(source, library)
     return library
 
 
 def entry(library: Path, weights: str):
     function = getattr(ctypes.CDLL(str(library)), ENTRY_POINTS[weights])
-    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_void_p]
-    function.restype = None
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 3
+    function.restype = ctypes.c_char_p
     return function
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sources", nargs="+", type=Path, required=True, help="matmul.cc files to compare")
+    parser.add_argument("--sources", nargs="+", type=Path, required=True, help="folders of kernel sources to compare")
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8], help="rows of x (batch x beams)")
     parser.add_argument("--rounds", type=int, default=15)
@@ -135,16 +136,14 @@ def main(argv=None) -> int:
             calls = []
             for w, packed in zip(weights, kernels):
                 k, n = w.shape
-                config = f"{rows},{k},{n}".encode()
                 y = np.empty((rows, n), np.float32)
-                pointers = (ctypes.c_void_p * 2)(xs[k].ctypes.data, packed.ctypes.data)
-                calls.append((xs[k], w, y, pointers, config))
+                calls.append((xs[k], w, y, packed, (rows, k, n)))
 
             gap = args.gap_us * 1e-6
 
             def kernel_step(function, calls=calls):
-                for _, _, y, pointers, config in calls:
-                    function(y.ctypes.data, pointers, config, len(config), None)
+                for x, _, y, packed, sizes in calls:
+                    function(x.ctypes.data, packed.ctypes.data, y.ctypes.data, *sizes)
                     _spin(gap)
 
             def blas_step(calls=calls):

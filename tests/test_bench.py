@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -172,16 +173,17 @@ def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
     # benchmarks/kernel_variants.py compiles each source, checks its products against numpy, and times them;
     # a build whose products are wrong is refused.
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_variants.py")
-    source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native", "matmul.cc")
+    source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native")
     command = [sys.executable, script, "--model", "tiny", "--weights", weights, "--rows", "1", "3", "8",
                "--rounds", "2", "--repeats", "1", "--blas", "--sources", source, source]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     assert out.count("first / this") == 3 * 3 and "rows 8:" in out and "numpy:" in out, out
-    with open(source) as file:
-        text = file.read()
-    broken = tmp_path / "broken.cc"
-    # every kernel's multiply-add becomes a multiply-subtract: products come out wrong
-    broken.write_text(text.replace("_mm512_fmadd_ps(", "_mm512_fmsub_ps("))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for path in pathlib.Path(source).iterdir():
+        if path.suffix in (".cc", ".h"):
+            # every kernel's multiply-add becomes a multiply-subtract: products come out wrong
+            (broken / path.name).write_text(path.read_text().replace("_mm512_fmadd_ps(", "_mm512_fmsub_ps("))
     result = subprocess.run(command[:-2] + [str(broken)], capture_output=True, text=True)
     assert result.returncode != 0 and "wrong product" in result.stderr, result.stderr
 
@@ -189,7 +191,7 @@ def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
 @requires_kernels
 def test_kernel_variants_script_spins_between_products_and_sets_each_builds_lookahead():
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_variants.py")
-    source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native", "matmul.cc")
+    source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native")
     command = [sys.executable, script, "--model", "tiny", "--rows", "1", "--rounds", "2", "--repeats", "1",
                "--gap-us", "20", "--lookahead", "0", "768", "--sources", source, source]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout

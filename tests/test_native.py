@@ -10,6 +10,9 @@ scores equal to float32 rounding).
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import ml_dtypes
@@ -17,8 +20,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import kernel_reference
 from conftest import random_ids, requires_kernels, tiny_family_model
+from kernel_reference import memory_inputs
 from xlagen import native
+from xlagen.layers.attention import MASK_VALUE
 
 pytestmark = requires_kernels
 
@@ -499,9 +505,7 @@ def test_attention_kernel_matches_float64_numpy(heads, t, s, d, transposed):
     scale = d ** -0.5
     given = np.ascontiguousarray(k.transpose(0, 1, 3, 2)) if transposed else k
     out = _xla(lambda q, k, v: native.attention(q, k, v, scale, transposed), q, given, v)
-    scores = np.einsum("bhtd,bhsd->bhts", q.astype(np.float64), k.astype(np.float64)) * scale
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    expected = np.einsum("bhts,bhsd->bhtd", weights / weights.sum(-1, keepdims=True), v)
+    expected = kernel_reference.attention(q, k, v, scale)
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
 
 
@@ -564,15 +568,6 @@ def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla(flo
 # ----------------------------------------------------------------------------- the folded cross-attention
 
 
-def _memory_inputs(groups, queries, heads, d, length, embed, seed=0):
-    rng = np.random.default_rng(seed)
-    query = rng.standard_normal((groups, queries, heads * d)).astype(np.float32)
-    states = rng.standard_normal((groups, length, embed)).astype(np.float32)
-    kv_kernel = (2 * rng.standard_normal((embed, 2 * heads * d)) / np.sqrt(embed)).astype(np.float32)
-    kv_bias = rng.standard_normal(2 * heads * d).astype(np.float32)
-    return query, states, kv_kernel, kv_bias
-
-
 @pytest.mark.parametrize("groups, queries, heads, d, length, embed", [
     (2, 1, 6, 64, 1500, 384), (1, 1, 7, 16, 257, 64), (3, 2, 4, 32, 301, 128), (1, 4, 2, 128, 1000, 256),
     (5, 1, 1, 16, 256, 64), (1, 3, 5, 64, 3001, 320)])
@@ -581,18 +576,12 @@ def test_memory_attention_matches_float64_numpy_over_projected_keys_and_values(g
     # Query rows per memory row (queries x heads) below, at and past the kernel's blocks of 6; keys not a
     # multiple of its 4 (nor of 16) and split into chunks; a key bias that the softmax must ignore. The
     # expectation projects keys and values first, as `CrossAttention.project_memory` does.
-    query, states, kv_kernel, kv_bias = _memory_inputs(groups, queries, heads, d, length, embed,
+    query, states, kv_kernel, kv_bias = memory_inputs(groups, queries, heads, d, length, embed,
                                                        seed=groups * length + embed)
     width, scale = heads * d, d ** -0.5
     out = _xla(lambda q, m, w, b: native.memory_attention(q, m, tf.transpose(w[:, :width]), w, b, heads, scale),
                query, states, kv_kernel, kv_bias)
-    projected = states.astype(np.float64) @ kv_kernel + kv_bias  # [G, L, 2 * H * D]
-    keys = projected[..., :width].reshape(groups, length, heads, d)
-    values = projected[..., width:].reshape(groups, length, heads, d)
-    scores = np.einsum("gqhd,glhd->gqhl", query.reshape(groups, queries, heads, d), keys) * scale
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    expected = np.einsum("gqhl,glhd->gqhd", weights, values).reshape(groups, queries, width)
+    expected = kernel_reference.memory_attention(query, states, kv_kernel, kv_bias, heads, scale)
     np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
     reference = native.reference_memory_attention(tf.constant(query), tf.constant(states),
                                                   tf.transpose(kv_kernel[:, :width]), tf.constant(kv_kernel),
@@ -601,7 +590,7 @@ def test_memory_attention_matches_float64_numpy_over_projected_keys_and_values(g
 
 
 def test_memory_attention_gradients_are_the_reference_formulas():
-    inputs = [tf.constant(t) for t in _memory_inputs(2, 1, 4, 16, 300, 64, seed=4)]
+    inputs = [tf.constant(t) for t in memory_inputs(2, 1, 4, 16, 300, 64, seed=4)]
     inputs.insert(2, tf.transpose(inputs[2][:, :64]))
 
     def gradients(attention):
@@ -620,7 +609,7 @@ def test_memory_attention_gradients_are_the_reference_formulas():
 def test_reference_memory_attention_takes_unknown_batch_sizes():
     # The path without the kernel (a folded context traced where the kernel cannot run) in a graph whose
     # batch and query counts are unknown until it runs.
-    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in _memory_inputs(2, 3, 4, 16, 300, 64, seed=2))
+    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in memory_inputs(2, 3, 4, 16, 300, 64, seed=2))
     key_kernel_t = tf.transpose(kv_kernel[:, :64])
     signature = [tf.TensorSpec((None, None, 64)), tf.TensorSpec((None, 300, 64))]
     traced = tf.function(lambda q, m: native.reference_memory_attention(q, m, key_kernel_t, kv_kernel, kv_bias, 4,
@@ -630,10 +619,10 @@ def test_reference_memory_attention_takes_unknown_batch_sizes():
 
 
 def test_memory_attention_refuses_shapes_it_has_no_code_for():
-    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in _memory_inputs(1, 1, 2, 24, 300, 64))
+    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in memory_inputs(1, 1, 2, 24, 300, 64))
     with pytest.raises(ValueError, match="head sizes"):
         native.memory_attention(query, states, tf.transpose(kv_kernel[:, :48]), kv_kernel, kv_bias, 2, 1.0)
-    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in _memory_inputs(1, 1, 2, 16, 300, 64))
+    query, states, kv_kernel, kv_bias = (tf.constant(t) for t in memory_inputs(1, 1, 2, 16, 300, 64))
     with pytest.raises(ValueError, match="do not match"):
         native.memory_attention(query, states, kv_kernel[:, :32], kv_kernel, kv_bias, 2, 1.0)
 
@@ -772,16 +761,6 @@ def test_set_lookahead_refuses_negative_sizes():
 # ----------------------------------------------------------------------------- a decoding step's attention
 
 
-def _step_attention_reference(q, keys, values, key, value, bias, scale):
-    """float64 numpy: softmax over [cache keys, new key] of scale * q.k + bias (-inf: MASK_VALUE)."""
-    q, keys, values, key, value, bias = (np.asarray(t, np.float64) for t in (q, keys, values, key, value, bias))
-    scores = np.concatenate([np.einsum("ghkd,ghsd->ghks", q, keys), np.sum(q * key, -1, keepdims=True)], -1)
-    scores = np.where(np.isneginf(bias), -1e9, scores * scale + np.where(np.isneginf(bias), 0, bias))
-    weights = np.exp(scores - scores.max(-1, keepdims=True))
-    weights /= weights.sum(-1, keepdims=True)
-    return np.einsum("ghks,ghsd->ghkd", weights[..., :-1], values) + weights[..., -1:] * value
-
-
 @pytest.mark.parametrize("groups, heads, queries, s, d, bias_heads", [
     (1, 12, 1, 136, 64, 1), (2, 3, 2, 2 * 45, 32, 3), (3, 2, 4, 4 * 17, 16, 1), (1, 1, 1, 1, 128, 1),
     (8, 4, 2, 2 * 300, 64, 4), (8, 12, 1, 600, 64, 1), (2, 4, 1, 9, 8, 4), (1, 2, 3, 3 * 20, 40, 1)])
@@ -800,8 +779,8 @@ def test_step_attention_kernel_matches_float64_numpy(groups, heads, queries, s, 
         bias[0, :, 0, -1] = -np.inf
         bias[0, :, 0, 0] = 0.5
     scale = d ** -0.5
-    out = _xla(lambda *args: native.step_attention(*args, scale), q, keys, values, key, value, bias)
-    expected = _step_attention_reference(q, keys, values, key, value, bias, scale)
+    out = _xla(lambda *args: native.step_attention(*args, scale, MASK_VALUE), q, keys, values, key, value, bias)
+    expected = kernel_reference.step_attention(q, keys, values, key, value, bias, scale, MASK_VALUE)
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
 
 
@@ -809,10 +788,10 @@ def test_step_attention_kernel_refuses_a_bias_or_head_size_it_cannot_take():
     q = tf.zeros((2, 3, 1, 32))
     keys = tf.zeros((2, 3, 10, 32))
     with pytest.raises(ValueError, match="does not match"):
-        native.step_attention(q, keys, keys, q, q, tf.zeros((2, 1, 1, 10)), 1.0)
+        native.step_attention(q, keys, keys, q, q, tf.zeros((2, 1, 1, 10)), 1.0, MASK_VALUE)
     wide = tf.zeros((2, 3, 1, native.STEP_ATTENTION_MAX_HEAD_DIM + 16))
     with pytest.raises(ValueError, match="head size"):
-        native.step_attention(wide, wide, wide, wide, wide, tf.zeros((2, 1, 1, 2)), 1.0)
+        native.step_attention(wide, wide, wide, wide, wide, tf.zeros((2, 1, 1, 2)), 1.0, MASK_VALUE)
 
 
 def test_step_attention_kernel_only_in_compiled_decoding_loops(float32_kernel):
@@ -893,3 +872,32 @@ def test_argmax_kernel_only_for_static_float32_scores_under_xla(float32_kernel):
     float32_kernel(False)
     tf.function(traced, jit_compile=True)(scores)
     assert not any(seen.values())
+
+
+# ----------------------------------------------------------------------------- configuration errors
+
+
+def test_a_custom_call_it_cannot_run_is_an_xla_error_not_a_crash():
+    # A backend config the kernel cannot parse, and sizes its entry point refuses, end as an error of the
+    # program (in a subprocess, so that a crash would fail this test rather than the suite).
+    code = textwrap.dedent("""
+        import tensorflow as tf
+        from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+        from xlagen import native
+
+        native.load()
+        assert native.status_supported()
+        for config in ["2,nonsense", "2,0", "2,5,"]:
+            call = tf.function(lambda x: gen_xla_ops.xla_custom_call_v2(
+                operands=[x], call_target_name=native.ARGMAX_TARGET, backend_config=config, has_side_effect=False,
+                result_dtypes=[tf.int32], result_shapes=[tf.TensorShape([2])])[0], jit_compile=True)
+            try:
+                call(tf.zeros((2, 5)))
+            except tf.errors.OpError as error:
+                assert "xlagen_f32_argmax" in str(error), error
+            else:
+                raise AssertionError(config + " ran")
+        print("ok")
+        """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]

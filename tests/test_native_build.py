@@ -231,8 +231,9 @@ def test_no_compiler_says_so_and_why_the_cached_library_was_refused(cache, monke
 @requires_compiler
 def test_concurrent_builders_compile_once_and_both_load(tmp_path):
     # The real compiler on a tiny source, slowed down so that the second process starts while the first builds.
-    source = tmp_path / "tiny.cc"
-    source.write_text('extern "C" int xlagen_answer() { return 42; }\n')
+    source = tmp_path / "tiny"  # a folder of kernel sources
+    source.mkdir()
+    (source / "tiny.cc").write_text('extern "C" int xlagen_answer() { return 42; }\n')
     log = tmp_path / "compiles.log"
     compiler = tmp_path / "slow-c++"
     compiler.write_text(f"#!/bin/sh\necho run >> {log}\nsleep 1\nexec {build._compiler()} \"$@\"\n")

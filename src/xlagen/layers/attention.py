@@ -234,7 +234,7 @@ class Attention(_MultiHead):
         if not dropout and native.use_step_attention(query, keys):
             # One native call: the cache read in place, the new key last, -inf where a query may not see.
             masked = ops.where(visible, 0.0 if bias is None else bias, float("-inf"))
-            attended = native.step_attention(query, keys, values, key, value, masked, self.scale)
+            attended = native.step_attention(query, keys, values, key, value, masked, self.scale, MASK_VALUE)
         else:
             old = _per_query(lambda q: ops.matmul(keys, ops.transpose(q, (0, 1, 3, 2))), query, -1)  # [G, H, K * S, K]
             old = ops.transpose(old, (0, 1, 3, 2))  # [G, H, K, K * S]

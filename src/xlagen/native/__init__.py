@@ -1,4 +1,5 @@
-"""Native kernels: the matrix products of a decoding step, called by XLA as custom calls (`matmul.cc`).
+"""Native kernels: the matrix products of a decoding step, called by XLA as custom calls (the C++ files of
+this folder; `kernels.h` lists them).
 
 A decoding step reads every weight once, so its time is the time to stream the weights from memory.
 xlagen brings its own product for the few rows of a decoding step, in three forms:
@@ -49,8 +50,8 @@ from pathlib import Path
 import numpy as np
 
 from xlagen.native import build
-# Re-exported: NativeUnavailable and compile_library are public (benchmarks/kernel_variants.py), SOURCE too.
-from xlagen.native.build import NO_COMPILER, SOURCE, NativeUnavailable, _compiler, compile_library  # noqa: F401
+# Re-exported: NativeUnavailable and compile_library are public (benchmarks/kernel_variants.py), SOURCES too.
+from xlagen.native.build import NO_COMPILER, SOURCES, NativeUnavailable, _compiler, compile_library  # noqa: F401
 
 TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
@@ -59,14 +60,11 @@ ATTENTION_TARGET = "xlagen_f32_attention"
 STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
-STEP_ATTENTION_MAX_HEAD_DIM = 256  # matmul.cc's kStepAttentionMaxD
 # A decoding step's self-attention runs as one native call per layer (`step_attention`) from this many
 # query rows (batch x beams): at 2 and 8 rows it made GPT-2-small's `generate` 1.035x and 1.074x faster, at
 # one row 0.98-0.99x (the kernel's workers already read the next weights during XLA's attention ops there;
 # `benchmarks/ab.py --compare step-attention`, docs/performance.md).
 STEP_ATTENTION_MIN_ROWS = 2
-PANEL = 32  # output columns per packed bfloat16 panel (matmul.cc's kPanel)
-INT8_PANEL = 64  # output columns per int8 panel (matmul.cc's kInt8Panel)
 WEIGHT_DTYPES = ("bfloat16", "int8")  # what `pack_tensor` packs
 MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders) unpack and use XLA's dot
 # Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams): 16 covers 2 beams
@@ -122,8 +120,8 @@ def hardware_reason() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def load() -> ctypes.CDLL:
-    """Builds (once) and loads the kernel library and registers its XLA custom-call targets.
+def _library() -> ctypes.CDLL:
+    """Builds (once) and opens the kernel library, without registering it with XLA.
 
     Raises:
         NativeUnavailable: the machine cannot run it (see `unavailable_reason`), the cache folder is unsafe
@@ -132,22 +130,70 @@ def load() -> ctypes.CDLL:
     reason = hardware_reason()
     if reason:
         raise NativeUnavailable(reason)
-    import tensorflow as tf  # noqa: F401  (loads libtensorflow_cc, whose registry the kernel joins)
-
     # `build.opened` verifies the cached build (owner, mode, SHA-256) and names its open descriptor, so the
     # bytes verified are the bytes loaded.
     with build.opened() as verified:
         try:
-            library = ctypes.CDLL(verified)
+            return ctypes.CDLL(verified)
         except OSError as error:
             raise NativeUnavailable(f"loading xlagen's native kernels "
                                     f"({build.cache_folder() / build.library_name()}) failed: {error}") from error
+
+
+@functools.lru_cache(maxsize=None)
+def constant(name: str) -> int:
+    """A constant of the kernels (`kernels.h`, e.g. "panel"), as the loaded library has it.
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+        KeyError: the library has no constant of that name.
+    """
+    value = ctypes.c_long()
+    function = _library().xlagen_constant
+    function.argtypes, function.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_long)], ctypes.c_int
+    if not function(name.encode(), ctypes.byref(value)):
+        raise KeyError(f"the native kernels have no constant {name!r}")
+    return value.value
+
+
+# The kernels' constants that Python code reads by these names (`native.PANEL`, ...), from the library.
+_CONSTANTS = {"PANEL": "panel", "INT8_PANEL": "int8_panel",
+              "STEP_ATTENTION_MAX_HEAD_DIM": "step_attention_max_head_dim"}
+
+
+def __getattr__(name: str):
+    if name in _CONSTANTS:
+        return constant(_CONSTANTS[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ctypes.CDLL:
+    """Builds (once) and loads the kernel library and registers its XLA custom-call targets.
+
+    Raises:
+        NativeUnavailable: the machine cannot run it (see `unavailable_reason`), the cache folder is unsafe
+            (another user's) or not writable, or the build or the loading failed.
+    """
+    library = _library()
+    import tensorflow as tf  # noqa: F401  (loads libtensorflow_cc, whose registry the kernel joins)
+
     library.xlagen_register.argtypes = [ctypes.c_char_p]
     code = library.xlagen_register(b"libtensorflow_cc.so.2")
     if code != 0:
         raise NativeUnavailable(f"registering xlagen's native kernels with XLA failed (code {code}): this "
                                 "TensorFlow build does not export XLA's custom-call registry")
     return library
+
+
+def status_supported() -> bool:
+    """Whether a native custom call that is handed a configuration it cannot run fails with an XLA error (True),
+    or ends the process (False: this TensorFlow's custom-call status differs from the one the kernels know).
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+    """
+    return bool(load().xlagen_status_supported())
 
 
 def pack_bfloat16(kernel: np.ndarray) -> np.ndarray:
@@ -159,11 +205,12 @@ def pack_bfloat16(kernel: np.ndarray) -> np.ndarray:
     import ml_dtypes
 
     k, n = kernel.shape
-    panels = -(-n // PANEL)
-    padded = np.zeros((k, panels * PANEL), np.float32)
+    panel = constant("panel")
+    panels = -(-n // panel)
+    padded = np.zeros((k, panels * panel), np.float32)
     padded[:, :n] = kernel
-    bits = padded.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32).reshape(k, panels, PANEL)
-    words = bits[:, :, :PANEL // 2] | (bits[:, :, PANEL // 2:] << 16)
+    bits = padded.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint32).reshape(k, panels, panel)
+    words = bits[:, :, :panel // 2] | (bits[:, :, panel // 2:] << 16)
     return np.ascontiguousarray(words.transpose(1, 0, 2)).view(np.int32)
 
 
@@ -177,15 +224,16 @@ def pack_int8(kernel: np.ndarray) -> np.ndarray:
     """
     k, n = kernel.shape
     kernel = np.asarray(kernel, np.float32)
-    panels = -(-n // INT8_PANEL)
+    panel = constant("int8_panel")
+    panels = -(-n // panel)
     peak = np.abs(kernel).max(axis=0) if k else np.zeros(n, np.float32)
-    scales = np.zeros(panels * INT8_PANEL, np.float32)
+    scales = np.zeros(panels * panel, np.float32)
     scales[:n] = peak / 127
-    quantized = np.zeros((k, panels * INT8_PANEL), np.int8)
+    quantized = np.zeros((k, panels * panel), np.int8)
     safe = np.where(scales[:n] > 0, scales[:n], 1)
     quantized[:, :n] = np.clip(np.rint(kernel / safe), -127, 127).astype(np.int8)
-    weights = quantized.reshape(k, panels, INT8_PANEL).transpose(1, 0, 2)
-    scale_rows = scales.view(np.int8).reshape(panels, 4, INT8_PANEL)
+    weights = quantized.reshape(k, panels, panel).transpose(1, 0, 2)
+    scale_rows = scales.view(np.int8).reshape(panels, 4, panel)
     return np.ascontiguousarray(np.concatenate([weights, scale_rows], axis=1))
 
 
@@ -210,7 +258,7 @@ def unpack(words, n: int):
     if words.dtype == tf.int8:
         k = words.shape[1] - 4
         quantized = tf.cast(words[:, :k, :], tf.float32)  # [P, K, 64]
-        scales = tf.bitcast(tf.reshape(words[:, k:, :], (-1, INT8_PANEL, 4)), tf.float32)  # [P, 64]
+        scales = tf.bitcast(tf.reshape(words[:, k:, :], (-1, constant("int8_panel"), 4)), tf.float32)  # [P, 64]
         kernel = tf.transpose(quantized * scales[:, None, :], (1, 0, 2))
         return tf.reshape(kernel, (k, -1))[:, :n]
     low = tf.bitcast(tf.bitwise.left_shift(words, 16), tf.float32)
@@ -479,23 +527,22 @@ def use_step_attention(query, keys) -> bool:
     shapes, at least `STEP_ATTENTION_MIN_ROWS` queries (G x K), D at most `STEP_ATTENTION_MAX_HEAD_DIM`,
     inside a `tf.while_loop` compiled by XLA, the float32 kernels enabled (`set_float32_kernel`), not
     `portable()`, and loadable."""
-    if not _static_float32(4, query, keys):
-        return False
-    if query.shape[3] > STEP_ATTENTION_MAX_HEAD_DIM or keys.shape[3] != query.shape[3]:
+    if not _static_float32(4, query, keys) or keys.shape[3] != query.shape[3]:
         return False
     if query.shape[0] * query.shape[2] < STEP_ATTENTION_MIN_ROWS:
         return False
     xla, in_loop = _context()
-    return xla and in_loop and _float32_kernel_ready()
+    return (xla and in_loop and _float32_kernel_ready()
+            and query.shape[3] <= constant("step_attention_max_head_dim"))
 
 
-def step_attention(query, keys, values, key, value, bias, scale: float):
+def step_attention(query, keys, values, key, value, bias, scale: float, mask_value: float):
     """One decoding step's self-attention as the native kernel's custom call (call it under XLA only; see
     `use_step_attention`): for each of the K queries `[G, H, K, D]`, softmax over the cache's keys
     `[G, H, S', D]` and the step's own new key (`key`, `[G, H, K, D]`, query k's), of `scale * q . k +
     bias`, then the weighted sum of `values` and `value`. `bias` `[G, 1 or H, K, S' + 1]` (float32; the new
-    key last) is -inf where a query may not see a key; such a score is `MASK_VALUE` (-1e9), as
-    `xlagen.layers.attention` masks. Returns `[G, H, K, D]`.
+    key last) is -inf where a query may not see a key; such a score is `mask_value` (as
+    `xlagen.layers.attention` masks, with its `MASK_VALUE`). Returns `[G, H, K, D]`.
 
     The same sums as the two products and the softmax in TensorFlow ops, in one call per layer instead of
     several XLA operations (two dots and the softmax's fusions), reading the cache in place."""
@@ -505,13 +552,15 @@ def step_attention(query, keys, values, key, value, bias, scale: float):
     load()
     groups, heads, queries, head_dim = query.shape
     length = keys.shape[2]
-    if head_dim > STEP_ATTENTION_MAX_HEAD_DIM or keys.shape[3] != head_dim:
+    most = constant("step_attention_max_head_dim")
+    if head_dim > most or keys.shape[3] != head_dim:
         raise ValueError(f"step_attention: head size {head_dim} (keys {keys.shape[3]}); the kernel takes equal "
-                         f"sizes up to {STEP_ATTENTION_MAX_HEAD_DIM}")
+                         f"sizes up to {most}")
     if bias.shape[0] != groups or bias.shape[1] not in (1, heads) or tuple(bias.shape[2:]) != (queries, length + 1):
         raise ValueError(f"step_attention: bias {bias.shape} does not match {groups} groups, {heads} heads, "
                          f"{queries} queries and {length} + 1 keys")
-    config = f"{groups},{heads},{queries},{length},{head_dim},{bias.shape[1]},{float(np.float32(scale))!r}"
+    config = (f"{groups},{heads},{queries},{length},{head_dim},{bias.shape[1]},{float(np.float32(scale))!r},"
+              f"{float(np.float32(mask_value))!r}")
     (out,) = gen_xla_ops.xla_custom_call_v2(
         operands=[query, keys, values, key, value, tf.cast(bias, tf.float32)], call_target_name=STEP_ATTENTION_TARGET,
         backend_config=config, has_side_effect=False, result_dtypes=[tf.float32],

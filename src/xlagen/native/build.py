@@ -36,7 +36,7 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-SOURCE = Path(__file__).with_name("matmul.cc")
+SOURCES = Path(__file__).parent  # the C++ kernels: every *.cc, compiled into one library, and the *.h
 FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared", "-pthread")
 RECORD_SUFFIX = ".sha256"  # beside the library: its SHA-256, written when it was built
 NO_COMPILER = ("xlagen's native kernels need a C++ compiler to build them once (set CXX, or install g++, "
@@ -72,15 +72,19 @@ def cache_folder() -> Path:
     return Path(root) / "native"
 
 
-def library_name(source: Path = SOURCE) -> str:
-    """The cached library's file name for `source`: its stem and a hash of its text and the flags."""
-    key = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return f"{source.stem}-{key}.so"
+def library_name(sources: Path = SOURCES) -> str:
+    """The cached library's file name for the kernel sources in `sources`: a hash of their names and texts
+    (every *.cc and *.h) and of the flags."""
+    files = sorted(p for p in sources.iterdir() if p.suffix in (".cc", ".h"))
+    text = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in files)
+    key = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return f"kernels-{key}.so"
 
 
-def compile_library(source: Path, library: Path) -> None:
-    """Compiles a kernel source (`matmul.cc`, or a variant of it for `benchmarks/kernel_variants.py`) into
-    the shared library `library` with xlagen's flags.
+def compile_library(sources: Path, library: Path) -> None:
+    """Compiles the kernel sources in the folder `sources` (xlagen's, `SOURCES`, or a variant of them for
+    `benchmarks/kernel_variants.py`: every *.cc, with the *.h beside them) into the shared library `library`
+    with xlagen's flags.
 
     Raises:
         NativeUnavailable: no compiler, or the compiler failed (its message is included).
@@ -88,7 +92,8 @@ def compile_library(source: Path, library: Path) -> None:
     compiler = _compiler()
     if compiler is None:
         raise NativeUnavailable(NO_COMPILER)
-    command = [compiler, *FLAGS, str(source), "-o", str(library), "-ldl"]
+    files = sorted(str(path) for path in Path(sources).glob("*.cc"))
+    command = [compiler, *FLAGS, *files, "-o", str(library), "-ldl"]
     try:
         result = subprocess.run(command, capture_output=True, text=True)
     except OSError as error:
@@ -98,36 +103,37 @@ def compile_library(source: Path, library: Path) -> None:
                                 f"{result.stderr[-2000:]}")
 
 
-def build(source: Path = SOURCE) -> Path:
-    """Builds `source` into the cache folder unless a verified build is there; returns the library's path.
+def build(sources: Path = SOURCES) -> Path:
+    """Builds the kernel sources in `sources` into the cache folder unless a verified build is there; returns
+    the library's path.
 
     Raises:
         NativeUnavailable: the folder is unsafe or not writable, or the build failed (the message says
             which and what to do).
     """
-    with opened(source):
+    with opened(sources):
         pass
-    return cache_folder() / library_name(source)
+    return cache_folder() / library_name(sources)
 
 
 @contextlib.contextmanager
-def opened(source: Path = SOURCE) -> Iterator[str]:
-    """Yields a path for `ctypes.CDLL` (`/proc/self/fd/N`) naming the verified cached build of `source`,
+def opened(sources: Path = SOURCES) -> Iterator[str]:
+    """Yields a path for `ctypes.CDLL` (`/proc/self/fd/N`) naming the verified cached build of `sources`,
     built first if needed; valid within the block.
 
     Raises:
         NativeUnavailable: as `build`.
     """
-    fd = _library_descriptor(source)
+    fd = _library_descriptor(sources)
     try:
         yield f"/proc/self/fd/{fd}"
     finally:
         os.close(fd)
 
 
-def _library_descriptor(source: Path) -> int:
-    """An open descriptor of the verified cached build of `source` (built first if needed)."""
-    folder, name = cache_folder(), library_name(source)
+def _library_descriptor(sources: Path) -> int:
+    """An open descriptor of the verified cached build of `sources` (built first if needed)."""
+    folder, name = cache_folder(), library_name(sources)
     folder_fd = _open_folder(folder)
     try:
         with contextlib.suppress(_Unusable):
@@ -136,7 +142,7 @@ def _library_descriptor(source: Path) -> int:
             try:  # another process may have built it while this one waited for the lock
                 return _open_verified(folder_fd, name)
             except _Unusable as problem:
-                return _build_into(folder_fd, folder, name, source, problem)
+                return _build_into(folder_fd, folder, name, sources, problem)
     except OSError as error:  # reading or cleaning up (the steps that can be fixed say so themselves)
         raise NativeUnavailable(f"using the kernel cache folder {folder} failed ({error}); set XLAGEN_CACHE to "
                                 "another folder of yours") from error
@@ -252,11 +258,12 @@ def _open_verified(folder_fd: int, name: str) -> int:
     return fd
 
 
-def _build_into(folder_fd: int, folder: Path, name: str, source: Path, problem: _Unusable) -> int:
-    """Compiles `source` privately, records its hash, renames both into place; returns the build's descriptor.
+def _build_into(folder_fd: int, folder: Path, name: str, sources: Path, problem: _Unusable) -> int:
+    """Compiles the kernel sources privately, records the library's hash, renames both into place; returns the
+    build's descriptor.
     Says why the cached library (`problem`) was not used once: logged after a build, else in the error."""
     try:
-        fd = _build_privately(folder_fd, folder, name, source)
+        fd = _build_privately(folder_fd, folder, name, sources)
     except NativeUnavailable as error:
         if not problem.level:
             raise
@@ -266,8 +273,8 @@ def _build_into(folder_fd: int, folder: Path, name: str, source: Path, problem: 
     return fd
 
 
-def _build_privately(folder_fd: int, folder: Path, name: str, source: Path) -> int:
-    """Compiles `source` in a scratch folder of its own and installs the result (`_install`)."""
+def _build_privately(folder_fd: int, folder: Path, name: str, sources: Path) -> int:
+    """Compiles the kernel sources in a scratch folder of its own and installs the result (`_install`)."""
     scratch = f".{name}.{secrets.token_hex(8)}"
     try:
         os.mkdir(scratch, 0o700, dir_fd=folder_fd)
@@ -276,7 +283,7 @@ def _build_privately(folder_fd: int, folder: Path, name: str, source: Path) -> i
         raise NativeUnavailable(f"cannot write in the kernel cache folder {folder} ({error}); set XLAGEN_CACHE "
                                 "to a writable folder of yours") from error
     try:
-        compile_library(source, folder / scratch / name)
+        compile_library(sources, folder / scratch / name)
         return _install(folder_fd, scratch_fd, folder, name)
     finally:
         for entry in os.listdir(scratch_fd):

@@ -1,0 +1,512 @@
+// The attention kernels: the softmax attention of a long encoder, a decoding step's masked self-attention over
+// the cache, and a decoding step's cross-attention over an encoder output with the projections folded in.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kernels.h"
+#include "pool.h"
+#include "vector_math.h"
+
+namespace xlagen {
+namespace {
+
+// "xlagen_f32_attention": softmax(scale * q k^T) v over all keys (no mask), for each of B x H heads, for
+// long self-attention (Whisper's encoder: 1500 positions). XLA computes the scores, writes them out
+// [T, S], reads them back for the softmax and again for the product with v; here each unit (8 query rows
+// of one head) keeps its scores in the core's cache: the head's k (transposed once per thread, [D, S])
+// and v stay in L2 across its units. The scores are scaled after the product, as XLA does; the softmax
+// divides once per output row rather than once per weight.
+//
+// With keys given transposed ([heads, d, s]: a decoder's cross-attention memory, transposed once when it
+// is projected), the unit's few query rows read the keys straight from memory, one contiguous row of s
+// keys per head dimension, rather than through a copy: each key and value is read once per unit, at the
+// rate memory streams (XLA's dots over Whisper's memory read it at a third of that, docs/performance.md).
+constexpr int kAttentionRows = 8;  // query rows per unit
+
+struct Attention {
+  const float* q;  // [heads, t, d]
+  const float* k;  // [heads, s, d], or [heads, d, s] when transposed
+  const float* v;  // [heads, s, d]
+  float* out;      // [heads, t, d]
+  int heads, t, s, d, blocks;  // blocks: units per head
+  float scale;
+  uint64_t call;  // which call this is: a thread's transposed k is reused within one call only
+  int transposed;
+};
+
+std::atomic<uint64_t> g_attention_calls{0};
+
+// out[rows of the unit] = weights @ v / sums, for D = 16 DV, R rows of weights at a time (4 DV sums).
+template <int DV>
+void AttentionOutput(const Attention& a, const float* weights, int padded, const float* sums, const float* v,
+                     float* out, int rows) {
+  constexpr int R = 16 / DV < 1 ? 1 : (16 / DV > kAttentionRows ? kAttentionRows : 16 / DV);
+  for (int r0 = 0; r0 < rows; r0 += R) {
+    __m512 acc[R][DV];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int j = 0; j < a.s; ++j) {
+      __m512 vv[DV];
+      for (int c = 0; c < DV; ++c) vv[c] = _mm512_loadu_ps(v + static_cast<size_t>(j) * a.d + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(weights[static_cast<size_t>(r0 + r) * padded + j]);
+        for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+      }
+    }
+    for (int r = 0; r < R && r0 + r < rows; ++r) {
+      const __m512 inverse = _mm512_set1_ps(1.0f / sums[r0 + r]);
+      for (int c = 0; c < DV; ++c) {
+        _mm512_storeu_ps(out + static_cast<size_t>(r0 + r) * a.d + 16 * c, _mm512_mul_ps(acc[r][c], inverse));
+      }
+    }
+  }
+}
+
+// The scaled scores [rows, padded] of a unit's query rows q [rows, d] against a head's transposed keys
+// kt [d, s], accumulated one head dimension at a time: each kt row is read once, in order, and the rows'
+// scores stay in L1. Columns from s to padded are left as they are (the softmax ignores them).
+void TransposedScores(const Attention& a, const float* kt, const float* q, int rows, float* scores, int padded) {
+  const int whole = a.s / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (a.s - whole)) - 1);
+  for (int r = 0; r < rows; ++r) std::memset(scores + static_cast<size_t>(r) * padded, 0, sizeof(float) * a.s);
+  for (int c = 0; c < a.d; ++c) {
+    const float* row = kt + static_cast<size_t>(c) * a.s;
+    for (int r = 0; r < rows; ++r) {
+      const __m512 x = _mm512_set1_ps(q[static_cast<size_t>(r) * a.d + c]);
+      float* out = scores + static_cast<size_t>(r) * padded;
+      for (int j = 0; j < whole; j += 16) {
+        _mm512_storeu_ps(out + j, _mm512_fmadd_ps(x, _mm512_loadu_ps(row + j), _mm512_loadu_ps(out + j)));
+      }
+      if (tail) {
+        const __m512 k = _mm512_maskz_loadu_ps(tail, row + whole);
+        _mm512_mask_storeu_ps(out + whole, tail, _mm512_fmadd_ps(x, k, _mm512_maskz_loadu_ps(tail, out + whole)));
+      }
+    }
+  }
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int r = 0; r < rows; ++r) {
+    float* out = scores + static_cast<size_t>(r) * padded;
+    for (int j = 0; j < whole; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(out + j), scale));
+    if (tail) _mm512_mask_storeu_ps(out + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, out + whole), scale));
+  }
+}
+
+void RunAttention(const void* args, int u0, int u1) {
+  const Attention& a = *static_cast<const Attention*>(args);
+  const int padded = (a.s + 31) / 32 * 32;  // score columns, in pairs of vectors
+  thread_local std::vector<float> kt, scores, q;
+  thread_local uint64_t kt_call = 0;
+  thread_local int kt_head = -1;
+  scores.resize(static_cast<size_t>(kAttentionRows) * padded);
+  q.resize(static_cast<size_t>(kAttentionRows) * a.d);
+  for (int u = u0; u < u1; ++u) {
+    const int head = u / a.blocks, t0 = (u % a.blocks) * kAttentionRows;
+    const int rows = a.t - t0 < kAttentionRows ? a.t - t0 : kAttentionRows;
+    const size_t head_offset = static_cast<size_t>(head) * a.s * a.d;
+    if (a.transposed) {
+      TransposedScores(a, a.k + head_offset, a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, rows,
+                       scores.data(), padded);
+    } else {
+      if (kt_call != a.call || kt_head != head) {  // k [s, d] -> kt [d, padded], zeros past s
+        kt.assign(static_cast<size_t>(a.d) * padded, 0.0f);
+        const float* k = a.k + head_offset;
+        for (int j = 0; j < a.s; ++j)
+          for (int c = 0; c < a.d; ++c) kt[static_cast<size_t>(c) * padded + j] = k[static_cast<size_t>(j) * a.d + c];
+        kt_call = a.call;
+        kt_head = head;
+      }
+      // The unit's query rows, zeros past t (their scores are computed and not used).
+      std::fill(q.begin(), q.end(), 0.0f);
+      std::memcpy(q.data(), a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, sizeof(float) * rows * a.d);
+      const __m512 scale = _mm512_set1_ps(a.scale);
+      for (int j = 0; j < padded; j += 32) {
+        __m512 acc[kAttentionRows][2];
+        for (int r = 0; r < kAttentionRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+        for (int c = 0; c < a.d; ++c) {
+          const float* row = kt.data() + static_cast<size_t>(c) * padded + j;
+          const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
+          for (int r = 0; r < kAttentionRows; ++r) {
+            const __m512 x = _mm512_set1_ps(q[static_cast<size_t>(r) * a.d + c]);
+            acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+          }
+        }
+        for (int r = 0; r < kAttentionRows; ++r) {
+          float* out = scores.data() + static_cast<size_t>(r) * padded + j;
+          _mm512_storeu_ps(out, _mm512_mul_ps(acc[r][0], scale));
+          _mm512_storeu_ps(out + 16, _mm512_mul_ps(acc[r][1], scale));
+        }
+      }
+    }
+    // Softmax numerators in place, and their sums (the columns past s are never read).
+    float sums[kAttentionRows];
+    for (int r = 0; r < rows; ++r) {
+      float* row = scores.data() + static_cast<size_t>(r) * padded;
+      sums[r] = ExpInPlace(row, a.s, RowMax(row, a.s));
+    }
+    const float* v = a.v + head_offset;
+    float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
+    switch (a.d / 16) {
+      case 1: AttentionOutput<1>(a, scores.data(), padded, sums, v, out, rows); break;
+      case 2: AttentionOutput<2>(a, scores.data(), padded, sums, v, out, rows); break;
+      case 4: AttentionOutput<4>(a, scores.data(), padded, sums, v, out, rows); break;
+      case 8: AttentionOutput<8>(a, scores.data(), padded, sums, v, out, rows); break;
+      default: break;  // xlagen_attention takes D = 16, 32, 64 or 128 only
+    }
+  }
+}
+
+// One decoding step's self-attention (T = 1 per sequence; a prompt's K beams as K queries over its K slots of
+// the cache laid end to end): for query i of group g and head h, the scores of the cache's S keys and of the
+// step's own new key, softmax, and the weighted sum of the values and the new value. `bias` [G, bias_heads,
+// K, S + 1] is added to the scaled scores; -inf marks a key the query may not see (its score is then
+// mask_value, as `xlagen.layers.attention` masks: finite, so no row turns into NaN).
+struct StepAttention {
+  const float* q;      // [G, H, K, D]
+  const float* k;      // [G, H, S, D]: the cache as it was before this step
+  const float* v;      // [G, H, S, D]
+  const float* new_k;  // [G, H, K, D]
+  const float* new_v;  // [G, H, K, D]
+  const float* bias;   // [G, bias_heads, K, S + 1]
+  float* out;          // [G, H, K, D]
+  int heads, queries, s, d, bias_heads;
+  float scale, mask_value;
+};
+
+// Steps with fewer multiply-adds than this (heads x queries x keys x head dim) run on the calling thread
+// alone: waking the workers would stop them reading the next product's weights ahead, for a few us of work.
+constexpr long kStepAttentionAlone = 1L << 20;
+
+void RunStepAttention(const void* args, int u0, int u1) {
+  const StepAttention& a = *static_cast<const StepAttention*>(args);
+  thread_local std::vector<float> scores;
+  const int n = a.s + 1;  // the cache's keys, then the new one
+  scores.resize(static_cast<size_t>(n));
+  const int vectors = (a.d + 15) / 16;  // of a head vector, the last under `last`
+  const __mmask16 last = static_cast<__mmask16>(0xFFFFu >> (16 * vectors - a.d));
+  for (int u = u0; u < u1; ++u) {  // u = (g * heads + h) * queries + i
+    const int i = u % a.queries, gh = u / a.queries, g = gh / a.heads, h = gh % a.heads;
+    const float* q = a.q + static_cast<size_t>(u) * a.d;
+    const float* k = a.k + static_cast<size_t>(gh) * a.s * a.d;
+    const float* v = a.v + static_cast<size_t>(gh) * a.s * a.d;
+    const float* bias =
+        a.bias + ((static_cast<size_t>(g) * a.bias_heads + (a.bias_heads == 1 ? 0 : h)) * a.queries + i) * n;
+    float* row = scores.data();
+    float top = -INFINITY;
+    for (int j = 0; j < n; ++j) {
+      float score = a.mask_value;
+      if (bias[j] != -INFINITY) {
+        const float* key = j < a.s ? k + static_cast<size_t>(j) * a.d : a.new_k + static_cast<size_t>(u) * a.d;
+        score = DotRow(q, key, vectors, last) * a.scale + bias[j];
+      }
+      row[j] = score;
+      top = score > top ? score : top;
+    }
+    const float total = ExpInPlace(row, n, top);
+    // The weighted values (a masked key's weight is 0 and is skipped: its value is never read).
+    __m512 acc[kStepAttentionMaxD / 16];
+    for (int c = 0; c < vectors; ++c) acc[c] = _mm512_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+      if (row[j] == 0.0f) continue;
+      const __m512 w = _mm512_set1_ps(row[j]);
+      const float* value = j < a.s ? v + static_cast<size_t>(j) * a.d : a.new_v + static_cast<size_t>(u) * a.d;
+      for (int c = 0; c + 1 < vectors; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * c), acc[c]);
+      acc[vectors - 1] =
+          _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(last, value + 16 * (vectors - 1)), acc[vectors - 1]);
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / total);
+    float* out = a.out + static_cast<size_t>(u) * a.d;
+    for (int c = 0; c + 1 < vectors; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inverse));
+    _mm512_mask_storeu_ps(out + 16 * (vectors - 1), last, _mm512_mul_ps(acc[vectors - 1], inverse));
+  }
+}
+
+// "xlagen_f32_memory_attention": a decoding step's cross-attention over a long encoder output M [L, E] with
+// the key and value projections folded in, for one query row per head (greedy decoding, sampling). With
+// keys K_h = M Wk_h and values V_h = M Wv_h + bv_h of head h,
+//   softmax(q_h K_h^T) V_h = (softmax((q_h Wk_h^T) M^T) M) Wv_h + bv_h
+// (the key bias adds the same amount to every score, which the softmax ignores). Each of the decoder's
+// layers then reads M itself rather than its own projected keys and values: half the bytes per layer (M
+// once against K and V), and the same M for every layer, with no projection of M per layer before the
+// loop. The price is compute: the scores and the weighted sum run over E rather than D per head, which
+// pays while a head has few query rows (one per memory row: 6 x 1500 x 384 multiply-adds per row and
+// layer for Whisper-tiny, against reading 2 x 1500 x 384 floats). See docs/performance.md.
+//
+// Three passes on the pool: (1) q'_h = scale * q_h Wk_h^T for every query row (Wk given transposed,
+// [H * D, E], made once per generation); (2) per memory row and chunk of keys, the scores of its rows
+// against the chunk (M's rows read once, in order), their exponentials and the partial weighted sum of the
+// chunk's rows of M (still in L2), with the chunk's maximum and total; (3) per head and row, the partial
+// sums combined and projected with Wv_h, plus bv_h.
+struct MemoryAttention {
+  const float* q;    // [groups, queries, heads, d]
+  const float* m;    // [groups, l, e]
+  const float* wkt;  // [heads * d, e]
+  const float* wkv;  // [e, 2 * heads * d]: the key/value kernel, the values in the second half
+  const float* bkv;  // [2 * heads * d]
+  float* out;        // [groups, queries, heads * d]
+  float* qp;         // scratch [groups, queries * heads, e]
+  float* partial;    // scratch [groups, chunks, queries * heads, e + 2]: the weighted sum, maximum, total
+  int groups, queries, heads, d, l, e, chunks, chunk;
+  float scale;
+};
+
+constexpr int kMemoryRows = 6;  // query rows per register block (6 x 4 accumulators)
+
+// Pass 1, one unit per query row of one memory row: qp[row] = scale * q[row] @ wkt[head rows].
+void RunMemoryQueries(const void* args, int u0, int u1) {
+  const MemoryAttention& a = *static_cast<const MemoryAttention*>(args);
+  for (int u = u0; u < u1; ++u) {
+    const int head = u % a.heads;
+    const float* q = a.q + static_cast<size_t>(u) * a.d;
+    const float* w = a.wkt + static_cast<size_t>(head) * a.d * a.e;
+    float* out = a.qp + static_cast<size_t>(u) * a.e;
+    for (int c = 0; c < a.e; c += 64) {
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int k = 0; k < a.d; ++k) {
+        const __m512 x = _mm512_set1_ps(q[k] * a.scale);
+        const float* row = w + static_cast<size_t>(k) * a.e + c;
+        for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(x, _mm512_loadu_ps(row + 16 * v), acc[v]);
+      }
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + c + 16 * v, acc[v]);
+    }
+  }
+}
+
+// The scores [R, keys] (row stride `stride`) of R query rows qp [R, e] against rows m [keys, e], four keys
+// at a time: each key row is read once for the R rows.
+template <int R>
+void MemoryScores(const float* qp, const float* m, int keys, int e, float* scores, int stride) {
+  int j = 0;
+  for (; j + 4 <= keys; j += 4) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
+    for (int c = 0; c < e; c += 16) {
+      __m512 key[4];
+      for (int k = 0; k < 4; ++k) {
+        key[k] = _mm512_loadu_ps(m + static_cast<size_t>(j + k) * e + c);
+        _mm_prefetch(reinterpret_cast<const char*>(m + static_cast<size_t>(j + 8 + k) * e + c), _MM_HINT_T0);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 x = _mm512_loadu_ps(qp + static_cast<size_t>(r) * e + c);
+        for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_fmadd_ps(x, key[k], acc[r][k]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm_storeu_ps(scores + static_cast<size_t>(r) * stride + j, FourSums(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    }
+  }
+  for (; j < keys; ++j) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int c = 0; c < e; c += 16) {
+      const __m512 key = _mm512_loadu_ps(m + static_cast<size_t>(j) * e + c);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + static_cast<size_t>(r) * e + c), key, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) scores[static_cast<size_t>(r) * stride + j] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+// out[r] = sum over the keys of weights[r, key] * m[key] for R rows (row stride `stride`), 64 columns at a
+// time: each pass reads a quarter-kilobyte column strip of every key row, so m is read once overall.
+// While it runs (compute on rows already in L2), it brings `ahead` (the next unit's rows, `ahead_lines` cache
+// lines) from memory into L2, spread evenly over its iterations.
+template <int R>
+void MemorySums(const float* weights, int stride, const float* m, int keys, int e, float* out, int out_stride,
+                const char* ahead, int ahead_lines) {
+  const int iterations = e / 64 * keys;
+  const int per_iteration = iterations > 0 ? (ahead_lines + iterations - 1) / iterations : 0;
+  const char* const ahead_end = ahead + static_cast<size_t>(ahead_lines) * 64;
+  for (int c = 0; c < e; c += 64) {
+    __m512 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int j = 0; j < keys; ++j) {
+      __m512 row[4];
+      for (int v = 0; v < 4; ++v) row[v] = _mm512_loadu_ps(m + static_cast<size_t>(j) * e + c + 16 * v);
+      for (int p = 0; p < per_iteration && ahead < ahead_end; ++p, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(weights[static_cast<size_t>(r) * stride + j]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(w, row[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + static_cast<size_t>(r) * out_stride + c + 16 * v, acc[r][v]);
+  }
+}
+
+template <int R>
+void MemoryBlock(const float* qp, const float* m, int keys, int e, float* scores, int stride, float* out,
+                 const char* ahead, int ahead_lines) {
+  MemoryScores<R>(qp, m, keys, e, scores, stride);
+  // Softmax numerators in place (against the chunk's own maximum), with their maximum and total.
+  for (int r = 0; r < R; ++r) {
+    float* row = scores + static_cast<size_t>(r) * stride;
+    const float top = RowMax(row, keys);
+    out[static_cast<size_t>(r) * (e + 2) + e] = top;
+    out[static_cast<size_t>(r) * (e + 2) + e + 1] = ExpInPlace(row, keys, top);
+  }
+  MemorySums<R>(scores, stride, m, keys, e, out, e + 2, ahead, ahead_lines);
+}
+
+// Pass 2, one unit per memory row and chunk of keys.
+void RunMemoryChunks(const void* args, int u0, int u1) {
+  const MemoryAttention& a = *static_cast<const MemoryAttention*>(args);
+  const int rows = a.queries * a.heads;
+  const int stride = (a.chunk + 15) / 16 * 16;
+  thread_local std::vector<float> scores;
+  scores.resize(static_cast<size_t>(kMemoryRows) * stride);
+  for (int u = u0; u < u1; ++u) {
+    const int group = u / a.chunks, first = (u % a.chunks) * a.chunk;
+    const int keys = std::min(a.chunk, a.l - first);
+    const float* m = a.m + (static_cast<size_t>(group) * a.l + first) * a.e;
+    const float* qp = a.qp + static_cast<size_t>(group) * rows * a.e;
+    float* out = a.partial + static_cast<size_t>(u) * rows * (a.e + 2);
+    // The next unit's rows of M (most often this thread's next unit), read ahead during this one's sums.
+    const char* ahead = nullptr;
+    int lines = 0;
+    if (u + 1 < a.groups * a.chunks) {
+      const int next_group = (u + 1) / a.chunks, next_first = ((u + 1) % a.chunks) * a.chunk;
+      ahead = reinterpret_cast<const char*>(a.m + (static_cast<size_t>(next_group) * a.l + next_first) * a.e);
+      lines = static_cast<int>((static_cast<size_t>(std::min(a.chunk, a.l - next_first)) * a.e * 4 + 63) / 64);
+    }
+    for (int r = 0; r < rows; r += kMemoryRows) {
+      const float* q = qp + static_cast<size_t>(r) * a.e;
+      float* o = out + static_cast<size_t>(r) * (a.e + 2);
+      switch (std::min(kMemoryRows, rows - r)) {
+        case 1: MemoryBlock<1>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        case 2: MemoryBlock<2>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        case 3: MemoryBlock<3>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        case 4: MemoryBlock<4>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        case 5: MemoryBlock<5>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+        default: MemoryBlock<6>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
+      }
+    }
+  }
+}
+
+// out[D = 16 DV] = u[e] @ w (row stride `stride`) + bias.
+template <int DV>
+void MemoryProject(const float* u, int e, const float* w, size_t stride, const float* bias, float* out) {
+  __m512 acc[DV];
+  for (int v = 0; v < DV; ++v) acc[v] = _mm512_loadu_ps(bias + 16 * v);
+  for (int c = 0; c < e; ++c) {
+    const __m512 x = _mm512_set1_ps(u[c]);
+    for (int v = 0; v < DV; ++v) acc[v] = _mm512_fmadd_ps(x, _mm512_loadu_ps(w + c * stride + 16 * v), acc[v]);
+  }
+  for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
+}
+
+// Pass 3, one unit per head and query row (head-major, so that consecutive units share the head's Wv).
+void RunMemoryOutputs(const void* args, int u0, int u1) {
+  const MemoryAttention& a = *static_cast<const MemoryAttention*>(args);
+  const int rows = a.queries * a.heads, per_head = a.groups * a.queries, hd = a.heads * a.d;
+  thread_local std::vector<float> u;
+  u.resize(a.e);
+  for (int unit = u0; unit < u1; ++unit) {
+    const int head = unit / per_head, group = unit % per_head / a.queries, query = unit % a.queries;
+    const int row = query * a.heads + head;
+    const size_t width = a.e + 2;
+    const float* p = a.partial + (static_cast<size_t>(group) * a.chunks * rows + row) * width;
+    const size_t chunk_stride = static_cast<size_t>(rows) * width;
+    float top = -INFINITY;
+    for (int c = 0; c < a.chunks; ++c) top = std::max(top, p[c * chunk_stride + a.e]);
+    float total = 0.0f;
+    std::fill(u.begin(), u.end(), 0.0f);
+    for (int c = 0; c < a.chunks; ++c) {
+      const float* part = p + c * chunk_stride;
+      const float weight = std::exp(part[a.e] - top);
+      total += weight * part[a.e + 1];
+      const __m512 w = _mm512_set1_ps(weight);
+      for (int k = 0; k < a.e; k += 16) {
+        _mm512_storeu_ps(u.data() + k, _mm512_fmadd_ps(w, _mm512_loadu_ps(part + k), _mm512_loadu_ps(u.data() + k)));
+      }
+    }
+    const __m512 inverse = _mm512_set1_ps(1.0f / total);
+    for (int k = 0; k < a.e; k += 16) _mm512_storeu_ps(u.data() + k, _mm512_mul_ps(_mm512_loadu_ps(u.data() + k), inverse));
+    const float* w = a.wkv + hd + static_cast<size_t>(head) * a.d;
+    const float* bias = a.bkv + hd + static_cast<size_t>(head) * a.d;
+    float* out = a.out + (static_cast<size_t>(group) * a.queries + query) * hd + static_cast<size_t>(head) * a.d;
+    switch (a.d / 16) {
+      case 1: MemoryProject<1>(u.data(), a.e, w, 2 * hd, bias, out); break;
+      case 2: MemoryProject<2>(u.data(), a.e, w, 2 * hd, bias, out); break;
+      case 4: MemoryProject<4>(u.data(), a.e, w, 2 * hd, bias, out); break;
+      case 8: MemoryProject<8>(u.data(), a.e, w, 2 * hd, bias, out); break;
+      default: break;  // xlagen_memory_attention takes D = 16, 32, 64 or 128 only
+    }
+  }
+}
+
+constexpr int kMemoryChunkFloats = 1 << 16;  // a chunk of M up to 256 KB: it and the next stay in L2
+
+}  // namespace
+}  // namespace xlagen
+
+using namespace xlagen;
+
+namespace {
+bool WholeHeadSize(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
+}  // namespace
+
+extern "C" const char* xlagen_attention(const float* q, const float* k, const float* v, float* out, int heads, int t,
+                                        int s, int d, float scale, int transposed) {
+  if (heads < 1 || t < 1 || s < 1) return "xlagen_attention: heads, t and s must be at least 1";
+  if (!WholeHeadSize(d)) return "xlagen_attention: the head size d must be 16, 32, 64 or 128";
+  Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, transposed != 0};
+  a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
+  a.call = g_attention_calls.fetch_add(1) + 1;
+  GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
+  return nullptr;
+}
+
+extern "C" const char* xlagen_step_attention(const float* q, const float* k, const float* v, const float* new_k,
+                                             const float* new_v, const float* bias, float* out, int groups, int heads,
+                                             int queries, int s, int d, int bias_heads, float scale,
+                                             float mask_value) {
+  if (groups < 1 || heads < 1 || queries < 1 || s < 0) {
+    return "xlagen_step_attention: groups, heads and queries must be at least 1, s at least 0";
+  }
+  if (d < 1 || d > kStepAttentionMaxD) return "xlagen_step_attention: the head size d must be 1 to 256";
+  if (bias_heads != 1 && bias_heads != heads) return "xlagen_step_attention: bias_heads must be 1 or heads";
+  StepAttention a{q, k, v, new_k, new_v, bias, out, heads, queries, s, d, bias_heads, scale, mask_value};
+  const int units = groups * a.heads * a.queries;
+  if (static_cast<long>(units) * (a.s + 1) * a.d < kStepAttentionAlone) {
+    RunStepAttention(&a, 0, units);
+  } else {
+    GetPool().Run(Task{&a, RunStepAttention, units});
+  }
+  return nullptr;
+}
+
+extern "C" const char* xlagen_memory_attention(const float* q, const float* m, const float* wkt, const float* wkv,
+                                               const float* bkv, float* out, int groups, int queries, int heads,
+                                               int d, int l, int e, float scale) {
+  if (groups < 1 || queries < 1 || heads < 1 || l < 1 || e < 64 || e % 64 != 0) {
+    return "xlagen_memory_attention: groups, queries, heads and l must be at least 1, e a multiple of 64";
+  }
+  if (!WholeHeadSize(d)) return "xlagen_memory_attention: the head size d must be 16, 32, 64 or 128";
+  MemoryAttention a{q, m, wkt, wkv, bkv, out, nullptr, nullptr, groups, queries, heads, d, l, e, 0, 0, scale};
+  Pool& pool = GetPool();
+  // Chunks of at most kMemoryChunkFloats, and at least two per thread over all memory rows.
+  const int longest = std::max(4, kMemoryChunkFloats / a.e / 4 * 4);
+  int chunks = std::max((a.l + longest - 1) / longest, (2 * pool.threads() + a.groups - 1) / a.groups);
+  chunks = std::min(chunks, (a.l + 15) / 16);
+  a.chunk = (a.l + chunks - 1) / chunks;
+  a.chunks = (a.l + a.chunk - 1) / a.chunk;
+  const int rows = a.queries * a.heads;
+  thread_local std::vector<float> qp, partial;
+  qp.resize(static_cast<size_t>(a.groups) * rows * a.e);
+  partial.resize(static_cast<size_t>(a.groups) * a.chunks * rows * (a.e + 2));
+  a.qp = qp.data();
+  a.partial = partial.data();
+  pool.Run(Task{&a, RunMemoryQueries, a.groups * rows});
+  pool.Run(Task{&a, RunMemoryChunks, a.groups * a.chunks});
+  pool.Run(Task{&a, RunMemoryOutputs, a.groups * rows});
+  return nullptr;
+}

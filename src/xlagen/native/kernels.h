@@ -1,0 +1,71 @@
+// xlagen's CPU kernels: their plain C entry points, the constants shared with Python, and the conventions.
+//
+// Each kernel has a plain entry point here (pointers and sizes, no XLA types), which tests call from numpy
+// through ctypes, and an XLA custom-call wrapper (xla_calls.cc) that parses the call's backend config and
+// calls the same entry point. An entry point checks its sizes and returns nullptr when it ran, else a static
+// message saying what was wrong (nothing written); the XLA wrapper turns that message into an error status.
+//
+// Files: pool.{h,cc} (the thread pool and the read-ahead of the next float32 product), f32_product.{h,cc}
+// (the float32 product), packed_product.cc (bfloat16 and int8 weights), vector_math.h (exponentials,
+// maxima, dot products), attention.cc (the encoder attention, the decoding step's self-attention, the folded
+// cross-attention), argmax.cc, xla_calls.cc (the custom-call wrappers, registration, settings, constants).
+// All of them are compiled into one library by xlagen/native/build.py.
+
+#ifndef XLAGEN_NATIVE_KERNELS_H_
+#define XLAGEN_NATIVE_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+namespace xlagen {
+
+// The constants Python needs (packing layouts, limits); `xlagen_constant` gives them to xlagen/native by
+// name when the library loads, so that no value is kept equal by hand.
+constexpr int kPanel = 32;               // output columns per packed bfloat16 panel
+constexpr int kInt8Panel = 64;           // output columns per int8 panel
+constexpr int kMaxStreamM = 16;          // rows of x up to which float32 products stream (f32_product.cc)
+constexpr int kStepAttentionMaxD = 256;  // head sizes the step attention takes, at most
+constexpr int kMaxDefaultThreads = 8;    // worker threads by default, at most (caller included)
+constexpr int kDefaultSpinMicroseconds = 600;
+// Bytes of the next float32 product each idle worker reads ahead, at most: they fill the core's L2 (1 MB
+// here) no more than the gap between two products lets them (XLAGEN_NATIVE_LOOKAHEAD_KB, xlagen_set_lookahead).
+constexpr int kDefaultLookaheadKB = 768;
+
+}  // namespace xlagen
+
+extern "C" {
+
+// y[m, n] = x[m, k] @ w[k, n], float32, w row-major as XLA stores it.
+const char* xlagen_f32_product(const float* x, const float* w, float* y, int m, int k, int n);
+// y[m, n] = x[m, k] @ float32(W), W packed as bfloat16 words [ceil(n / kPanel), k, kPanel / 2]
+// (xlagen.native.pack_bfloat16).
+const char* xlagen_bf16_product(const float* x, const uint32_t* w, float* y, int m, int k, int n);
+// y[m, n] = x[m, k] @ (Q * s), Q int8 with one float32 scale per column, packed in panels
+// [ceil(n / kInt8Panel), k + 4, kInt8Panel] (xlagen.native.pack_int8).
+const char* xlagen_int8_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
+// out[heads, t, d] = softmax(scale * q k^T) v per head, no mask; k is [heads, s, d], or [heads, d, s] when
+// `transposed`; d one of 16, 32, 64, 128.
+const char* xlagen_attention(const float* q, const float* k, const float* v, float* out, int heads, int t, int s,
+                             int d, float scale, int transposed);
+// A decoding step's self-attention (see attention.cc): q, new_k, new_v, out [groups, heads, queries, d]; the
+// cache k, v [groups, heads, s, d]; bias [groups, bias_heads, queries, s + 1] added to the scaled scores,
+// -inf marking a key a query may not see (its score is then `mask_value`).
+const char* xlagen_step_attention(const float* q, const float* k, const float* v, const float* new_k,
+                                  const float* new_v, const float* bias, float* out, int groups, int heads,
+                                  int queries, int s, int d, int bias_heads, float scale, float mask_value);
+// The folded cross-attention over an encoder output (see attention.cc): q [groups, queries, heads, d],
+// m [groups, l, e], wkt [heads * d, e], wkv [e, 2 * heads * d], bkv [2 * heads * d] -> out
+// [groups, queries, heads * d]; e a multiple of 64, d one of 16, 32, 64, 128.
+const char* xlagen_memory_attention(const float* q, const float* m, const float* wkt, const float* wkv,
+                                    const float* bkv, float* out, int groups, int queries, int heads, int d, int l,
+                                    int e, float scale);
+// out[r] = the index of the largest of x[r, 0..n), the first on ties; NaN is skipped (a row of only -inf
+// or NaN gives 0).
+const char* xlagen_argmax(const float* x, int32_t* out, int rows, int n);
+
+// The value of a constant of kernels.h by name (e.g. "panel"), and whether it exists.
+int xlagen_constant(const char* name, long* value);
+
+}  // extern "C"
+
+#endif  // XLAGEN_NATIVE_KERNELS_H_

@@ -1,0 +1,280 @@
+// The XLA custom-call wrappers of the kernels (kernels.h), their registration with XLA, and the settings and
+// constants Python reads through ctypes.
+//
+// Each wrapper has XLA's status-returning custom-call signature: it parses the call's backend config (the
+// opaque string xlagen/native/ops.py writes), calls the kernel's plain entry point, and reports a config it
+// cannot parse, or sizes the kernel refuses, as a failed status, which XLA raises as an error of the program.
+
+#include <dlfcn.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "kernels.h"
+#include "pool.h"
+
+// XLA's custom-call status (xla/service/custom_call_status_internal.h): a message present means failure.
+// TensorFlow does not export XlaCustomCallStatusSetFailure, so the wrappers write the message through this
+// same definition; xlagen_register checks it once against XLA's exported reader
+// (xla::CustomCallStatusGetMessage). Where the two disagree, a failure aborts the process with the message,
+// as a custom call without a status would have to.
+struct XlaCustomCallStatus_ {
+  std::optional<std::string> message;
+};
+
+namespace {
+
+bool g_status_checked = false;  // whether the struct above matches XLA's (set by xlagen_register)
+
+void Fail(XlaCustomCallStatus_* status, const char* target, const std::string& what) {
+  const std::string message = std::string(target) + ": " + what;
+  if (!g_status_checked || status == nullptr) {
+    std::fprintf(stderr, "xlagen native kernels: %s\n", message.c_str());
+    std::abort();
+  }
+  status->message = message;
+}
+
+// The comma-separated fields of a backend config, read in order; every field must be read and nothing may
+// follow the last one.
+class Fields {
+ public:
+  Fields(const char* opaque, size_t length) : text_(opaque, length) {}
+
+  bool Int(int* out) {
+    const std::string field = Next();
+    if (field.empty()) return false;
+    char* end = nullptr;
+    errno = 0;
+    const long value = std::strtol(field.c_str(), &end, 10);
+    if (errno != 0 || *end != '\0' || value < -2147483647L || value > 2147483647L) return ok_ = false;
+    *out = static_cast<int>(value);
+    return ok_;
+  }
+
+  bool Float(float* out) {
+    const std::string field = Next();
+    if (field.empty()) return false;
+    char* end = nullptr;
+    errno = 0;
+    *out = std::strtof(field.c_str(), &end);
+    if (errno != 0 || *end != '\0') return ok_ = false;
+    return ok_;
+  }
+
+  bool Done() const { return ok_ && position_ > text_.size(); }
+
+ private:
+  std::string Next() {
+    if (!ok_ || position_ > text_.size()) {
+      ok_ = false;
+      return std::string();
+    }
+    size_t comma = text_.find(',', position_);
+    if (comma == std::string::npos) comma = text_.size();
+    std::string field = text_.substr(position_, comma - position_);
+    position_ = comma + 1;
+    if (field.empty()) ok_ = false;
+    return field;
+  }
+
+  std::string text_;
+  size_t position_ = 0;
+  bool ok_ = true;
+};
+
+std::string Quoted(const char* opaque, size_t length) { return "'" + std::string(opaque, length) + "'"; }
+
+// Reports the entry point's refusal, if any.
+void Check(XlaCustomCallStatus_* status, const char* target, const char* error) {
+  if (error != nullptr) Fail(status, target, error);
+}
+
+}  // namespace
+
+// The backend config of the products is "M,K,N".
+extern "C" void xlagen_bf16_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                   XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int m, k, n;
+  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Done())) {
+    return Fail(status, "xlagen_bf16_matmul", "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N");
+  }
+  Check(status, "xlagen_bf16_matmul", xlagen_bf16_product(static_cast<const float*>(in[0]),
+                                                          static_cast<const uint32_t*>(in[1]),
+                                                          static_cast<float*>(out), m, k, n));
+}
+
+extern "C" void xlagen_int8_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                   XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int m, k, n;
+  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Done())) {
+    return Fail(status, "xlagen_int8_matmul", "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N");
+  }
+  Check(status, "xlagen_int8_matmul", xlagen_int8_product(static_cast<const float*>(in[0]),
+                                                          static_cast<const int8_t*>(in[1]),
+                                                          static_cast<float*>(out), m, k, n));
+}
+
+extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                  XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int m, k, n;
+  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Done())) {
+    return Fail(status, "xlagen_f32_matmul", "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N");
+  }
+  Check(status, "xlagen_f32_matmul", xlagen_f32_product(static_cast<const float*>(in[0]),
+                                                        static_cast<const float*>(in[1]), static_cast<float*>(out),
+                                                        m, k, n));
+}
+
+// The backend config is "heads,t,s,d,scale,transposed" (scale printed with 9 significant digits: exact for
+// float32; transposed 1 when k is [heads, d, s]).
+extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                     XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int heads, t, s, d, transposed;
+  float scale;
+  if (!(f.Int(&heads) && f.Int(&t) && f.Int(&s) && f.Int(&d) && f.Float(&scale) && f.Int(&transposed) &&
+        f.Done())) {
+    return Fail(status, "xlagen_f32_attention",
+                "backend config " + Quoted(opaque, opaque_len) + " is not heads,t,s,d,scale,transposed");
+  }
+  Check(status, "xlagen_f32_attention",
+        xlagen_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
+                         static_cast<const float*>(in[2]), static_cast<float*>(out), heads, t, s, d, scale,
+                         transposed));
+}
+
+// The backend config is "groups,heads,queries,s,d,bias_heads,scale,mask_value" (floats printed with 9
+// significant digits).
+extern "C" void xlagen_f32_step_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                          XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int groups, heads, queries, s, d, bias_heads;
+  float scale, mask_value;
+  if (!(f.Int(&groups) && f.Int(&heads) && f.Int(&queries) && f.Int(&s) && f.Int(&d) && f.Int(&bias_heads) &&
+        f.Float(&scale) && f.Float(&mask_value) && f.Done())) {
+    return Fail(status, "xlagen_f32_step_attention",
+                "backend config " + Quoted(opaque, opaque_len) +
+                    " is not groups,heads,queries,s,d,bias_heads,scale,mask_value");
+  }
+  Check(status, "xlagen_f32_step_attention",
+        xlagen_step_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
+                              static_cast<const float*>(in[2]), static_cast<const float*>(in[3]),
+                              static_cast<const float*>(in[4]), static_cast<const float*>(in[5]),
+                              static_cast<float*>(out), groups, heads, queries, s, d, bias_heads, scale, mask_value));
+}
+
+// The backend config is "groups,queries,heads,d,l,e,scale" (scale printed with 9 significant digits); the
+// operands q, m, wkt, wkv, bkv (see xlagen_memory_attention).
+extern "C" void xlagen_f32_memory_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                            XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int groups, queries, heads, d, l, e;
+  float scale;
+  if (!(f.Int(&groups) && f.Int(&queries) && f.Int(&heads) && f.Int(&d) && f.Int(&l) && f.Int(&e) &&
+        f.Float(&scale) && f.Done())) {
+    return Fail(status, "xlagen_f32_memory_attention",
+                "backend config " + Quoted(opaque, opaque_len) + " is not groups,queries,heads,d,l,e,scale");
+  }
+  Check(status, "xlagen_f32_memory_attention",
+        xlagen_memory_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
+                                static_cast<const float*>(in[2]), static_cast<const float*>(in[3]),
+                                static_cast<const float*>(in[4]), static_cast<float*>(out), groups, queries, heads,
+                                d, l, e, scale));
+}
+
+// The backend config is "rows,n".
+extern "C" void xlagen_f32_argmax(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                  XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int rows, n;
+  if (!(f.Int(&rows) && f.Int(&n) && f.Done())) {
+    return Fail(status, "xlagen_f32_argmax", "backend config " + Quoted(opaque, opaque_len) + " is not rows,n");
+  }
+  Check(status, "xlagen_f32_argmax",
+        xlagen_argmax(static_cast<const float*>(in[0]), static_cast<int32_t*>(out), rows, n));
+}
+
+// Sets how many KiB of the product expected next each idle worker prefetches (0: none), for the calls from
+// now on; the environment's XLAGEN_NATIVE_LOOKAHEAD_KB (default kDefaultLookaheadKB) until then.
+extern "C" void xlagen_set_lookahead(long kib) {
+  xlagen::GetPool().set_lookahead(kib < 0 ? 0 : static_cast<size_t>(kib) * 1024);
+}
+extern "C" long xlagen_lookahead() { return static_cast<long>(xlagen::GetPool().lookahead() / 1024); }
+
+// [float32 product calls, calls that were the product predicted after the previous one, bytes read ahead]
+extern "C" void xlagen_lookahead_counts(long* out) {
+  xlagen::GetSuccessors().Count(out);
+  out[2] = xlagen::g_read_ahead.load(std::memory_order_relaxed);
+}
+
+// Whether a failing custom call reports an error status (1), or aborts the process (0): see
+// XlaCustomCallStatus_ above.
+extern "C" int xlagen_status_supported() { return g_status_checked ? 1 : 0; }
+
+extern "C" int xlagen_constant(const char* name, long* value) {
+  struct Constant {
+    const char* name;
+    long value;
+  };
+  static const Constant kConstants[] = {
+      {"panel", xlagen::kPanel},
+      {"int8_panel", xlagen::kInt8Panel},
+      {"max_stream_rows", xlagen::kMaxStreamM},
+      {"step_attention_max_head_dim", xlagen::kStepAttentionMaxD},
+      {"max_default_threads", xlagen::kMaxDefaultThreads},
+      {"default_spin_us", xlagen::kDefaultSpinMicroseconds},
+      {"default_lookahead_kb", xlagen::kDefaultLookaheadKB},
+  };
+  for (const Constant& constant : kConstants) {
+    if (std::strcmp(constant.name, name) == 0) {
+      *value = constant.value;
+      return 1;
+    }
+  }
+  return 0;
+}
+
+// Registers the target with XLA's registry of custom-call targets (xla::CustomCallTargetRegistry, in
+// libtensorflow_cc, which TensorFlow has loaded by the time xlagen calls this). The registry is looked up
+// by its exported symbols rather than linked: linking against the 1 GB library takes longer than
+// compiling this file. Returns 0 on success, or a negative code saying which lookup failed.
+// Also checks this file's XlaCustomCallStatus_ against XLA's reader of it (see above).
+extern "C" int xlagen_register(const char* tensorflow_library) {
+  void* library = dlopen(tensorflow_library, RTLD_NOW | RTLD_NOLOAD);
+  if (library == nullptr) return -1;
+  using Global = void* (*)();
+  // A member function called through its symbol: `this` is the first argument (Itanium C++ ABI).
+  using Register = void (*)(void*, const std::string&, void*, const std::string&);
+  auto global = reinterpret_cast<Global>(dlsym(library, "_ZN3xla24CustomCallTargetRegistry6GlobalEv"));
+  auto add = reinterpret_cast<Register>(dlsym(
+      library, "_ZN3xla24CustomCallTargetRegistry8RegisterERKNSt7__cxx1112basic_stringIcSt11char_traitsIcESaIcEEEPvS8_"));
+  if (global == nullptr || add == nullptr) return -2;
+  using GetMessage = std::optional<std::string_view> (*)(const XlaCustomCallStatus_*);
+  auto get_message = reinterpret_cast<GetMessage>(
+      dlsym(library, "_ZN3xla26CustomCallStatusGetMessageEPK20XlaCustomCallStatus_"));
+  if (get_message != nullptr) {
+    XlaCustomCallStatus_ ok, failed;
+    failed.message = "xlagen status probe";
+    const std::optional<std::string_view> none = get_message(&ok), some = get_message(&failed);
+    g_status_checked = !none.has_value() && some.has_value() && *some == "xlagen status probe";
+  }
+  const std::string host("Host");
+  add(global(), std::string("xlagen_bf16_matmul"), reinterpret_cast<void*>(&xlagen_bf16_matmul), host);
+  add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), host);
+  add(global(), std::string("xlagen_int8_matmul"), reinterpret_cast<void*>(&xlagen_int8_matmul), host);
+  add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention), host);
+  add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
+  add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
+  add(global(), std::string("xlagen_f32_memory_attention"), reinterpret_cast<void*>(&xlagen_f32_memory_attention),
+      host);
+  return 0;
+}

@@ -1,0 +1,45 @@
+"""float64 numpy references for xlagen's native kernels (tests/native/ calls the kernels through ctypes,
+tests/test_native.py through XLA)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def attention(q, k, v, scale):
+    """softmax(scale * q k^T) v over the last two axes of q [..., t, d], k and v [..., s, d]."""
+    scores = np.einsum("...td,...sd->...ts", q.astype(np.float64), k.astype(np.float64)) * scale
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("...ts,...sd->...td", weights / weights.sum(-1, keepdims=True), v.astype(np.float64))
+
+
+def step_attention(q, keys, values, key, value, bias, scale, mask_value):
+    """Softmax over [cache keys, new key] of scale * q.k + bias (a -inf bias: the score is mask_value)."""
+    q, keys, values, key, value, bias = (np.asarray(t, np.float64) for t in (q, keys, values, key, value, bias))
+    scores = np.concatenate([np.einsum("ghkd,ghsd->ghks", q, keys), np.sum(q * key, -1, keepdims=True)], -1)
+    scores = np.where(np.isneginf(bias), mask_value, scores * scale + np.where(np.isneginf(bias), 0, bias))
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    return np.einsum("ghks,ghsd->ghkd", weights[..., :-1], values) + weights[..., -1:] * value
+
+
+def memory_inputs(groups, queries, heads, d, length, embed, seed=0):
+    """(query [G, Q, H * D], states [G, L, E], kv_kernel [E, 2 H D], kv_bias [2 H D]), float32."""
+    rng = np.random.default_rng(seed)
+    query = rng.standard_normal((groups, queries, heads * d)).astype(np.float32)
+    states = rng.standard_normal((groups, length, embed)).astype(np.float32)
+    kv_kernel = (2 * rng.standard_normal((embed, 2 * heads * d)) / np.sqrt(embed)).astype(np.float32)
+    kv_bias = rng.standard_normal(2 * heads * d).astype(np.float32)
+    return query, states, kv_kernel, kv_bias
+
+
+def memory_attention(query, states, kv_kernel, kv_bias, heads, scale):
+    """Cross-attention of query [G, Q, H * D] over the keys and values projected from states [G, L, E]."""
+    groups, queries, width = query.shape
+    d = width // heads
+    projected = states.astype(np.float64) @ kv_kernel.astype(np.float64) + kv_bias
+    keys = projected[..., :width].reshape(groups, -1, heads, d).transpose(0, 2, 1, 3)
+    values = projected[..., width:].reshape(groups, -1, heads, d).transpose(0, 2, 1, 3)
+    q = query.astype(np.float64).reshape(groups, queries, heads, d).transpose(0, 2, 1, 3)
+    out = attention(q, keys, values, scale)  # [G, H, Q, D]
+    return out.transpose(0, 2, 1, 3).reshape(groups, queries, width)

@@ -1,0 +1,207 @@
+"""xlagen's C++ kernels through their plain entry points (kernels.h), from numpy with ctypes: no TensorFlow.
+
+Edge shapes: one row, sizes that are odd or not a multiple of the 16-lane vectors, the kernels' block sizes
+and one past them; and the sizes an entry point refuses (its message comes back, nothing is written).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import kernel_reference
+from conftest import requires_kernels
+from xlagen import native
+
+pytestmark = requires_kernels
+
+MASK_VALUE = -1e9
+_FLOAT = ctypes.POINTER(ctypes.c_float)
+
+
+def _entry(name: str, *argtypes):
+    function = getattr(native._library(), name)
+    function.argtypes, function.restype = list(argtypes), ctypes.c_char_p
+    return function
+
+
+def _p(array: np.ndarray):
+    return array.ctypes.data_as(ctypes.c_void_p)
+
+
+def _product(name: str, x: np.ndarray, stored: np.ndarray, n: int) -> np.ndarray:
+    m, k = x.shape
+    y = np.full((m, n), np.nan, np.float32)
+    error = _entry(name, *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)(_p(x), _p(stored), _p(y), m, k, n)
+    assert error is None, error
+    return y
+
+
+SHAPES = [(1, 1, 1), (1, 7, 13), (2, 17, 33), (3, 64, 100), (8, 5, 300), (16, 200, 1025), (17, 33, 257),
+          (33, 100, 70), (1, 3000, 96), (5, 1, 2049)]
+
+
+@pytest.mark.parametrize("m, k, n", SHAPES)
+def test_float32_product_matches_numpy(m, k, n):
+    rng = np.random.default_rng(m * k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    y = _product("xlagen_f32_product", x, w, n)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("m, k, n", SHAPES)
+@pytest.mark.parametrize("weights", ["bfloat16", "int8"])
+def test_packed_products_match_numpy(weights, m, k, n):
+    rng = np.random.default_rng(m * k + n + 1)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if weights == "bfloat16":
+        stored, used = native.pack_bfloat16(w), w.astype(ml_dtypes.bfloat16).astype(np.float64)
+    else:
+        step = np.abs(w).max(axis=0) / np.float32(127)
+        stored, used = native.pack_int8(w), np.rint(w / step) * step.astype(np.float64)
+    y = _product(f"xlagen_{'bf16' if weights == 'bfloat16' else 'int8'}_product", x, stored, n)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ used, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+@pytest.mark.parametrize("name", ["xlagen_f32_product", "xlagen_bf16_product", "xlagen_int8_product"])
+@pytest.mark.parametrize("m, k, n", [(0, 4, 4), (1, 0, 4), (1, 4, 0), (-1, 4, 4)])
+def test_products_refuse_empty_sizes(name, m, k, n):
+    y = np.zeros(4, np.float32)
+    error = _entry(name, *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)(_p(y), _p(y), _p(y), m, k, n)
+    assert error is not None and b"at least 1" in error
+    assert not y.any()  # nothing written
+
+
+@pytest.mark.parametrize("transposed", [0, 1])
+@pytest.mark.parametrize("heads, t, s, d", [(1, 1, 1, 16), (2, 9, 17, 32), (1, 8, 33, 64), (3, 1, 300, 128),
+                                            (2, 17, 1, 16)])
+def test_attention_matches_numpy(heads, t, s, d, transposed):
+    rng = np.random.default_rng(heads * t * s + d)
+    q = rng.standard_normal((heads, t, d)).astype(np.float32)
+    k = (3 * rng.standard_normal((heads, s, d))).astype(np.float32)
+    v = rng.standard_normal((heads, s, d)).astype(np.float32)
+    given = np.ascontiguousarray(k.transpose(0, 2, 1)) if transposed else k
+    out = np.full((heads, t, d), np.nan, np.float32)
+    attention = _entry("xlagen_attention", *[ctypes.c_void_p] * 4, *[ctypes.c_int] * 4, ctypes.c_float, ctypes.c_int)
+    assert attention(_p(q), _p(given), _p(v), _p(out), heads, t, s, d, d ** -0.5, transposed) is None
+    np.testing.assert_allclose(out, kernel_reference.attention(q, k, v, d ** -0.5), rtol=0, atol=2e-5)
+
+
+def test_attention_refuses_head_sizes_it_has_no_code_for():
+    out = np.zeros(4, np.float32)
+    attention = _entry("xlagen_attention", *[ctypes.c_void_p] * 4, *[ctypes.c_int] * 4, ctypes.c_float, ctypes.c_int)
+    error = attention(_p(out), _p(out), _p(out), _p(out), 1, 1, 4, 24, 1.0, 0)
+    assert error is not None and b"16, 32, 64 or 128" in error and not out.any()
+
+
+def _step_attention(q, keys, values, key, value, bias, scale, mask_value=MASK_VALUE):
+    groups, heads, queries, d = q.shape
+    out = np.full(q.shape, np.nan, np.float32)
+    step = _entry("xlagen_step_attention", *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6, ctypes.c_float,
+                  ctypes.c_float)
+    error = step(*(_p(t) for t in (q, keys, values, key, value, bias, out)), groups, heads, queries,
+                 keys.shape[2], d, bias.shape[1], scale, mask_value)
+    return error, out
+
+
+@pytest.mark.parametrize("groups, heads, queries, s, d, bias_heads", [
+    (1, 1, 1, 0, 1, 1), (1, 1, 1, 1, 16, 1), (2, 3, 2, 15, 17, 3), (1, 2, 1, 16, 33, 1), (3, 1, 4, 31, 256, 1),
+    (2, 4, 1, 600, 64, 4)])
+def test_step_attention_matches_numpy(groups, heads, queries, s, d, bias_heads):
+    # An empty cache (only the new key), head sizes 1 and odd, the largest head size, and a step big enough
+    # for the pool; a third of the cache keys masked.
+    rng = np.random.default_rng(groups * 100 + s + d)
+    q = rng.standard_normal((groups, heads, queries, d)).astype(np.float32)
+    keys, values = (rng.standard_normal((groups, heads, s, d)).astype(np.float32) for _ in range(2))
+    key, value = (rng.standard_normal((groups, heads, queries, d)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal((groups, bias_heads, queries, s + 1)).astype(np.float32)
+    bias[..., :-1][rng.random((groups, bias_heads, queries, s)) < 1 / 3] = -np.inf
+    error, out = _step_attention(q, keys, values, key, value, bias, 0.3)
+    assert error is None, error
+    expected = kernel_reference.step_attention(q, keys, values, key, value, bias, 0.3, MASK_VALUE)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
+
+
+def test_step_attention_uses_the_mask_value_it_is_given():
+    # Every key masked: each score is the mask value, so the weights are uniform over cache and new key.
+    q = np.ones((1, 1, 1, 4), np.float32)
+    keys = values = np.arange(12, dtype=np.float32).reshape(1, 1, 3, 4)
+    key = value = np.full((1, 1, 1, 4), 100.0, np.float32)
+    bias = np.full((1, 1, 1, 4), -np.inf, np.float32)
+    error, out = _step_attention(q, keys, values, key, value, bias, 1.0, mask_value=-5.0)
+    assert error is None
+    np.testing.assert_allclose(out[0, 0, 0], (values[0, 0].sum(0) + value[0, 0, 0]) / 4, rtol=1e-6)
+
+
+@pytest.mark.parametrize("d, bias_heads, message", [(0, 1, b"1 to 256"), (257, 1, b"1 to 256"),
+                                                    (16, 2, b"bias_heads")])
+def test_step_attention_refuses_what_it_cannot_run(d, bias_heads, message):
+    q = np.zeros((1, 3, 1, max(d, 1)), np.float32)
+    bias = np.zeros((1, bias_heads, 1, 2), np.float32)
+    error, out = _step_attention(q, q, q, q, q, bias, 1.0)
+    assert error is not None and message in error
+    assert np.isnan(out).all()  # nothing written
+
+
+@pytest.mark.parametrize("groups, queries, heads, d, length, embed", [
+    (1, 1, 1, 16, 1, 64), (2, 1, 7, 16, 5, 64), (1, 3, 2, 32, 257, 128), (3, 1, 6, 64, 300, 384),
+    (1, 2, 1, 128, 33, 192)])
+def test_memory_attention_matches_numpy(groups, queries, heads, d, length, embed):
+    query, states, kv_kernel, kv_bias = kernel_reference.memory_inputs(groups, queries, heads, d, length, embed,
+                                                                       seed=length + embed)
+    width, scale = heads * d, d ** -0.5
+    key_kernel_t = np.ascontiguousarray(kv_kernel[:, :width].T)
+    out = np.full((groups, queries, width), np.nan, np.float32)
+    memory = _entry("xlagen_memory_attention", *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 6, ctypes.c_float)
+    error = memory(*(_p(t) for t in (query, states, key_kernel_t, kv_kernel, kv_bias, out)), groups, queries, heads,
+                   d, length, embed, scale)
+    assert error is None, error
+    expected = kernel_reference.memory_attention(query, states, kv_kernel, kv_bias, heads, scale)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=3e-5 * np.abs(expected).max())
+
+
+def test_memory_attention_refuses_widths_it_has_no_code_for():
+    out = np.zeros(4, np.float32)
+    memory = _entry("xlagen_memory_attention", *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 6, ctypes.c_float)
+    for d, embed, message in [(16, 96, b"multiple of 64"), (24, 64, b"16, 32, 64 or 128")]:
+        error = memory(*[_p(out)] * 6, 1, 1, 1, d, 4, embed, 1.0)
+        assert error is not None and message in error and not out.any()
+
+
+@pytest.mark.parametrize("rows, n", [(0, 5), (1, 1), (1, 15), (3, 16), (2, 17), (5, 1000)])
+def test_argmax_matches_numpy(rows, n):
+    x = np.random.default_rng(rows * n).standard_normal((rows, n)).astype(np.float32)
+    out = np.full(rows, -1, np.int32)
+    assert _entry("xlagen_argmax", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)(
+        _p(x), _p(out), rows, n) is None
+    np.testing.assert_array_equal(out, x.argmax(-1))
+
+
+def test_argmax_refuses_an_empty_row():
+    out = np.full(1, -1, np.int32)
+    error = _entry("xlagen_argmax", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)(
+        _p(out), _p(out), 1, 0)
+    assert error is not None and b"n at least 1" in error and out[0] == -1
+
+
+def test_constants_come_from_the_library_and_match_the_packing():
+    assert native.PANEL == native.constant("panel") == 32
+    assert native.INT8_PANEL == native.constant("int8_panel") == 64
+    assert native.STEP_ATTENTION_MAX_HEAD_DIM == native.constant("step_attention_max_head_dim")
+    assert native.pack_bfloat16(np.ones((3, 5), np.float32)).shape == (1, 3, native.PANEL // 2)
+    assert native.pack_int8(np.ones((3, 5), np.float32)).shape == (1, 3 + 4, native.INT8_PANEL)
+    with pytest.raises(KeyError, match="no constant 'nonsense'"):
+        native.constant("nonsense")
+
+
+def test_the_kernels_need_no_tensorflow():
+    code = ("import sys, numpy as np; from xlagen import native; native.constant('panel'); "
+            "native.pack_int8(np.ones((2, 2), np.float32)); assert 'tensorflow' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
