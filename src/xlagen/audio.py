@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from xlagen.weights.atomic_save import check_save_complete
 from xlagen.weights.checkpoint import read_json, write_files
 
 logger = logging.getLogger(__name__)
@@ -240,7 +241,8 @@ class WhisperFeatureExtractor:
             **overrides: Settings that replace the file's (e.g. `return_attention_mask=True`).
 
         Raises:
-            OSError: If the folder cannot be resolved or has no preprocessor_config.json.
+            OSError: If the folder cannot be resolved, has no preprocessor_config.json, or its last save was
+                interrupted while it replaced the files.
             TypeError: If an override is not one of the settings.
             ValueError: If the file names another feature extractor or holds invalid values.
         """
@@ -251,6 +253,7 @@ class WhisperFeatureExtractor:
             raise TypeError(f"Unexpected keyword arguments {sorted(unknown)}; the settings are {list(_SETTINGS)}.")
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
+        check_save_complete(folder)
         return cls.from_dict({**read_preprocessor_config(folder), **overrides})
 
     @classmethod
@@ -284,6 +287,8 @@ class WhisperFeatureExtractor:
 
         Raises:
             FileExistsError: If the file exists and `overwrite` is False.
+            OSError: If it cannot be written (a full disk, no permission), naming the folder; the folder
+                keeps its previous file.
         """
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
         return write_files(save_directory, {FEATURE_EXTRACTOR_NAME: lambda path: path.write_text(text)}, overwrite)
