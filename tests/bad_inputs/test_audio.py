@@ -72,7 +72,8 @@ PATH_CASES = [
     ("folder", lambda d, mp: d, IsADirectoryError, r"'.*' is a folder, not an audio file"),
     ("FIFO", lambda d, mp: _fifo(d), OSError, r"'.*stream.wav' is a named pipe \(FIFO\), not an audio file"),
     ("device", lambda d, mp: "/dev/null", OSError, r"'/dev/null' is a character device, not an audio file"),
-    ("permission denied", _unreadable, PermissionError, r"Permission denied: cannot read the audio file '.*secret.wav'"),
+    ("permission denied", _unreadable, PermissionError,
+     r"Permission denied: cannot read the audio file '.*secret.wav'"),
     ("not audio", lambda d, mp: _not_audio(d), ValueError, r"Cannot decode the audio file '.*notes.wav'"),
 ]
 

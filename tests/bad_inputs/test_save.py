@@ -70,6 +70,18 @@ def _replace_failing_on(call: int):
     return replace
 
 
+# What safetensors raises when the disk fills up (a plain Exception).
+SAFETENSORS_FULL = Exception("Error while serializing: I/O error: No space left on device (os error 28)")
+
+
+def _denied(*args, **kwargs):
+    raise PermissionError(errno.EACCES, "Permission denied")
+
+
+def _denied_for_staging(path, *args, real=pathlib.Path.mkdir, **kwargs):
+    return _denied() if path.name.startswith(STAGING_PREFIX) else real(path, *args, **kwargs)
+
+
 # (case, prepare(folder, monkeypatch) -> (folder to save into, writers, overwrite), error, message pattern)
 CASES = [
     ("target is a file", lambda d, mp: (d / "model", _writers(1), False, (d / "model").write_text("x")),
@@ -81,12 +93,18 @@ CASES = [
     ("disk full (OSError)", lambda d, mp: (d, _writers(2, OSError(errno.ENOSPC, "No space left on device")), True,
                                             write_files(d, _writers(1))),
      OSError, r"Cannot write model.safetensors into '.*': No space left on device. Free some disk space"),
-    ("disk full (safetensors)", lambda d, mp: (d, _writers(2, Exception(
-        "Error while serializing: I/O error: No space left on device (os error 28)")), True, write_files(d, _writers(1))),
+    ("disk full (safetensors)", lambda d, mp: (d, _writers(2, SAFETENSORS_FULL), True, write_files(d, _writers(1))),
      OSError, r"Cannot write model.safetensors into '.*': No space left on device"),
-    ("permission denied", lambda d, mp: (d / "new", _writers(1), False, mp.setattr(
-        pathlib.Path, "mkdir", lambda *a, **k: (_ for _ in ()).throw(PermissionError(errno.EACCES, "Permission denied")))),
+    ("permission denied", lambda d, mp: (d / "new", _writers(1), False, mp.setattr(pathlib.Path, "mkdir", _denied)),
      PermissionError, r"Cannot create the folder '.*new' to save into: Permission denied"),
+    ("read-only folder", lambda d, mp: (d, _writers(1), False, mp.setattr(pathlib.Path, "mkdir", _denied_for_staging)),
+     PermissionError, r"Cannot write into the folder '.*': Permission denied"),
+    ("folder in the way", lambda d, mp: (d, _writers(1), True, (d / "model.safetensors").mkdir()),
+     IsADirectoryError, r"Cannot save model.safetensors into '.*': a folder of that name is in the way"),
+    ("another machine is committing", lambda d, mp: (d, _writers(2), True, (
+        write_files(d, _writers(1)), (d / MARKER_NAME).write_text(json.dumps(
+            {"staging": STAGING_PREFIX + "1-00000000-0", "files": list(NAMES), "pid": 1, "host": "00000000"})))),
+     OSError, r"right now \(process 1 of another machine; if that save was killed, run finish_interrupted_save"),
     ("another process is committing", lambda d, mp: (d, _writers(2), True, (write_files(d, _writers(1)),
                                                                              _marker(d, os.getppid()))),
      OSError, rf"Another save into '.*' is replacing config.json.* right now \(process {os.getppid()}\)"),
@@ -271,3 +289,18 @@ def test_kill_9_during_save_pretrained_leaves_a_loadable_or_refused_folder(gpt2_
         model = TFAutoModelForCausalLM.from_pretrained(tmp_path)
     embedding = model.token_embedding.kernel
     assert float(embedding.numpy()[0, 0]) == model.generation_config.max_length
+
+
+def test_a_marker_naming_paths_outside_the_folder_moves_nothing(tmp_path):
+    (tmp_path / "outside.json").write_text("keep")
+    folder = tmp_path / "model"
+    write_files(folder, _writers(1))
+    staging = folder / f"{STAGING_PREFIX}1-00000000-00"
+    staging.mkdir()
+    (staging / "config.json").write_text("{}")
+    _marker(folder, _dead_pid(), staging="../model", files=["../outside.json", "config.json"])
+    day_ago = time.time() - atomic_save.ABANDONED_AFTER_SECONDS - 60
+    os.utime(folder / MARKER_NAME, (day_ago, day_ago))
+    check_save_complete(folder)  # not a marker this module wrote: no rename can have followed it
+    write_files(folder, _writers(2), overwrite=True)
+    assert (tmp_path / "outside.json").read_text() == "keep" and _versions(folder) == {2}

@@ -60,6 +60,7 @@ def write_files(folder: str | os.PathLike[str], writers: dict[str, Callable[[pat
     Raises:
         FileExistsError: (an OSError) if a file exists and `overwrite` is False; nothing is written.
         NotADirectoryError: if `folder` (or a parent) is a file.
+        IsADirectoryError: if one of the files to write is a folder in `folder`.
         OSError: if the files cannot be written (a full disk: errno ENOSPC; no permission:
             PermissionError), naming the folder and file; the folder keeps its previous files. Also if
             another process is saving into the folder, or if the renames fail halfway (the message says
@@ -77,15 +78,22 @@ def write_files(folder: str | os.PathLike[str], writers: dict[str, Callable[[pat
     elif folder.exists():
         raise NotADirectoryError(f"Cannot save into '{folder}': it is a file, not a folder.")
     existing = sorted(name for name in names if (folder / name).exists())
+    folders = [name for name in existing if (folder / name).is_dir()]
+    if folders:
+        raise IsADirectoryError(f"Cannot save {', '.join(folders)} into '{folder}': a folder of that name is in "
+                                "the way; move it, or save into another folder.")
     if existing and not overwrite:
         raise FileExistsError(f"{folder} already holds {', '.join(existing)}: pass overwrite=True to replace "
                               "them, or save into an empty folder")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        staging = folder / f"{STAGING_PREFIX}{os.getpid()}-{_host_id()}-{secrets.token_hex(4)}"
-        staging.mkdir()
     except OSError as error:
         raise _named(error, f"Cannot create the folder '{folder}' to save into") from error
+    staging = folder / f"{STAGING_PREFIX}{os.getpid()}-{_host_id()}-{secrets.token_hex(4)}"
+    try:
+        staging.mkdir()
+    except OSError as error:
+        raise _named(error, f"Cannot write into the folder '{folder}'") from error
     current = ""
     try:
         for name in names:
@@ -121,8 +129,8 @@ def check_save_complete(folder: str | os.PathLike[str]) -> None:
         return
     files = ", ".join(marker["files"])
     if not _is_abandoned(marker["pid"], marker["host"], marker["mtime"]):
-        raise OSError(f"'{folder}' is being saved into right now (process {marker['pid']} is replacing {files}); "
-                      "load it when that save has finished.")
+        raise OSError(f"'{folder}' is being saved into right now ({_owner(marker)} is replacing {files}); load it "
+                      "when that save has finished.")
     raise OSError(f"The last save into '{folder}' was interrupted while it replaced {files}: these files may mix "
                   "two saves. Finish that save with xlagen.weights.checkpoint.finish_interrupted_save("
                   f"'{folder}') (saving into the folder again also finishes it), then load again.")
@@ -162,8 +170,8 @@ def _finish(folder: pathlib.Path) -> list[str]:
         (folder / MARKER_NAME).unlink(missing_ok=True)
         return []
     if not _is_abandoned(marker["pid"], marker["host"], marker["mtime"]):
-        raise OSError(f"Another save into '{folder}' is replacing {', '.join(marker['files'])} right now (process "
-                      f"{marker['pid']}); save again when it has finished.")
+        raise OSError(f"Another save into '{folder}' is replacing {', '.join(marker['files'])} right now "
+                      f"({_owner(marker)}); save again when it has finished.")
     if not (folder / marker["staging"]).is_dir():
         return marker["files"]
     _commit(folder, marker["staging"], marker["files"])
@@ -240,10 +248,25 @@ def _read_marker(folder: pathlib.Path) -> dict | None:
         return None
     try:
         content = json.loads(text)
-        return {"staging": str(content["staging"]), "files": [str(name) for name in content["files"]],
-                "pid": int(content["pid"]), "host": str(content["host"]), "mtime": mtime}
+        marker = {"staging": str(content["staging"]), "files": [str(name) for name in content["files"]],
+                  "pid": int(content["pid"]), "host": str(content["host"]), "mtime": mtime}
     except (ValueError, KeyError, TypeError):
+        marker = None
+    # Only plain names inside the folder: the marker drives renames.
+    names = [] if marker is None else [marker["staging"], *marker["files"]]
+    plain = marker is not None and marker["staging"].startswith(STAGING_PREFIX) and all(
+        pathlib.Path(name).name == name and name not in ("", ".", "..") for name in names)
+    if not plain:
         return {"staging": None, "files": ["(unknown)"], "pid": -1, "host": "", "mtime": mtime}
+    return marker
+
+
+def _owner(marker: dict) -> str:
+    """Names the process of a marker, and what to do if it is gone from another machine."""
+    if marker["host"] == _host_id():
+        return f"process {marker['pid']}"
+    return (f"process {marker['pid']} of another machine; if that save was killed, run finish_interrupted_save on "
+            "that machine")
 
 
 def _remove_abandoned_staging(folder: pathlib.Path) -> None:
