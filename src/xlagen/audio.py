@@ -87,8 +87,11 @@ def load_audio(path_or_array: str | os.PathLike[str] | np.ndarray | dict[str, An
     if isinstance(path_or_array, dict):
         if "array" not in path_or_array or "sampling_rate" not in path_or_array:
             raise ValueError("An audio dict needs the keys 'array' and 'sampling_rate'.")
-        return load_audio(path_or_array["array"], sampling_rate,
-                          source_sampling_rate=int(path_or_array["sampling_rate"]))
+        rate = path_or_array["sampling_rate"]
+        if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) and not (
+                isinstance(rate, (float, np.floating)) and float(rate).is_integer()):
+            raise ValueError(f"The audio dict's 'sampling_rate' must be a whole number of Hz, got {rate!r}.")
+        return load_audio(path_or_array["array"], sampling_rate, source_sampling_rate=int(rate))
     if isinstance(path_or_array, (str, os.PathLike)):
         samples, source_rate = _read_file(pathlib.Path(path_or_array))
         where = f"audio file '{path_or_array}'"

@@ -106,7 +106,9 @@ ARRAY_CASES = [
     ("bytes", b"RIFF....WAVE", TypeError, r"got bytes; decode the bytes of a file first"),
     ("3-D", np.zeros((4, 4, 4), np.float32), ValueError, r"got shape \(4, 4, 4\)"),
     ("NaN", np.array([0.0, np.nan], np.float32), ValueError, r"audio array of shape \(2,\) contains NaN"),
-    ("int16 dict without rate", {"array": np.zeros(4, np.int16)}, ValueError, r"'array' and 'sampling_rate'"),
+    ("dict without rate", {"array": np.zeros(4, np.int16)}, ValueError, r"'array' and 'sampling_rate'"),
+    ("dict with a text rate", {"array": np.zeros(4), "sampling_rate": "16k"}, ValueError,
+     r"'sampling_rate' must be a whole number of Hz, got '16k'"),
 ]
 
 
