@@ -17,6 +17,7 @@ from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
 from xlagen.models import gpt2, opt, registry, t5, whisper
+from xlagen.weights.atomic_save import check_save_complete
 from xlagen.weights.checkpoint import read_checkpoint, read_json, write_files
 from xlagen.weights.loader import convert, export, normalize_prefix
 
@@ -68,12 +69,15 @@ class PreTrainedModel(GenerationMixin):
             The model, weights loaded, with `generation_config` from generation_config.json.
 
         Raises:
-            OSError: missing folder/files, or a pickle-only checkpoint.
+            OSError: missing folder/files, a pickle-only checkpoint, or a folder whose last
+                `save_pretrained` was interrupted while it replaced the files (the message says how
+                to finish it).
             ValueError: unsupported model_type or config values, or tensors that do not match.
             xlagen.native.NativeUnavailable: a packed `weight_dtype` on a machine that cannot run it.
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
+        check_save_complete(folder)
         hf_config = read_json(folder, "config.json")
         architecture = registry.lookup(hf_config.get("model_type"), cls.architectures, cls.task)
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
@@ -121,7 +125,12 @@ class PreTrainedModel(GenerationMixin):
     def save_pretrained(self, save_directory: str | Path, overwrite: bool = False) -> tuple[str, ...]:
         """Writes config.json, generation_config.json and model.safetensors in Hugging Face format.
 
-        transformers (PyTorch) and xlagen load the folder back with identical logits.
+        transformers (PyTorch) and xlagen load the folder back with identical logits. The files are
+        written all-or-nothing (`xlagen.weights.atomic_save`): staged in a hidden folder inside
+        `save_directory`, flushed to disk, then renamed into place under a marker that
+        `from_pretrained` refuses until the save is complete. A save killed while writing leaves the
+        previous files; one killed between the renames is finished by `finish_interrupted_save` or by
+        the next save into the folder, which also removes staging folders left by dead processes.
 
         Args:
             save_directory: Folder to write to; created if needed. It may hold tokenizer files.
@@ -132,6 +141,9 @@ class PreTrainedModel(GenerationMixin):
 
         Raises:
             FileExistsError: if model files exist and `overwrite` is False (nothing is written).
+            NotADirectoryError: if `save_directory` is a file.
+            OSError: if the files cannot be written, e.g. a full disk (errno ENOSPC) or no permission
+                (PermissionError); the message names the folder and the folder keeps its previous files.
         """
         weights = registry.lookup(self.config.model_type, self.architectures, self.task).weights
         values = {v.path: np.asarray(v.numpy(), np.float32) for v in self.weights}

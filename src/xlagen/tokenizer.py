@@ -289,6 +289,8 @@ class PreTrainedTokenizerFast:
 
         Raises:
             FileExistsError: if tokenizer files exist and `overwrite` is False (nothing is written).
+            OSError: if the files cannot be written (a full disk, no permission), naming the folder; the
+                folder keeps its previous files (all-or-nothing, as `xlagen.weights.atomic_save` writes).
         """
         special = {name: getattr(self.config, name) for name in SPECIAL_TOKEN_NAMES
                    if getattr(self.config, name) is not None}

@@ -13,11 +13,12 @@ import json
 import os
 import pathlib
 import struct
-import tempfile
-from collections.abc import Callable
 
 import numpy as np
 import safetensors
+
+# Writing lives in atomic_save; these names stay importable from here.
+from xlagen.weights.atomic_save import check_save_complete, finish_interrupted_save, write_files  # noqa: F401
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -192,37 +193,3 @@ def _convert_hint(model_dir: pathlib.Path) -> str:
         "for tf_model.h5), or open a conversion pull request on the Hub with "
         "https://huggingface.co/spaces/safetensors/convert."
     )
-
-
-def write_files(folder: str | os.PathLike[str], writers: dict[str, Callable[[pathlib.Path], None]],
-                overwrite: bool = False) -> tuple[str, ...]:
-    """Writes several files into `folder` all-or-nothing.
-
-    Every file is first written into a temporary folder beside `folder`, then moved into place, so
-    a failure while writing (a full disk, a bad value) leaves `folder` as it was.
-
-    Args:
-        folder: Destination; created if needed.
-        writers: File name -> function writing that file at the path it is given.
-        overwrite: Replace files that already exist; otherwise they are an error.
-
-    Returns:
-        The written paths.
-
-    Raises:
-        FileExistsError: (an OSError) if a file exists and `overwrite` is False; nothing is written.
-    """
-    folder = pathlib.Path(folder)
-    existing = sorted(name for name in writers if (folder / name).exists())
-    if existing and not overwrite:
-        raise FileExistsError(f"{folder} already holds {', '.join(existing)}: pass overwrite=True to replace "
-                              "them, or save into an empty folder")
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".xlagen-save-") as staging:
-        for name, write in writers.items():
-            write(pathlib.Path(staging) / name)
-            # Readable by all, as checkpoints are shared (safetensors creates its files owner-only).
-            os.chmod(pathlib.Path(staging) / name, 0o644)
-        for name in writers:
-            os.replace(pathlib.Path(staging) / name, folder / name)
-    return tuple(str(folder / name) for name in writers)
