@@ -10,8 +10,8 @@ feed-forward of v1.1.
 Two transformers conventions meet in config.json. transformers 4.x scales iff `tie_word_embeddings`
 (v1.1 writes false and stores `lm_head.weight`). transformers >= 5 writes `tie_word_embeddings: true`
 always plus `scale_decoder_outputs`, and uses a stored `lm_head.weight` that differs from `shared.weight`
-as a separate head; xlagen reads both (`T5Config.from_hf_config`, `xlagen.weights.t5.resolve_config`). T5 has no learned positions, so `max_positions` is None (no limit, as in
-transformers) unless set explicitly.
+as a separate head; xlagen reads both (`T5Config.from_hf_config`, `xlagen.weights.t5.resolve_config`).
+T5 has no learned positions, so `max_positions` is None (no limit, as in transformers) unless set explicitly.
 Known divergences: padding positions of the encoder input are embedded as id 0 in `generate` (their
 outputs are masked, so real positions are unchanged). In `generate`, `decoder_input_ids` must start with
 decoder_start_token_id (transformers prepends it when no row does; that depends on values, which a
