@@ -26,8 +26,11 @@ logger = logging.getLogger(__name__)
 
 def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype, weight_dtype=None):
     config = architecture.config_class.from_hf_config(hf_config)
-    model = cls(config, dtype=dtype) if dtype else cls(config)
     tensors = normalize_prefix(read_checkpoint(folder), architecture.weights.PREFIX)
+    resolve_config = getattr(architecture.weights, "resolve_config", None)  # T5: a stored head unties
+    if resolve_config is not None:
+        config = resolve_config(config, tensors)
+    model = cls(config, dtype=dtype) if dtype else cls(config)
     variables = {v.path: v for v in model.weights}
     values = convert(architecture.weights.rules(config), tensors,
                      {path: tuple(v.shape) for path, v in variables.items()},
@@ -149,6 +152,9 @@ class PreTrainedModel(GenerationMixin):
         values = {v.path: np.asarray(v.numpy(), np.float32) for v in self.weights}
         tensors = {weights.saved_name(name): value
                    for name, value in export(weights.rules(self.config), values).items()}
+        saved_tensors = getattr(weights, "saved_tensors", None)  # T5: the head as config.json describes it
+        if saved_tensors is not None:
+            tensors = saved_tensors(self.config, tensors)
         hf_config = {**self.config.to_hf_config(), "torch_dtype": "float32"}
         generation_config = self.generation_config or GenerationConfig.from_model_config(self.config)
         return write_files(save_directory, {

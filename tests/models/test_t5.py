@@ -262,8 +262,10 @@ def test_config_mapping(t5, caplog, variant, expected):
     with caplog.at_level(logging.WARNING, logger="xlagen"):
         config = T5Config.from_hf_config(json.loads((folder / "config.json").read_text()))
     assert not caplog.records, "a saved config.json should hold no unknown keys"
-    assert (config.activation, config.gated, config.tie_word_embeddings, config.num_decoder_layers) == expected
-    assert T5Config.from_hf_config(config.to_hf_config()) == config
+    assert (config.activation, config.gated, config.scale_decoder_outputs, config.num_decoder_layers) == expected
+    # An unscaled head is saved untied (transformers 4.x ties iff it scales), whatever tied it at load.
+    untied_if_unscaled = config.replace(tie_word_embeddings=config.scale_decoder_outputs)
+    assert T5Config.from_hf_config(config.to_hf_config()) == untied_if_unscaled
     assert T5Config.from_hf_config(transformers.T5Config().to_diff_dict()) == T5Config()
 
 

@@ -16,7 +16,9 @@ class Architecture(NamedTuple):
 
     config_class: type
     model_class: type
-    weights: object  # module with rules(config), ignore(config), PREFIX
+    weights: object  # module with rules(config), ignore(config), PREFIX, saved_name(name); optionally
+    # resolve_config(config, tensors) (the config a checkpoint's tensors make) and
+    # saved_tensors(config, tensors) (what save_pretrained writes)
 
 
 CAUSAL_LM = {"gpt2": Architecture(gpt2.GPT2Config, gpt2.GPT2LMHead, gpt2_weights),

@@ -4,10 +4,14 @@ Transformer"), v1.0 and v1.1 / FLAN-T5.
 Must match transformers' `models/t5/modeling_t5.py` (T5ForConditionalGeneration) on the same checkpoint.
 What is T5's own: RMS norms without bias, attention without score scaling and without biases, a learned
 relative position bias (bucketed distances, bidirectional in the encoder, causal in the decoder)
-computed by the first block of each stack and shared by all blocks; the LM head tied to the embedding
-with the decoder output scaled by d_model ** -0.5 (v1.0) or untied without scaling (v1.1); the
-gated-GELU feed-forward of v1.1. T5 has no learned positions, so `max_positions` is None (no limit, as in
-transformers) unless set explicitly.
+computed by the first block of each stack and shared by all blocks; the decoder output scaled by
+d_model ** -0.5 before the LM head (v1.0, whose head is the embedding; not v1.1 / FLAN-T5); the gated-GELU
+feed-forward of v1.1.
+Two transformers conventions meet in config.json. transformers 4.x scales iff `tie_word_embeddings`
+(v1.1 writes false and stores `lm_head.weight`). transformers >= 5 writes `tie_word_embeddings: true`
+always plus `scale_decoder_outputs`, and uses a stored `lm_head.weight` that differs from `shared.weight`
+as a separate head; xlagen reads both (`T5Config.from_hf_config`, `xlagen.weights.t5.resolve_config`).
+T5 has no learned positions, so `max_positions` is None (no limit, as in transformers) unless set explicitly.
 Known divergences: padding positions of the encoder input are embedded as id 0 in `generate` (their
 outputs are masked, so real positions are unchanged). In `generate`, `decoder_input_ids` must start with
 decoder_start_token_id (transformers prepends it when no row does; that depends on values, which a
@@ -60,7 +64,8 @@ _HF_NAMES = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers":
              "d_ff": "intermediate_size", "relative_attention_num_buckets": "relative_attention_buckets",
              "relative_attention_max_distance": "relative_attention_max_distance",
              "layer_norm_epsilon": "layer_norm_eps", "dropout_rate": "dropout",
-             "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id",
+             "tie_word_embeddings": "tie_word_embeddings", "scale_decoder_outputs": "scale_decoder_outputs",
+             "bos_token_id": "bos_token_id",
              "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
              "decoder_start_token_id": "decoder_start_token_id"}
 
@@ -98,8 +103,9 @@ class T5Config:
         layer_norm_eps: HF `layer_norm_epsilon`.
         activation: The feed-forward activation (HF `dense_act_fn`, from `feed_forward_proj`).
         gated: Gated feed-forward, `wo(act(wi_0 x) * wi_1 x)` (HF `is_gated_act`, "gated-*").
-        tie_word_embeddings: The LM head reuses the embedding, with the decoder output scaled by
-            hidden_size ** -0.5 first.
+        tie_word_embeddings: The LM head reuses the embedding (else a separate `lm_head` matrix).
+        scale_decoder_outputs: The decoder output is multiplied by hidden_size ** -0.5 before the LM head
+            (T5 v1.0); None (the default) means the same as `tie_word_embeddings`, transformers 4.x's rule.
         dropout: Dropout rate in training (HF `dropout_rate`).
         max_positions: An optional limit of the encoder input and of the decoder sequence lengths;
             None (transformers' behaviour, and what `from_hf_config` gives) is no limit.
@@ -119,6 +125,7 @@ class T5Config:
     activation: str = "relu"
     gated: bool = False
     tie_word_embeddings: bool = True
+    scale_decoder_outputs: bool | None = None
     dropout: float = 0.1
     max_positions: int | None = None
     bos_token_id: int | None = None
@@ -132,6 +139,8 @@ class T5Config:
     def __post_init__(self):
         if self.num_decoder_layers is None:
             object.__setattr__(self, "num_decoder_layers", self.num_layers)
+        if self.scale_decoder_outputs is None:
+            object.__setattr__(self, "scale_decoder_outputs", self.tie_word_embeddings)
         sizes = (self.vocab_size, self.hidden_size, self.num_layers, self.num_decoder_layers, self.num_heads,
                  self.head_dim, self.intermediate_size, self.relative_attention_buckets,
                  self.relative_attention_max_distance, 1 if self.max_positions is None else self.max_positions)
@@ -142,7 +151,19 @@ class T5Config:
     @classmethod
     def from_hf_config(cls, hf: dict) -> "T5Config":
         """Maps a transformers `config.json` dict; raises naming the key on values that change the math
-        and are unsupported."""
+        and are unsupported.
+
+        `scale_decoder_outputs` (written by transformers >= 5) decides the rescaling when present, else
+        `tie_word_embeddings` does (transformers 4.x). Whether a head stored in the checkpoint replaces the
+        tied one is decided with the tensors (`xlagen.weights.t5.resolve_config`).
+
+        Raises:
+            ValueError: naming the key, for an unsupported value, or a `tie_word_embeddings` or
+                `scale_decoder_outputs` that is not true or false.
+        """
+        for key in ("tie_word_embeddings", "scale_decoder_outputs"):
+            if key in hf and not isinstance(hf[key], bool):
+                raise ValueError(f"config.json: {key}={hf[key]!r} must be true or false")
         for key in _REFUSED_HF_KEYS:
             if hf.get(key):
                 raise ValueError(f"config.json: {key}={hf[key]!r} is not supported by xlagen's T5")
@@ -154,8 +175,16 @@ class T5Config:
         return cls(**{ours: hf[theirs] for theirs, ours in _HF_NAMES.items() if theirs in hf}, **feed_forward)
 
     def to_hf_config(self) -> dict:
-        """The transformers `config.json` dict for this configuration."""
+        """The transformers `config.json` dict that `save_pretrained` writes for this configuration.
+
+        transformers 4.x can only express a tied head with scaling or a separate head without, so the other
+        two combinations are saved with a separate head (`xlagen.weights.t5.saved_tensors` writes it):
+        `tie_word_embeddings` and `scale_decoder_outputs` are then both false, and 4.x and >= 5 compute the
+        same logits.
+        """
         values = {theirs: getattr(self, ours) for theirs, ours in _HF_NAMES.items()}
+        tied = self.tie_word_embeddings and self.scale_decoder_outputs
+        values.update(tie_word_embeddings=tied, scale_decoder_outputs=tied)
         proj = ("gated-" if self.gated else "") + self.activation
         return {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], **values,
                 "feed_forward_proj": proj, "dense_act_fn": self.activation, "is_gated_act": self.gated,
@@ -305,10 +334,9 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         cross = [CrossInputs(memory, cross_mask) for memory in context.layer_memories()]
         x, new_cache = run_blocks(self.decoder_blocks, x, mask, cache, cache_index, training, bias, cross)
         x = self.dropout(self.decoder_final_norm(x[:, -1:] if last_only else x), training=training)
-        if self.lm_head is None:  # Mesh TensorFlow's rescaling before the tied projection
-            logits = self.token_embedding.attend(x * self.config.hidden_size ** -0.5)
-        else:
-            logits = self.lm_head(x)
+        if self.config.scale_decoder_outputs:  # Mesh TensorFlow's rescaling before the projection (v1.0)
+            x = x * self.config.hidden_size ** -0.5
+        logits = self.token_embedding.attend(x) if self.lm_head is None else self.lm_head(x)
         return ops.cast(logits, "float32"), new_cache
 
     def call(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None, labels=None,

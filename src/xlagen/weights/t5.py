@@ -4,9 +4,14 @@ T5's projections are bias-free PyTorch Linear weights `[out, in]`, transposed to
 `[in, out]`. The self-attention q/k/v are fused into our one `qkv` kernel and the cross-attention k/v
 into one `key_value` kernel (stacked on the output axis before the transpose). The relative position
 bias lives in the first block of each stack (`relative_attention_bias`) and is shared by all blocks.
+The LM head is `shared.weight` when tied, else `lm_head.weight`; transformers >= 5 writes
+`tie_word_embeddings: true` for every T5 and keeps a stored `lm_head.weight` that differs from
+`shared.weight` as a separate head (`resolve_config`).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 from xlagen.weights.loader import Rule, chain, concat_first, transpose
 
@@ -84,3 +89,44 @@ def ignore(config) -> tuple[str, ...]:
 def saved_name(name: str) -> str:
     """The name transformers' T5ForConditionalGeneration gives a tensor of the table (unchanged)."""
     return name
+
+
+def resolve_config(config, tensors):
+    """The configuration that the checkpoint's tensors make: a head stored apart from the embedding
+    (`lm_head.weight` not equal to `shared.weight`) is used as a separate head even when the config says
+    tied, as transformers >= 5 does (it writes `tie_word_embeddings: true` for every T5, e.g. when it
+    re-saves a v1.1 / FLAN-T5 checkpoint). The decoder-output scaling is kept as the config says.
+
+    Args:
+        config: A `T5Config` from `T5Config.from_hf_config`.
+        tensors: HF tensor name -> array, as read from the checkpoint.
+
+    Returns:
+        `config`, or a copy with `tie_word_embeddings=False`.
+    """
+    head, embedding = tensors.get("lm_head.weight"), tensors.get("shared.weight")
+    if not config.tie_word_embeddings or head is None or embedding is None or np.array_equal(head, embedding):
+        return config
+    return config.replace(tie_word_embeddings=False)
+
+
+def saved_tensors(config, tensors):
+    """The tensors `save_pretrained` writes for the config.json of `T5Config.to_hf_config`: a tied head
+    without scaling is written as a separate copy of the embedding, and a separate head with scaling has
+    the scale folded into it, so that transformers 4.x (which scales iff the head is tied) and >= 5 load
+    the folder with the same logits.
+
+    Args:
+        config: The model's `T5Config`.
+        tensors: HF tensor name -> array, from `rules(config)`.
+
+    Returns:
+        HF tensor name -> array (a new dict).
+    """
+    tensors = dict(tensors)
+    if config.tie_word_embeddings and not config.scale_decoder_outputs:
+        tensors["lm_head.weight"] = tensors["shared.weight"].copy()
+    elif not config.tie_word_embeddings and config.scale_decoder_outputs:
+        head = tensors["lm_head.weight"]
+        tensors["lm_head.weight"] = (head * np.asarray(config.hidden_size ** -0.5, head.dtype)).astype(head.dtype)
+    return tensors
