@@ -30,7 +30,7 @@ _MODEL_TYPE_CLASSES = {"gpt2": "GPT2Tokenizer", "opt": "GPT2Tokenizer", "t5": "T
 _UNSUPPORTED_FLAGS = ("add_eos_token", "split_special_tokens")
 # Keys not copied to a saved tokenizer_config.json: stored in tokenizer.json, or stale once saved.
 _NOT_PASSED_THROUGH = frozenset({"added_tokens_decoder", "tokenizer_file", "vocab_file", "merges_file",
-                                 "name_or_path", "special_tokens_map_file"})
+                                 "name_or_path", "special_tokens_map_file", "extra_special_tokens"})
 
 @dataclasses.dataclass(frozen=True)
 class TokenizerConfig:
@@ -98,14 +98,22 @@ def added_token(entry: str | dict[str, Any]) -> tokenizers.AddedToken:
     return tokenizers.AddedToken(entry["content"], special=entry.get("special", True), **flags)
 
 
+def _additional_special_tokens(settings: dict) -> list:
+    """A settings file's additional special tokens: transformers 4 writes `additional_special_tokens`,
+    transformers 5 `extra_special_tokens` (a list, or names -> tokens)."""
+    extra = settings.get("extra_special_tokens") or ()
+    return [*(settings.get("additional_special_tokens") or ()), *(extra.values() if isinstance(extra, dict) else extra)]
+
+
 def merge_settings(hf_config: dict, special_map: dict, model_type: str | None, overrides: dict) -> dict:
     """Layers settings as transformers does: class defaults < tokenizer_config < special_tokens_map < arguments."""
     tokenizer_class = hf_config.get("tokenizer_class") or _MODEL_TYPE_CLASSES.get(model_type) or ""
     tokenizer_class = tokenizer_class.removesuffix("Fast")
     values = {**_CLASS_DEFAULTS.get(tokenizer_class, {}), **hf_config, "tokenizer_class": tokenizer_class}
-    additional = list(values.get("additional_special_tokens") or ())
-    contents = {token_content(token) for token in additional}
-    additional += [t for t in special_map.get("additional_special_tokens") or () if token_content(t) not in contents]
+    additional = []
+    for token in _additional_special_tokens(values) + _additional_special_tokens(special_map):
+        if token_content(token) not in {token_content(t) for t in additional}:
+            additional.append(token)
     values.update(special_map, additional_special_tokens=additional)
     values.update(overrides)
     return values

@@ -30,8 +30,8 @@ T5_BASE = dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_
 # variant -> (config overrides, scale of the 2-D weights, scale of the shared embedding, seed); chosen so
 # that greedy choices are >= 0.01 apart and rows do not just repeat one token.
 VARIANTS = {
-    "v1_0": (dict(feed_forward_proj="relu"), 3.0, 0.3, 1),  # t5-small: relu, LM head tied (and rescaled)
-    "v1_1": (dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False), 1.5, 1.0, 0),  # flan-t5
+    "v1_0": (dict(feed_forward_proj="relu"), 3.0, 0.3, 11),  # t5-small: relu, LM head tied (and rescaled)
+    "v1_1": (dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False), 1.5, 1.0, 6),  # flan-t5
     # transformers' generate fails when the stacks differ in depth (its cache is sized by num_layers),
     # so this one is compared on logits only.
     "deep_decoder": (dict(feed_forward_proj="gated-silu", num_decoder_layers=3), 1.5, 1.0, 0),
