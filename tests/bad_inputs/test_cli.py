@@ -41,6 +41,8 @@ CASES = [
      r"--output .*nowhere/out\.jsonl: the folder .*nowhere does not exist"),
     ("output-is-folder", ["generate", "x", "-o", "{tmp}"], 1, r"--output .*case is a folder"),
     ("batch-size-0", ["generate", "x", "--batch-size", "0"], 2, r"--batch-size: must be >= 1"),
+    ("num-beams-0", ["generate", "x", "--num-beams", "0"], 2, r"--num-beams: must be >= 1"),
+    ("top-k-negative", ["generate", "x", "--top-k=-1"], 2, r"--top-k: must be >= 0"),
     ("transcribe-missing", ["transcribe", "{tmp}/nosuch.wav"], 1, r"audio file\(s\) not found: .*nosuch\.wav"),
     # The missing file is reported before the good one is transcribed (nothing is loaded).
     ("transcribe-good-and-missing", ["transcribe", "{tmp}/good.wav", "{tmp}/missing.wav"], 1,

@@ -28,15 +28,15 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from xlagen import native  # numpy only: TensorFlow is not loaded by this import
+from xlagen.cli.files import Prompt, UsageError, check_output, open_output, read_prompts
+
+__all__ = ["Prompt", "UsageError", "add_parser", "decoding_options", "default_model_path", "prepare", "run"]
 
 logger = logging.getLogger("xlagen.cli.generate")
 WEIGHT_DTYPES = ("float32", *native.WEIGHT_DTYPES)
@@ -52,25 +52,6 @@ _NO_MODEL = ("xlagen generate needs --model PATH_OR_ID (a Hugging Face checkpoin
              "the built-in default model is missing from this installation")
 
 
-class UsageError(ValueError):
-    """A problem with the command line or the prompts (exit code 2)."""
-
-    exit_code = 2
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One input: the text, and the other keys of its JSONL record (carried into the output).
-
-    Attributes:
-        text: The prompt.
-        extra: Other keys of the input record, in their order.
-    """
-
-    text: str
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def default_model_path() -> str | None:
     """The built-in default model (package data, see src/xlagen/default_model/README.md), or None if
     this installation lacks it."""
@@ -83,6 +64,14 @@ def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
     return number
 
 
@@ -138,20 +127,20 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     decoding = parser.add_argument_group("decoding (unset options keep the checkpoint's generation_config)")
     decoding.add_argument("--max-new-tokens", type=_positive_int, default=50, metavar="N",
                           help="tokens to generate per prompt (default: 50)")
-    decoding.add_argument("--min-new-tokens", type=int, metavar="N", help="suppress EOS before N new tokens")
+    decoding.add_argument("--min-new-tokens", type=_non_negative_int, metavar="N", help="suppress EOS before N new tokens")
     decoding.add_argument("--greedy", action="store_true",
                           help="greedy decoding (beam search with --num-beams): turns sampling off")
     decoding.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
                           help="sample instead of greedy/beams (--no-do-sample: don't); default: the checkpoint's "
                                "choice, off with --num-beams K > 1")
-    decoding.add_argument("--temperature", type=_non_negative_float,
+    decoding.add_argument("--temperature", type=_non_negative_float, metavar="T",
                           help="sampling temperature (0: greedy decoding)")
-    decoding.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest tokens (0: off)")
+    decoding.add_argument("--top-k", type=_non_negative_int, metavar="K", help="sample among the K likeliest tokens (0: off)")
     decoding.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling probability mass")
-    decoding.add_argument("--num-beams", type=int, metavar="K", help="beam search with K beams")
-    decoding.add_argument("--num-return-sequences", type=int, metavar="R", help="continuations per prompt")
+    decoding.add_argument("--num-beams", type=_positive_int, metavar="K", help="beam search with K beams")
+    decoding.add_argument("--num-return-sequences", type=_positive_int, metavar="R", help="continuations per prompt")
     decoding.add_argument("--repetition-penalty", type=float, help="penalty of already present tokens (1: off)")
-    decoding.add_argument("--no-repeat-ngram-size", type=int, metavar="N", help="forbid repeated N-grams")
+    decoding.add_argument("--no-repeat-ngram-size", type=_non_negative_int, metavar="N", help="forbid repeated N-grams")
     decoding.add_argument("--seed", type=_seed, help=f"seed for reproducible sampling (0 to {_SEED_MAX})")
     run_options = parser.add_argument_group("execution")
     run_options.add_argument("--batch-size", type=_positive_int, default=8, metavar="N",
@@ -213,76 +202,6 @@ def decoding_options(args: argparse.Namespace) -> dict[str, Any]:
     if options.get("num_beams", 1) > 1 and args.do_sample is None:
         options["do_sample"] = False  # Beam search, not beam sampling (which the library does not support).
     return options
-
-
-def _parse_jsonl(lines: Iterator[str], source: str) -> list[Prompt]:
-    """Reads JSONL records holding a "prompt" string; blank lines are skipped."""
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"{source}:{number}: not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise UsageError(f'{source}:{number}: expected a JSON object with a "prompt" string')
-        prompts.append(Prompt(record["prompt"], {k: v for k, v in record.items() if k != "prompt"}))
-    return prompts
-
-
-def _decode(data: bytes, source: str) -> str:
-    """UTF-8 text (a leading byte-order mark dropped); a UsageError naming the file and line otherwise."""
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data.count(b"\n", 0, error.start) + 1
-        raise UsageError(f"{source}:{line}: not UTF-8 text (byte 0x{data[error.start]:02x}): save the prompts "
-                         "as UTF-8") from None
-
-
-def _read_input(path: str, input_format: str | None) -> list[Prompt]:
-    """Reads prompts from a .txt or .jsonl file, or from stdin for `-`."""
-    if input_format is None:
-        input_format = "jsonl" if path != "-" and Path(path).suffix.lower() in (".jsonl", ".ndjson") else "txt"
-    if path == "-":
-        source, data = "<stdin>", sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read()
-    else:
-        source = path
-        try:
-            data = Path(path).read_bytes()
-        except OSError as error:
-            raise type(error)(f"cannot read the prompts file --input {path}: {error.strerror or error}") from error
-    text = data if isinstance(data, str) else _decode(data, source)
-    if input_format == "jsonl":
-        return _parse_jsonl(iter(text.splitlines()), source)
-    return [Prompt(line) for line in text.splitlines() if line.strip()]
-
-
-def read_prompts(args: argparse.Namespace) -> list[Prompt]:
-    """Collects the prompts of the command line or of `--input`.
-
-    Args:
-        args: The parsed `generate` arguments.
-
-    Returns:
-        The prompts, in order.
-
-    Raises:
-        UsageError: If there are no prompts, both sources are given, a prompt is empty, a JSONL
-            line is malformed or the input is not UTF-8 (naming the file and line).
-        OSError: If the input file cannot be read.
-    """
-    if args.prompts and args.input is not None:
-        raise UsageError("give prompts as arguments or with --input, not both")
-    prompts = _read_input(args.input, args.input_format) if args.input is not None else [
-        Prompt(text) for text in args.prompts]
-    if not prompts:
-        raise UsageError("no prompts: give them as arguments or with --input FILE (- for stdin)")
-    for number, prompt in enumerate(prompts, 1):
-        if not prompt.text:
-            raise UsageError(f"prompt {number} is empty")
-    return prompts
 
 
 class Generator:
@@ -402,48 +321,6 @@ def _write(chunk: list[Prompt], results: list[list[str]], stream: TextIO, as_jso
             label = f"[{index}/{len(generated)}] " if len(generated) > 1 else ""
             stream.write(label + (prompt.text if continues_prompt else "") + text + "\n")
     stream.flush()
-
-
-def check_output(path: str | None) -> None:
-    """Checks that `--output` names a file that can be written (its folder exists and is writable).
-
-    Raises:
-        IsADirectoryError, FileNotFoundError, PermissionError: naming the path and what to do.
-    """
-    if path in (None, "-"):
-        return
-    target = Path(path)
-    folder = target.parent
-    if target.is_dir():
-        raise IsADirectoryError(f"--output {path} is a folder: give a file name such as {target / 'out.jsonl'}")
-    if not folder.is_dir():
-        raise FileNotFoundError(f"--output {path}: the folder {folder} does not exist; create it first")
-    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise PermissionError(f"--output {path}: no permission to write there; choose another path")
-
-
-@contextmanager
-def open_output(path: str):
-    """A text stream for `path`: a temporary file beside it, moved onto `path` when the block ends
-    without error and deleted otherwise (an existing file stays untouched)."""
-    target = Path(path)
-    stream = tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=target.parent,  # noqa: SIM115
-                                         prefix=f".{target.name}.", suffix=".partial", delete=False)
-    try:
-        with stream:
-            yield stream
-        mode = target.stat().st_mode & 0o777 if target.exists() else 0o666 & ~_umask()
-        os.chmod(stream.name, mode)  # mkstemp's files are private (0600); give the usual permissions.
-        os.replace(stream.name, target)
-    except BaseException:
-        Path(stream.name).unlink(missing_ok=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 def prepare(args: argparse.Namespace) -> None:
