@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from xlagen.cli.__main__ import main
+from xlagen.cli.__main__ import build_parser, main
+from xlagen.cli.generate import decoding_options
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 PROMPTS = ["Hello world", "XLA compiles", "The quick fox"]  # 11-13 tokens: one length bucket.
 NO_MODEL = ("xlagen generate needs --model PATH_OR_ID (a Hugging Face checkpoint folder or Hub id): "
@@ -46,7 +52,7 @@ def test_generate_prints_prompt_and_continuation_xla_equals_eager(gpt2_checkpoin
         code, xla_out, err = run_cli(capsys, *args, "--batch-size", "2", "--verbose")
     assert code == 0, err
     expected = api_continuations(model_dir, gpt2_model, PROMPTS, max_new_tokens=5)
-    assert xla_out == "".join(p + c + "\n" for p, c in zip(PROMPTS, expected))
+    assert xla_out == "---\n".join(p + c + "\n" for p, c in zip(PROMPTS, expected))
     # Two batches (the second filled up to the batch size) share one compiled program.
     assert "XLA programs compiled: 1" in caplog.text
     assert caplog.text.count("tokens/s") == 2
@@ -139,7 +145,8 @@ def test_module_entry_point_reads_stdin(gpt2_checkpoint):
         env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    assert len(lines) == 2 and lines[0].startswith(PROMPTS[0]) and lines[1].startswith(PROMPTS[1])
+    assert len(lines) == 3 and lines[0].startswith(PROMPTS[0]) and lines[1] == "---"
+    assert lines[2].startswith(PROMPTS[1])
     assert "Traceback" not in result.stderr
 
 
@@ -156,14 +163,16 @@ def test_warmup_compiles_before_the_first_batch_and_logs_reasons(gpt2_checkpoint
 
 
 def test_export_writes_a_saved_model_and_lists_its_signatures(gpt2_checkpoint, tmp_path, capsys):
+    # No --max-new-tokens: the default (64) is lowered to half of the tiny model's 64 positions.
     out_dir = tmp_path / "saved"
     code, out, err = run_cli(capsys, "export", gpt2_checkpoint[0], str(out_dir), "--strategies", "greedy",
-                             "--max-new-tokens", "4", "--prompt-lengths", "8", "--no-text", "--no-scores", "--quiet")
+                             "--prompt-lengths", "8", "--no-text", "--no-scores", "--quiet")
     assert code == 0, err
     assert (out_dir / "saved_model.pb").is_file()
-    assert "greedy:" in out and "input  max_new_tokens: int32 [] = 4" in out
+    assert "greedy:" in out and "input  max_new_tokens: int32 [] = 32" in out
     assert "greedy_text" not in out and "output scores" not in out
-    assert json.loads((out_dir / "assets.extra" / "xlagen_export.json").read_text())["max_new_tokens_bound"] == 4
+    assert "loaded.signatures[NAME](...) needs every input" in out  # which inputs are optional, for whom
+    assert json.loads((out_dir / "assets.extra" / "xlagen_export.json").read_text())["max_new_tokens_bound"] == 32
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -174,3 +183,125 @@ def test_export_writes_a_saved_model_and_lists_its_signatures(gpt2_checkpoint, t
 def test_export_refuses_what_cannot_be_exported(gpt2_checkpoint, tmp_path, capsys, args, message):
     code, _, err = run_cli(capsys, "export", gpt2_checkpoint[0], str(tmp_path / "saved"), *args)
     assert code == 2 and message in err and "Traceback" not in err
+
+
+def _generate_args(**values) -> argparse.Namespace:
+    """Parsed `xlagen generate` arguments (prompt "x") with `values` as options."""
+    args = ["generate", "x"]
+    for name, value in values.items():
+        args += [f"--{name.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return build_parser().parse_args(args)
+
+
+@pytest.mark.parametrize(("options", "expected"), [
+    ({}, {"max_new_tokens": 50}),
+    ({"greedy": True}, {"do_sample": False, "num_beams": 1}),
+    ({"greedy": True, "num_beams": 3}, {"do_sample": False, "num_beams": 3}),
+    ({"temperature": 0}, {"do_sample": False}),
+    ({"num_beams": 4}, {"do_sample": False, "num_beams": 4}),  # beam search, not beam sampling
+    ({"num_beams": 4, "do_sample": True}, {"do_sample": True, "num_beams": 4}),  # asked for: the library refuses
+    ({"no_do_sample": True}, {"do_sample": False}),
+    ({"do_sample": True, "temperature": 0.5}, {"do_sample": True, "temperature": 0.5}),
+])
+def test_decoding_flags(options, expected):
+    assert decoding_options(_generate_args(**options)) == {"max_new_tokens": 50, **expected}
+
+
+def test_builtin_model_with_beams_or_temperature_zero_decodes_greedily(capsys):
+    # The built-in model's generation config samples; beams and --temperature 0 turn that off.
+    common = ["generate", "And God said", "--max-new-tokens", "3", "--eager"]
+    code, beams, err = run_cli(capsys, *common, "--num-beams", "2")
+    assert code == 0 and beams.startswith("And God said"), err
+    code, zero, err = run_cli(capsys, *common, "--temperature", "0")
+    assert code == 0, err
+    assert run_cli(capsys, *common, "--greedy") == (0, zero, "")
+
+
+def test_several_sequences_are_numbered_and_prompts_separated(gpt2_checkpoint, capsys):
+    code, out, err = run_cli(capsys, "generate", "--model", gpt2_checkpoint[0], *PROMPTS[:2], "--max-new-tokens",
+                             "3", "--num-beams", "2", "--num-return-sequences", "2", "--eager")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert [line[:6] for line in lines] == ["[1/2] ", "[2/2] ", "---", "[1/2] ", "[2/2] "]
+    assert lines[0][6:].startswith(PROMPTS[0]) and lines[4][6:].startswith(PROMPTS[1])
+
+
+def test_output_file_is_replaced_only_when_generation_succeeds(gpt2_checkpoint, tmp_path, capsys):
+    target = tmp_path / "out.jsonl"
+    target.write_text("old results\n", encoding="utf-8")
+    common = ["generate", "--model", gpt2_checkpoint[0], "Hello world", "--eager", "-o", str(target)]
+    code, _, err = run_cli(capsys, *common, "--max-new-tokens", "100")  # fails after loading the model
+    assert code == 1 and "64 positions" in err
+    assert target.read_text(encoding="utf-8") == "old results\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]  # no temporary file left behind
+    assert run_cli(capsys, *common, "--max-new-tokens", "2") == (0, "", "")
+    assert [r["prompt"] for r in read_jsonl(target)] == ["Hello world"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]
+
+
+def test_unexpected_errors_are_one_line_and_the_traceback_needs_verbose(monkeypatch, capsys):
+    from xlagen.cli import generate
+
+    def broken(args):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(generate, "prepare", broken)
+    assert run_cli(capsys, "generate", "x") == (
+        1, "", "xlagen: error: unexpected KeyError: 'boom' (run with --verbose for the traceback)\n")
+    code, _, err = run_cli(capsys, "generate", "x", "--verbose")
+    assert code == 1 and err.startswith("Traceback") and err.count("xlagen: error:") == 1
+
+
+def test_library_errors_are_mapped_to_one_line(monkeypatch, capsys):
+    import tensorflow as tf
+
+    from xlagen.cli import generate
+    from xlagen.native import NativeUnavailable
+
+    errors = [(TypeError("max_new_tokens must be an int"), "max_new_tokens must be an int"),
+              (NativeUnavailable("no AVX-512 on this CPU"), "no AVX-512 on this CPU"),
+              (tf.errors.InvalidArgumentError(None, None, "bad shape\n\tgraph context"),
+               "TensorFlow InvalidArgumentError: bad shape"),
+              (OSError("'org/m' is not in the Hugging Face cache, and local_files_only=True was passed. To fix: run "
+                       "once with network access (local_files_only=False, HF_HUB_OFFLINE unset)"),
+               "'org/m' is not in the Hugging Face cache, and --local-files-only was given. To fix: run once with "
+               "network access (without --local-files-only, HF_HUB_OFFLINE unset)")]
+    for error, message in errors:
+        def fail(args, error=error):
+            raise error
+
+        monkeypatch.setattr(generate, "prepare", fail)
+        assert run_cli(capsys, "generate", "x") == (1, "", f"xlagen: error: {message}\n")
+
+
+def _run_python(script: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_compile_cache_is_written_without_verbose(gpt2_checkpoint, tmp_path):
+    # TensorFlow reads TF_XLA_FLAGS when it starts: `xlagen` must set it before importing TensorFlow.
+    cache = tmp_path / "cache"
+    result = _run_python(f"""
+        import sys
+        from xlagen.cli.__main__ import main
+        sys.exit(main(["generate", "--model", {gpt2_checkpoint[0]!r}, "Hello", "--max-new-tokens", "2",
+                       "--compile-cache", {str(cache)!r}]))
+    """)
+    assert result.returncode == 0, result.stderr
+    assert any(name.startswith("xla_compile_cache") for name in os.listdir(cache))
+
+
+def test_bench_threads_are_set_before_tensorflow_starts():
+    # The thread pools cannot change once TensorFlow's devices started; the report records what is in force.
+    result = _run_python("""
+        import json, sys
+        from xlagen.cli import bench
+        from xlagen.cli.__main__ import main
+        bench.run_benchmark = lambda args, system: print(json.dumps(bench.configure_threads(args.threads))) or 0
+        sys.exit(main(["bench", "--tiny", "--threads", "1"]))
+    """)
+    assert result.returncode == 0, result.stderr
+    threads = json.loads(result.stdout.splitlines()[-1])
+    assert (threads["requested"], threads["tf_intra_op"], threads["tf_inter_op"]) == (1, 1, 1)

@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 STRATEGIES = ("greedy", "sample", "beam")
 _INT_MAX = 2**31 - 1
+_DEFAULT_NEW_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,9 @@ class ExportConfig:
     Attributes:
         strategies: Subset of STRATEGIES, one signature (two with text) each; the first is also
             "serving_default".
-        max_new_tokens: N, the bound of the runtime `max_new_tokens` (its default).
+        max_new_tokens: N, the bound of the runtime `max_new_tokens` (its default). None (the
+            default): 64, or half the positions of a causal model with fewer than 128 (the other
+            half is left to the prompt).
         prompt_lengths: Prompt length buckets (ascending); None picks 8, 16, 32, ... up to what
             fits the model's positions (at most 512). Longer prompts are rejected at serving time.
         batch_sizes: Batch buckets (ascending); a batch is padded up to the next one, so XLA
@@ -65,7 +68,7 @@ class ExportConfig:
     """
 
     strategies: tuple[str, ...] = STRATEGIES
-    max_new_tokens: int = 64
+    max_new_tokens: int | None = None
     prompt_lengths: tuple[int, ...] | None = None
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     num_beams: int = 4
@@ -79,7 +82,7 @@ class ExportConfig:
         if not strategies or unknown or len(set(strategies)) != len(strategies):
             raise ValueError(f"strategies must be distinct names among {STRATEGIES}, got {strategies}")
         object.__setattr__(self, "strategies", strategies)
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         for name in ("prompt_lengths", "batch_sizes"):
             values = getattr(self, name)
@@ -89,6 +92,16 @@ class ExportConfig:
             if not values or min(values) < 1 or list(values) != sorted(set(values)):
                 raise ValueError(f"{name} must be positive, distinct and ascending, got {values}")
             object.__setattr__(self, name, values)
+
+
+def _resolve_new_tokens(model, export: ExportConfig) -> ExportConfig:
+    """`export` with `max_new_tokens` set: the default fits the model's positions (see ExportConfig)."""
+    if export.max_new_tokens is not None:
+        return export
+    limit = model.config.max_positions
+    causal = not getattr(model.config, "is_encoder_decoder", False)
+    new_tokens = min(_DEFAULT_NEW_TOKENS, limit // 2) if causal and limit is not None else _DEFAULT_NEW_TOKENS
+    return dataclasses.replace(export, max_new_tokens=max(1, new_tokens))
 
 
 def _strategy_config(base: GenerationConfig, strategy: str, export: ExportConfig) -> GenerationConfig:
@@ -376,7 +389,7 @@ def export_saved_model(model, export_dir: str | Path, *, tokenizer=None, export:
         FileExistsError: if `export_dir` holds files.
     """
     _refuse_packed(model, "a SavedModel")
-    export = export or ExportConfig()
+    export = _resolve_new_tokens(model, export or ExportConfig())
     export_dir = Path(export_dir)
     if export_dir.exists() and any(export_dir.iterdir()):
         raise FileExistsError(f"{export_dir} is not empty: choose a new folder for the SavedModel")

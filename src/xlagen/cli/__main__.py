@@ -1,14 +1,28 @@
 """The `xlagen` command: `xlagen SUBCOMMAND [options]` (also `python -m xlagen.cli`).
 
 Each subcommand is a module of this package listed in `SUBCOMMANDS`. It provides
-`add_parser(subparsers, parents) -> argparse.ArgumentParser`, whose parser sets `run=<function>`
-through `set_defaults`; `run(args) -> int` does the work and returns the exit code. Subcommand
-modules import TensorFlow and the rest of xlagen lazily inside `run`, so that this module can
-configure the environment and logging first.
+`add_parser(subparsers, parents) -> argparse.ArgumentParser`, whose parser sets through
+`set_defaults`:
 
-Errors: a subcommand raises `OSError` or `ValueError` with a message for the user; `main` prints
-`xlagen: error: <message>` (no traceback) and returns the exception's `exit_code` attribute if it
-has one (2 for usage errors), else 1.
+- `run=<function>`: `run(args) -> int` does the work and returns the exit code;
+- optionally `prepare=<function>`: `prepare(args) -> None` runs BEFORE TensorFlow is imported. It
+  makes the cheap checks (prompts given, input files readable and decodable, output writable) so
+  that a mistake is reported in a fraction of a second, and sets what TensorFlow reads when it
+  starts (environment variables such as TF_XLA_FLAGS). It must not import TensorFlow;
+- optionally `configure_tensorflow=<function>`: `configure_tensorflow(args) -> None` runs right
+  after TensorFlow is imported and before its devices start (e.g. thread pools, which cannot be
+  changed afterwards).
+
+Subcommand modules import TensorFlow and the rest of xlagen lazily, so that `main` can run these
+hooks, configure the environment and logging first.
+
+Errors: every error is reported ONCE, as one line `xlagen: error: <message>` on stderr, with no
+traceback unless `--verbose` is given (then the traceback comes first). The exit code is the
+exception's `exit_code` attribute if it has one (2 for usage errors, as for argparse's), else 1.
+The documented error types of the library (`OSError`, `ValueError`, `TypeError`,
+`xlagen.native.NativeUnavailable`) and TensorFlow's `tf.errors.OpError` print their message (only
+its first line for an `OpError`, whose message continues with graph context); any other exception
+is a bug: its type and first line are printed, with "run with --verbose for the traceback".
 """
 
 from __future__ import annotations
@@ -19,11 +33,15 @@ import importlib.metadata
 import logging
 import os
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 
 PROG = "xlagen"
 SUBCOMMANDS = ("generate", "transcribe", "hlo", "bench", "export", "aot")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The library's messages name its keyword arguments; the command line's user knows options.
+_CLI_WORDING = (("local_files_only=True was passed", "--local-files-only was given"),
+                ("local_files_only=False, ", "without --local-files-only, "))
 
 
 def _version() -> str:
@@ -62,25 +80,33 @@ def _configure_environment(verbose: bool) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _load_tensorflow_quietly() -> None:
-    """Imports TensorFlow and initialises its devices with the native stderr pointed at /dev/null.
+def _start_tensorflow(quiet: bool, configure: Callable[[], None] | None = None) -> None:
+    """Imports TensorFlow, runs `configure` (settings that must precede its initialisation), then
+    initialises its devices; with `quiet`, the native stderr points at /dev/null meanwhile.
 
     TensorFlow 2.21 prints oneDNN / CUDA notices from C++ before its logging is set up, so
-    TF_CPP_MIN_LOG_LEVEL cannot hide them; `--verbose` keeps them. Python errors are unaffected.
+    TF_CPP_MIN_LOG_LEVEL cannot hide them; `--verbose` keeps them. Python errors are unaffected (an
+    exception raised by `configure` propagates, and is printed once stderr is back).
     """
-    if "tensorflow" in sys.modules:
+    if "tensorflow" in sys.modules:  # Already running (tests, notebooks): settings may not apply any more.
+        if configure is not None:
+            configure()
         return
     sys.stderr.flush()
-    saved = os.dup(2)
+    saved = os.dup(2) if quiet else None
     try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            import tensorflow as tf
+        if saved is not None:
+            with open(os.devnull, "w") as devnull:
+                os.dup2(devnull.fileno(), 2)
+        import tensorflow as tf
 
-            tf.config.list_logical_devices("CPU")  # the CUDA probe happens here
+        if configure is not None:
+            configure()
+        tf.config.list_logical_devices("CPU")  # the CUDA probe happens here
     finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+        if saved is not None:
+            os.dup2(saved, 2)
+            os.close(saved)
 
 
 def _configure_logging(verbose: bool, quiet: bool) -> int:
@@ -105,6 +131,33 @@ def _silence_stdout() -> None:
         pass
 
 
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _cli_wording(message: str) -> str:
+    """The message with the Python API's option names replaced by the command line's."""
+    for api, cli in _CLI_WORDING:
+        message = message.replace(api, cli)
+    return message
+
+
+def _describe(error: BaseException) -> tuple[str, int]:
+    """(one-line message, exit code) of an exception that reached `main`."""
+    native = sys.modules.get("xlagen.native")
+    tensorflow = sys.modules.get("tensorflow")
+    known: tuple[type, ...] = (OSError, ValueError, TypeError)
+    if native is not None:
+        known += (native.NativeUnavailable,)
+    if isinstance(error, known):
+        message = str(error).strip() or type(error).__name__
+        return _cli_wording(" ".join(message.splitlines())), getattr(error, "exit_code", 1)
+    if tensorflow is not None and isinstance(error, tensorflow.errors.OpError):
+        return f"TensorFlow {type(error).__name__}: {_first_line(error)}", 1
+    return f"unexpected {type(error).__name__}: {_first_line(error)} (run with --verbose for the traceback)", 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the `xlagen` command line.
 
@@ -112,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: Arguments without the program name; defaults to `sys.argv[1:]`.
 
     Returns:
-        The exit code: 0 on success, 1 when the work failed, 2 for a usage error.
+        The exit code: 0 on success, 1 when the work failed, 2 for a usage error, 130 when interrupted.
     """
     parser = build_parser()
     try:
@@ -123,20 +176,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     _configure_environment(args.verbose)
-    if not args.verbose:
-        _load_tensorflow_quietly()
     previous_level = _configure_logging(args.verbose, args.quiet)
     try:
+        if getattr(args, "prepare", None) is not None:
+            args.prepare(args)
+        configure = getattr(args, "configure_tensorflow", None)
+        _start_tensorflow(quiet=not args.verbose, configure=None if configure is None else lambda: configure(args))
         return args.run(args)
     except BrokenPipeError:  # `xlagen generate ... | head`: the reader left; not an error worth a message.
         _silence_stdout()
         return 1
-    except (OSError, ValueError) as error:
-        print(f"{PROG}: error: {error}", file=sys.stderr)
-        return getattr(error, "exit_code", 1)
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:  # noqa: BLE001 - every error becomes one line (see the module docstring).
+        message, code = _describe(error)
+        if args.verbose:
+            traceback.print_exc(file=sys.stderr)
+        print(f"{PROG}: error: {message}", file=sys.stderr)
+        return code
     finally:  # `main` may run several times in one process (tests, notebooks).
         logging.getLogger("xlagen").setLevel(previous_level)
 

@@ -13,7 +13,8 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
         "aot", parents=parents, help="compile greedy generation ahead of time into C++ (x86-64 CPU)",
         description="Compile greedy generation for a fixed batch size, prompt length and number of new "
         "tokens into a C++ header and object files with TensorFlow's AOT compiler (saved_model_cli "
-        "aot_compile_cpu), plus an example program, its Makefile and a README in OUT_DIR. See docs/aot.md.")
+        "aot_compile_cpu), plus an example program, its Makefile and a README in OUT_DIR (read it for how to "
+        "build and call the program).")
     parser.add_argument("model", metavar="MODEL", help="Hugging Face checkpoint folder or Hub id")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="output folder")
     parser.add_argument("--batch-size", type=_positive_int, default=1, help="prompts per run (default 1)")
@@ -26,15 +27,24 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     # Accepted so that asking for them gives a clear error rather than an unknown-option one.
     parser.add_argument("--do-sample", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--num-beams", type=_positive_int, default=1, help=argparse.SUPPRESS)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, prepare=prepare)
     return parser
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Checks, before TensorFlow is imported, that greedy decoding is asked for.
+
+    Raises:
+        UsageError: For --do-sample or --num-beams > 1.
+    """
+    if args.do_sample or args.num_beams != 1:
+        raise UsageError("xlagen aot compiles greedy decoding only: sampling and beam search need "
+                         "options the fixed program cannot take")
 
 
 def run(args: argparse.Namespace) -> int:
     """Runs `xlagen aot`; prints the files written (and the program built)."""
-    if args.do_sample or args.num_beams != 1:
-        raise UsageError("xlagen aot compiles greedy decoding only: sampling and beam search need "
-                         "options the fixed program cannot take")
+    prepare(args)
     from xlagen.aot import aot_compile, build_example
 
     options = {} if args.eos_token_id is None else {"eos_token_id": args.eos_token_id}

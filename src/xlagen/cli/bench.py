@@ -222,6 +222,17 @@ class XlagenSystem(TFSystem):
 
 # ----------------------------------------------------------------------------- measurement
 
+def _set_thread_pools(threads: int) -> None:
+    """Sets TensorFlow's intra- and inter-op pools, which only works before its devices start."""
+    import tensorflow as tf
+
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(threads)
+    except RuntimeError:  # TensorFlow already ran (in-process tests): keep what is in force.
+        logger.warning("TensorFlow is already initialised: its thread settings stay as they are")
+
+
 def configure_threads(threads: int) -> dict[str, Any]:
     """Sets TensorFlow's intra- and inter-op pools (before its first op) and warms up XLA once.
 
@@ -231,11 +242,7 @@ def configure_threads(threads: int) -> dict[str, Any]:
     """
     import tensorflow as tf
 
-    try:
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
-        tf.config.threading.set_inter_op_parallelism_threads(threads)
-    except RuntimeError:  # TensorFlow already ran (in-process tests): keep what is in force.
-        logger.warning("TensorFlow is already initialised: its thread settings stay as they are")
+    _set_thread_pools(threads)
     started = time.perf_counter()
     tf.function(lambda x: x * 2.0 + 1.0, jit_compile=True)(tf.ones([4])).numpy()
     return {"requested": threads, "tf_intra_op": tf.config.threading.get_intra_op_parallelism_threads(),
@@ -957,7 +964,8 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     peer.add_argument("--peer-python", type=Path, help="the seed system's python "
                       "(default: benchmarks/.peer-venv/bin/python, made by benchmarks/peer/setup_seed_env.sh)")
     peer.add_argument("--seed-script", type=Path, help="default: benchmarks/peer/seed_bench.py")
-    parser.set_defaults(run=run)
+    # `xlagen` imports TensorFlow before `run`: the thread pools are set in between (see xlagen.cli.__main__).
+    parser.set_defaults(run=run, configure_tensorflow=lambda args: _set_thread_pools(args.threads))
     return parser
 
 

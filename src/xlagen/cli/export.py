@@ -1,12 +1,17 @@
 """`xlagen export MODEL OUT_DIR`: write a SavedModel that generates with XLA and serves without xlagen.
 
-See docs/serving.md for the signatures it writes and how to serve them with TensorFlow Serving.
+It prints each signature with its inputs; the inputs listed with `= default` are optional for a
+client of TensorFlow Serving (SignatureDef defaults) and for `tf.saved_model.load(DIR).<name>(...)`,
+but `loaded.signatures[name]` (a concrete function, without defaults) needs every input: the
+printout says so. The project's
+docs/serving.md describes the signatures and serving them with TensorFlow Serving.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
 from xlagen.cli.generate import UsageError, _int_list, _positive_int
 
@@ -35,8 +40,9 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     parser.add_argument("--strategies", type=_strategies, default=_STRATEGIES, metavar="NAMES",
                         help="comma-separated decoding strategies to export (default: greedy,sample,beam); "
                              "the first is also serving_default")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=64, metavar="N",
-                        help="the bound of the max_new_tokens input, and its default (default: 64)")
+    parser.add_argument("--max-new-tokens", type=_positive_int, metavar="N",
+                        help="the bound of the max_new_tokens input, and its default (default: 64, or half the "
+                             "positions of a model with fewer than 128)")
     parser.add_argument("--prompt-lengths", type=_int_list, metavar="LENGTHS",
                         help="prompt length buckets, e.g. 16,32,64 (default: 8, 16, 32, ... up to what fits "
                              "the model's positions, at most 512); longer prompts are rejected")
@@ -61,8 +67,20 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     model.add_argument("--revision", help="Hub branch, tag or commit")
     model.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
     model.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, prepare=prepare)
     return parser
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Checks, before TensorFlow is imported, that OUT_DIR is new or an empty folder.
+
+    Raises:
+        FileExistsError: If OUT_DIR is a file or a folder holding files.
+    """
+    output = Path(args.output)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise FileExistsError(f"{output} is {'not empty' if output.is_dir() else 'a file'}: "
+                              "choose a new folder for the SavedModel")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,10 +146,14 @@ def _run_speech(args: argparse.Namespace, export, hub: dict) -> int:
 
 
 def _print(signatures, output: str) -> None:
+    """Lists the signatures; says which inputs are optional, and for whom."""
     for signature in signatures:
         print(f"{signature.name}:")
         for name, spec in signature.inputs.items():
             print(f"  input  {name}: {spec}")
         for name, spec in signature.outputs.items():
             print(f"  output {name}: {spec}")
+    if any(" = " in spec for signature in signatures for spec in signature.inputs.values()):
+        print("inputs shown with '= value' are optional: TensorFlow Serving and, in Python, "
+              "tf.saved_model.load(DIR).NAME(...) fill in the value; loaded.signatures[NAME](...) needs every input")
     print(f"wrote {output}")

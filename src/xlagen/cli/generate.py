@@ -5,9 +5,20 @@ Prompts come from the command line or from `--input` (.txt: one prompt per non-e
 objects with a "prompt" key, other keys carried into the output; `-` is stdin). They are batched
 `--batch-size` at a time and left-padded to a multiple of 8 tokens; the last batch is filled up with
 copies of its last prompt, so batches repeat the same few shapes and the compiled program is reused.
-Without `--output` each prompt is printed followed by its continuation(s) (an encoder-decoder model's
-output is printed alone: it does not continue the prompt); with `--output` the
-results are written as JSONL records `{"prompt": ..., "generated": [...], <carried keys>}`.
+Without `--output` each prompt is printed followed by its continuation (an encoder-decoder model's
+output is printed alone: it does not continue the prompt), with a line `---` between prompts and, for
+several returned sequences, `[i/R] ` before each; with `--output` the results are written as JSONL
+records `{"prompt": ..., "generated": [...], <carried keys>}`. An output file is written beside its
+target under a temporary name and moved into place once every batch is done, so a failed or
+interrupted run leaves an existing file untouched.
+
+Decoding options left unset keep the checkpoint's generation config (the built-in model samples).
+`--greedy` (or `--temperature 0`, as in other tools) turns sampling off, and so does `--num-beams K`
+with K > 1 unless `--do-sample` is given (which the library then refuses: beam sampling is not
+supported).
+
+Everything that can be checked without TensorFlow (the model's presence, the prompts and their
+file's encoding, the output's folder) is checked by `prepare`, before TensorFlow is imported.
 """
 
 from __future__ import annotations
@@ -19,41 +30,26 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
 from xlagen import native  # numpy only: TensorFlow is not loaded by this import
+from xlagen.cli.files import Prompt, UsageError, check_output, open_output, read_prompts
+
+__all__ = ["Prompt", "UsageError", "add_parser", "decoding_options", "default_model_path", "prepare", "run"]
 
 logger = logging.getLogger("xlagen.cli.generate")
 WEIGHT_DTYPES = ("float32", *native.WEIGHT_DTYPES)
 WEIGHT_DTYPE_HELP = ("bfloat16 / int8: the matrix products read their weights rounded to bfloat16 (about twice as "
                      "fast per token as float32 at batch 1) or quantized to int8 with a scale per output column "
                      "(2-5x, with a larger change to the logits), computing in float32, on a CPU with AVX-512 "
-                     "(builds a C++ kernel once; docs/performance.md); default: float32")
+                     "(builds a C++ kernel once, on first use); default: float32")
 
 _PAD_TO_MULTIPLE_OF = 8
+_SEED_MAX = 2**31 - 1  # seeds are int32 tensors
+_SEPARATOR = "---"
 _NO_MODEL = ("xlagen generate needs --model PATH_OR_ID (a Hugging Face checkpoint folder or Hub id): "
              "the built-in default model is missing from this installation")
-
-
-class UsageError(ValueError):
-    """A problem with the command line or the prompts (exit code 2)."""
-
-    exit_code = 2
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """One input: the text, and the other keys of its JSONL record (carried into the output).
-
-    Attributes:
-        text: The prompt.
-        extra: Other keys of the input record, in their order.
-    """
-
-    text: str
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def default_model_path() -> str | None:
@@ -68,6 +64,36 @@ def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
+    return number
+
+
+def _non_negative_int(value: str) -> int:
+    """argparse type: an integer >= 0."""
+    number = int(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
+    return number
+
+
+def _seed(value: str) -> int:
+    """argparse type: a seed in [0, 2**31 - 1] (larger values would wrap around in int32)."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+    if not 0 <= number <= _SEED_MAX:
+        raise argparse.ArgumentTypeError(f"must be between 0 and {_SEED_MAX}, got {number}")
+    return number
+
+
+def _non_negative_float(value: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not 0.0 <= number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
     return number
 
 
@@ -92,23 +118,30 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                     help="format of --input (default: from its suffix; txt for stdin)")
     files.add_argument("--output", "-o", metavar="FILE.jsonl", help="write JSONL records here (- for stdout)")
     model = parser.add_argument_group("model")
-    model.add_argument("--model", "-m", metavar="PATH_OR_ID", help="Hugging Face checkpoint folder or Hub id")
+    model.add_argument("--model", "-m", metavar="PATH_OR_ID",
+                       help="Hugging Face checkpoint folder or Hub id (default: the built-in model, a small GPT-2 "
+                            "trained on the King James Bible, which samples)")
     model.add_argument("--revision", help="Hub branch, tag or commit")
     model.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
     model.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
     decoding = parser.add_argument_group("decoding (unset options keep the checkpoint's generation_config)")
     decoding.add_argument("--max-new-tokens", type=_positive_int, default=50, metavar="N",
                           help="tokens to generate per prompt (default: 50)")
-    decoding.add_argument("--min-new-tokens", type=int, metavar="N", help="suppress EOS before N new tokens")
-    decoding.add_argument("--do-sample", action="store_true", default=None, help="sample instead of greedy/beams")
-    decoding.add_argument("--temperature", type=float, help="sampling temperature")
-    decoding.add_argument("--top-k", type=int, metavar="K", help="sample among the K likeliest tokens (0: off)")
+    decoding.add_argument("--min-new-tokens", type=_non_negative_int, metavar="N", help="suppress EOS before N new tokens")
+    decoding.add_argument("--greedy", action="store_true",
+                          help="greedy decoding (beam search with --num-beams): turns sampling off")
+    decoding.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
+                          help="sample instead of greedy/beams (--no-do-sample: don't); default: the checkpoint's "
+                               "choice, off with --num-beams K > 1")
+    decoding.add_argument("--temperature", type=_non_negative_float, metavar="T",
+                          help="sampling temperature (0: greedy decoding)")
+    decoding.add_argument("--top-k", type=_non_negative_int, metavar="K", help="sample among the K likeliest tokens (0: off)")
     decoding.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling probability mass")
-    decoding.add_argument("--num-beams", type=int, metavar="K", help="beam search with K beams")
-    decoding.add_argument("--num-return-sequences", type=int, metavar="R", help="continuations per prompt")
+    decoding.add_argument("--num-beams", type=_positive_int, metavar="K", help="beam search with K beams")
+    decoding.add_argument("--num-return-sequences", type=_positive_int, metavar="R", help="continuations per prompt")
     decoding.add_argument("--repetition-penalty", type=float, help="penalty of already present tokens (1: off)")
-    decoding.add_argument("--no-repeat-ngram-size", type=int, metavar="N", help="forbid repeated N-grams")
-    decoding.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    decoding.add_argument("--no-repeat-ngram-size", type=_non_negative_int, metavar="N", help="forbid repeated N-grams")
+    decoding.add_argument("--seed", type=_seed, help=f"seed for reproducible sampling (0 to {_SEED_MAX})")
     run_options = parser.add_argument_group("execution")
     run_options.add_argument("--batch-size", type=_positive_int, default=8, metavar="N",
                              help="prompts per batch (default: 8)")
@@ -121,7 +154,7 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     run_options.add_argument("--compile-cache", metavar="DIR",
                              help="keep compiled XLA programs in DIR across runs (TensorFlow's persistent "
                                   "compilation cache; sets TF_XLA_FLAGS before TensorFlow starts)")
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, prepare=prepare)
     return parser
 
 
@@ -145,66 +178,30 @@ def use_compile_cache(directory: str) -> None:
     os.environ["TF_XLA_FLAGS"] = f"{os.environ.get('TF_XLA_FLAGS', '')} {flag}".strip()
 
 
-def _decoding_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The `GenerationConfig` fields the user set; the others keep the checkpoint's values."""
-    names = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "num_beams",
-             "num_return_sequences", "repetition_penalty", "no_repeat_ngram_size")
-    return {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+def decoding_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The `GenerationConfig` fields the user set; the others keep the checkpoint's values.
 
-
-def _parse_jsonl(lines: Iterator[str], source: str) -> list[Prompt]:
-    """Reads JSONL records holding a "prompt" string; blank lines are skipped."""
-    prompts = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise UsageError(f"{source}:{number}: not valid JSON ({error.msg})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-            raise UsageError(f'{source}:{number}: expected a JSON object with a "prompt" string')
-        prompts.append(Prompt(record["prompt"], {k: v for k, v in record.items() if k != "prompt"}))
-    return prompts
-
-
-def _read_input(path: str, input_format: str | None) -> list[Prompt]:
-    """Reads prompts from a .txt or .jsonl file, or from stdin for `-`."""
-    if input_format is None:
-        input_format = "jsonl" if path != "-" and Path(path).suffix.lower() in (".jsonl", ".ndjson") else "txt"
-    if path == "-":
-        source, text = "<stdin>", sys.stdin.read()
-    else:
-        source, text = path, Path(path).read_text(encoding="utf-8")
-    if input_format == "jsonl":
-        return _parse_jsonl(iter(text.splitlines()), source)
-    return [Prompt(line) for line in text.splitlines() if line.strip()]
-
-
-def read_prompts(args: argparse.Namespace) -> list[Prompt]:
-    """Collects the prompts of the command line or of `--input`.
-
-    Args:
-        args: The parsed `generate` arguments.
-
-    Returns:
-        The prompts, in order.
+    `--greedy` and `--temperature 0` mean do_sample=False (and one beam for `--greedy` unless
+    `--num-beams` is given); `--num-beams K > 1` means do_sample=False unless `--do-sample` is given.
 
     Raises:
-        UsageError: If there are no prompts, both sources are given, a prompt is empty, or a JSONL
-            line is malformed.
-        OSError: If the input file cannot be read.
+        UsageError: For `--greedy` or `--temperature 0` with `--do-sample`.
     """
-    if args.prompts and args.input is not None:
-        raise UsageError("give prompts as arguments or with --input, not both")
-    prompts = _read_input(args.input, args.input_format) if args.input is not None else [
-        Prompt(text) for text in args.prompts]
-    if not prompts:
-        raise UsageError("no prompts: give them as arguments or with --input FILE (- for stdin)")
-    for number, prompt in enumerate(prompts, 1):
-        if not prompt.text:
-            raise UsageError(f"prompt {number} is empty")
-    return prompts
+    names = ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p", "num_beams",
+             "num_return_sequences", "repetition_penalty", "no_repeat_ngram_size")
+    options = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    greedy_reason = "--greedy" if args.greedy else "--temperature 0" if args.temperature == 0 else None
+    if greedy_reason is not None:
+        if args.do_sample:
+            raise UsageError("--greedy and --do-sample contradict each other: give one of them" if args.greedy
+                             else "--temperature 0 means greedy decoding: drop --do-sample or give a temperature > 0")
+        options["do_sample"] = False
+        options.pop("temperature", None)
+        if args.greedy:
+            options.setdefault("num_beams", 1)
+    if options.get("num_beams", 1) > 1 and args.do_sample is None:
+        options["do_sample"] = False  # Beam search, not beam sampling (which the library does not support).
+    return options
 
 
 class Generator:
@@ -309,21 +306,44 @@ def _batches(prompts: list[Prompt], batch_size: int) -> Iterator[tuple[list[Prom
 
 
 def _write(chunk: list[Prompt], results: list[list[str]], stream: TextIO, as_jsonl: bool,
-           continues_prompt: bool = True) -> None:
-    """Writes a batch's results: JSONL records, or each prompt followed by each of its continuations
-    (each output alone when the outputs do not continue the prompts)."""
-    for prompt, generated in zip(chunk, results):
+           continues_prompt: bool = True, first: bool = True) -> None:
+    """Writes a batch's results: JSONL records, or each prompt followed by its continuation (the output
+    alone when the outputs do not continue the prompts), a `---` line between prompts (before this
+    batch's first one unless it is the `first` of the run) and `[i/R] ` before each of R > 1 sequences."""
+    for number, (prompt, generated) in enumerate(zip(chunk, results)):
         if as_jsonl:
             record = {"prompt": prompt.text, **prompt.extra, "generated": generated}
             stream.write(json.dumps(record, ensure_ascii=False) + "\n")
-        else:
-            for text in generated:
-                stream.write((prompt.text if continues_prompt else "") + text + "\n")
+            continue
+        if number or not first:
+            stream.write(_SEPARATOR + "\n")
+        for index, text in enumerate(generated, 1):
+            label = f"[{index}/{len(generated)}] " if len(generated) > 1 else ""
+            stream.write(label + (prompt.text if continues_prompt else "") + text + "\n")
     stream.flush()
 
 
+def prepare(args: argparse.Namespace) -> None:
+    """The checks and settings of `xlagen generate` that come before TensorFlow is imported: the model
+    is known, the prompts are read (into `args.prompt_records`), the output can be written, and the
+    compile cache is set up.
+
+    Raises:
+        UsageError: For a missing model or prompts (see `read_prompts`) or contradictory decoding options.
+        OSError: If the input cannot be read or the output cannot be written.
+    """
+    args.model_name = args.model or default_model_path()
+    if args.model_name is None:
+        raise UsageError(_NO_MODEL)
+    decoding_options(args)
+    args.prompt_records = read_prompts(args)
+    check_output(args.output)
+    if args.compile_cache:
+        use_compile_cache(args.compile_cache)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Runs `xlagen generate`.
+    """Runs `xlagen generate` (after `prepare`, which `main` calls before TensorFlow is imported).
 
     Args:
         args: The parsed arguments (see `add_parser`).
@@ -336,14 +356,11 @@ def run(args: argparse.Namespace) -> int:
         OSError: If the model or the input cannot be read, or the output cannot be written.
         ValueError: If the prompts do not fit the model.
     """
-    model_name = args.model or default_model_path()
-    if model_name is None:
-        raise UsageError(_NO_MODEL)
-    prompts = read_prompts(args)
-    if args.compile_cache:
-        use_compile_cache(args.compile_cache)
-    tokenizer, model = _load(model_name, args)
-    options = _decoding_options(args)
+    if getattr(args, "prompt_records", None) is None:  # Called without `main`.
+        prepare(args)
+    prompts = args.prompt_records
+    tokenizer, model = _load(args.model_name, args)
+    options = decoding_options(args)
     try:
         config = model.generation_config.update(**options)  # Validates before anything is traced.
     except ValueError as error:
@@ -354,13 +371,11 @@ def run(args: argparse.Namespace) -> int:
         generator.warmup(min(args.batch_size, len(prompts)), args.warmup)
         logger.info("warm-up: %d program(s) compiled in %.1f s", generator.tracing_count(),
                     time.perf_counter() - started)
-    to_file = args.output not in (None, "-")
-    stream = open(args.output, "w", encoding="utf-8") if to_file else sys.stdout  # noqa: SIM115
-    try:
-        _generate_all(generator, prompts, args, stream, config.eos_token_ids)
-    finally:
-        if to_file:
-            stream.close()
+    if args.output in (None, "-"):
+        _generate_all(generator, prompts, args, sys.stdout, config.eos_token_ids)
+    else:
+        with open_output(args.output) as stream:
+            _generate_all(generator, prompts, args, stream, config.eos_token_ids)
     return 0
 
 
@@ -383,7 +398,8 @@ def _generate_all(generator: Generator, prompts: list[Prompt], args: argparse.Na
             note = ", traced and compiled" if generator.tracing_count() > traced else ""
             logger.info("batch %d/%d: %d prompt(s), %d new tokens in %.2f s (%.1f tokens/s%s)", index + 1, total,
                         len(chunk), tokens, seconds, tokens / seconds, note)
-        _write(chunk, results, stream, as_jsonl=args.output is not None, continues_prompt=generator.continues_prompt)
+        _write(chunk, results, stream, as_jsonl=args.output is not None, continues_prompt=generator.continues_prompt,
+               first=index == 0)
     if generator.compiled:
         logger.info("XLA programs compiled: %d", generator.tracing_count())
         for number, event in enumerate(generator.compiler.trace_log, 1):

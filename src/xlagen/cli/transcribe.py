@@ -1,8 +1,9 @@
 """`xlagen transcribe`: audio files -> transcripts (txt, json, srt or vtt) with a Whisper checkpoint.
 
 Each file is decoded as a whole (audio longer than 30 s in sequential windows, see `xlagen.transcribe`),
-with one compiled program reused for every window and file. Errors name the file; with several files, a
-bad one is reported and the others are still transcribed (exit code 1 at the end).
+with one compiled program reused for every window and file. Every FILE must exist and be a regular file
+(checked by `prepare` before TensorFlow is imported); a file that cannot be decoded is reported, naming it,
+and the others are still transcribed (exit code 1 at the end).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -44,8 +46,24 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     parser.add_argument("--num-beams", type=_positive_int, metavar="K", help="beam search with K beams")
     parser.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="token limit per 30 s window")
     parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32", help=WEIGHT_DTYPE_HELP)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, prepare=prepare)
     return parser
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """Checks, before TensorFlow is imported, that every audio file exists and is a readable regular file.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, PermissionError: naming the file(s).
+    """
+    missing = [f for f in args.files if not os.path.exists(f)]
+    if missing:
+        raise FileNotFoundError(f"audio file(s) not found: {', '.join(missing)}")
+    for source in args.files:
+        if os.path.isdir(source):
+            raise IsADirectoryError(f"{source} is a folder, not an audio file")
+        if not os.path.isfile(source) or not os.access(source, os.R_OK):
+            raise PermissionError(f"{source} is not a readable regular file")
 
 
 def _clock(seconds: float, separator: str) -> str:
@@ -120,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
                                      **options)
         except (OSError, ValueError) as error:
             failures += 1
-            logger.error("%s", error)
-            print(f"xlagen: error: {error}", file=sys.stderr)
+            print(f"xlagen: error: {error}", file=sys.stderr)  # Once: nothing else reports it.
             continue
         finally:
             bar.close()
