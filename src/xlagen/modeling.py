@@ -17,20 +17,26 @@ from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
 from xlagen.models import gpt2, opt, registry, t5, whisper
-from xlagen.weights.checkpoint import read_checkpoint, read_json, write_files
-from xlagen.weights.loader import convert, export, normalize_prefix
+from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes, read_json, write_files
+from xlagen.weights.loader import check_memory, check_sizes, convert, export, normalize_prefix, physical_memory
 
 logger = logging.getLogger(__name__)
 
 
 def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype, weight_dtype=None):
+    """Checks config.json against the safetensors headers and the machine's memory, then builds and fills the model."""
     config = architecture.config_class.from_hf_config(hf_config)
+    weights = architecture.weights
+    # Before anything is allocated: sizes the checkpoint's shapes contradict, or too big for the machine.
+    sizes = weights.sizes(config)
+    check_sizes(sizes, normalize_prefix(read_checkpoint_shapes(folder), weights.PREFIX), str(folder))
+    check_memory(weights.parameter_count(config), sizes, 2 if str(dtype) in ("bfloat16", "float16") else 4,
+                 physical_memory())
     model = cls(config, dtype=dtype) if dtype else cls(config)
-    tensors = normalize_prefix(read_checkpoint(folder), architecture.weights.PREFIX)
+    tensors = normalize_prefix(read_checkpoint(folder), weights.PREFIX)
     variables = {v.path: v for v in model.weights}
-    values = convert(architecture.weights.rules(config), tensors,
-                     {path: tuple(v.shape) for path, v in variables.items()},
-                     ignore=architecture.weights.ignore(config))
+    values = convert(weights.rules(config), tensors, {path: tuple(v.shape) for path, v in variables.items()},
+                     ignore=weights.ignore(config))
     for path, value in values.items():
         variables[path].assign(value.astype(np.dtype(variables[path].dtype)))
     generation = read_json(folder, "generation_config.json", required=False)
@@ -68,14 +74,23 @@ class PreTrainedModel(GenerationMixin):
             The model, weights loaded, with `generation_config` from generation_config.json.
 
         Raises:
-            OSError: missing folder/files, or a pickle-only checkpoint.
-            ValueError: unsupported model_type or config values, or tensors that do not match.
+            OSError: missing folder/files, or a pickle-only checkpoint; `PermissionError` for an
+                unreadable file (each message names the file).
+            ValueError: unsupported model_type; a config.json value of the wrong type or out of range
+                (naming the key and the expected type); config sizes that the safetensors headers
+                contradict, or a model too big for the machine's memory (checked before the model is
+                built); a corrupt or truncated weight file, or an index naming a file outside the folder
+                (naming the file); tensors that do not match.
             xlagen.native.NativeUnavailable: a packed `weight_dtype` on a machine that cannot run it.
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
         hf_config = read_json(folder, "config.json")
-        architecture = registry.lookup(hf_config.get("model_type"), cls.architectures, cls.task)
+        model_type = hf_config.get("model_type")
+        if not isinstance(model_type, (str, type(None))):
+            raise ValueError(f"'{Path(folder) / 'config.json'}': model_type must be a string, got "
+                             f"{type(model_type).__name__}")
+        architecture = registry.lookup(model_type, cls.architectures, cls.task)
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
         return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
 
