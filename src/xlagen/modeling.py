@@ -23,15 +23,25 @@ from xlagen.weights.loader import check_memory, check_sizes, convert, export, no
 logger = logging.getLogger(__name__)
 
 
-def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype, weight_dtype=None):
-    """Checks config.json against the safetensors headers and the machine's memory, then builds and fills the model."""
+def _checked_config(architecture: registry.Architecture, folder: Path, hf_config: dict, dtype=None):
+    """The model config of config.json, checked against the safetensors headers and the machine's memory.
+
+    Runs before anything large is allocated (no tensor data is read), so a config.json whose sizes the
+    checkpoint contradicts (`n_layer: 1000000`) fails at once instead of hanging in the model build.
+    """
     config = architecture.config_class.from_hf_config(hf_config)
     weights = architecture.weights
-    # Before anything is allocated: sizes the checkpoint's shapes contradict, or too big for the machine.
     sizes = weights.sizes(config)
     check_sizes(sizes, normalize_prefix(read_checkpoint_shapes(folder), weights.PREFIX), str(folder))
     check_memory(weights.parameter_count(config), sizes, 2 if str(dtype) in ("bfloat16", "float16") else 4,
                  physical_memory())
+    return config
+
+
+def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype, weight_dtype=None):
+    """Checks config.json (`_checked_config`), then builds the model and fills it from the checkpoint."""
+    config = _checked_config(architecture, folder, hf_config, dtype)
+    weights = architecture.weights
     model = cls(config, dtype=dtype) if dtype else cls(config)
     tensors = normalize_prefix(read_checkpoint(folder), weights.PREFIX)
     variables = {v.path: v for v in model.weights}
