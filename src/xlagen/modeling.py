@@ -23,6 +23,17 @@ from xlagen.weights.loader import check_memory, check_sizes, convert, export, no
 logger = logging.getLogger(__name__)
 
 
+def _read_config(folder: Path, architectures: dict[str, registry.Architecture],
+                 task: str) -> tuple[registry.Architecture, dict]:
+    """config.json and the architecture its model_type names."""
+    hf_config = read_json(folder, "config.json")
+    model_type = hf_config.get("model_type")
+    if not isinstance(model_type, (str, type(None))):
+        raise ValueError(f"'{Path(folder) / 'config.json'}': model_type must be a string, got "
+                         f"{type(model_type).__name__}")
+    return registry.lookup(model_type, architectures, task), hf_config
+
+
 def _checked_config(architecture: registry.Architecture, folder: Path, hf_config: dict, dtype=None):
     """The model config of config.json, checked against the safetensors headers and the machine's memory.
 
@@ -95,12 +106,7 @@ class PreTrainedModel(GenerationMixin):
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
-        hf_config = read_json(folder, "config.json")
-        model_type = hf_config.get("model_type")
-        if not isinstance(model_type, (str, type(None))):
-            raise ValueError(f"'{Path(folder) / 'config.json'}': model_type must be a string, got "
-                             f"{type(model_type).__name__}")
-        architecture = registry.lookup(model_type, cls.architectures, cls.task)
+        architecture, hf_config = _read_config(folder, cls.architectures, cls.task)
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
         return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
 

@@ -164,7 +164,7 @@ def _header_entry(path: pathlib.Path, name: str, entry, data_size: int) -> tuple
     if not isinstance(entry, dict):
         raise bad("has no header entry")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in _DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
         raise bad(f"has an unknown dtype {str(dtype)[:40]!r}")
     if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
         raise bad("has an invalid shape")
