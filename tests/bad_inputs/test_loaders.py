@@ -292,3 +292,17 @@ FAMILY_CASES = [
 def test_bad_config_values_name_the_key(config_class, values, message):
     with pytest.raises(ValueError, match=r"config.json: " + message):
         config_class.from_hf_config(values)
+
+
+def test_shards_linked_into_the_hub_cache_blobs_are_read(gpt2_checkpoint, tmp_path):
+    # The Hugging Face cache links snapshots/<rev>/<file> to ../../blobs/<hash>: not an escape.
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    blobs = tmp_path / "models--org--tiny" / "blobs"
+    snapshot.mkdir(parents=True)
+    blobs.mkdir()
+    shutil.copy(pathlib.Path(gpt2_checkpoint[0]) / "model.safetensors", blobs / "f00d")
+    (snapshot / "model-1.safetensors").symlink_to(blobs / "f00d")
+    names = read_checkpoint_shapes(gpt2_checkpoint[0])
+    (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "model-1.safetensors"
+                                                                                       for n in names}}))
+    assert read_checkpoint_shapes(snapshot) == names

@@ -8,7 +8,6 @@ model. Each family declares the kind of each field once (`KINDS`) and calls `fro
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import reprlib
@@ -17,9 +16,12 @@ from typing import Any
 
 Kind = Callable[[str, Any], None]
 
-_repr = reprlib.Repr()  # bounded: a deeply nested or long value shows as its start
-_repr.maxlevel, _repr.maxlist, _repr.maxdict, _repr.maxstring, _repr.maxother = 2, 4, 4, 40, 40
-_short = _repr.repr
+
+def _short(value: Any) -> str:
+    """A bounded repr: a deeply nested or long value shows as its start."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxlist, short.maxdict, short.maxstring, short.maxother = 2, 4, 4, 40, 40
+    return short.repr(value)
 
 
 def _fail(name: str, expected: str, value: Any) -> ValueError:
@@ -131,8 +133,3 @@ def from_hf(cls: type, hf: Mapping[str, Any], names: Mapping[str, str], kinds: M
         spelled = {ours: theirs for theirs, ours in names.items() if theirs in hf}
         text = re.sub(r"\b\w+\b", lambda m: spelled.get(m.group(), m.group()), str(e))
         raise ValueError(f"config.json: {text}") from e
-
-
-def kinds_cover(cls: type, kinds: Mapping[str, Kind]) -> bool:
-    """True when every field of `cls` has a kind (used by tests)."""
-    return {field.name for field in dataclasses.fields(cls)} <= set(kinds)

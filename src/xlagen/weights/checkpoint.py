@@ -52,9 +52,11 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     Raises:
         OSError: If the folder has no safetensors weights (the message says what was looked for,
             and how to convert pickle-only checkpoints), or if shards named by the index are
-            missing.
-        ValueError: If the index is malformed, a tensor listed in the index is not in its shard,
-            two shards hold the same tensor, or a tensor has a dtype numpy cannot represent.
+            missing; `PermissionError` (naming the file) if a weight file cannot be read.
+        ValueError: If the index is malformed or names a shard outside the folder (absolute, '..',
+            or a symlink leading out), a weight file is truncated or not safetensors (naming the
+            file), a tensor listed in the index is not in its shard, two shards hold the same
+            tensor, or a tensor has a dtype numpy cannot represent.
     """
     tensors: dict[str, np.ndarray] = {}
     for path in weight_files(model_dir):
@@ -104,7 +106,6 @@ def weight_files(model_dir: str | os.PathLike[str]) -> list[pathlib.Path]:
         raise OSError(f"No such checkpoint folder: '{model_dir}'.")
     single = model_dir / SAFE_WEIGHTS_NAME
     if single.is_file():
-        _check_inside(model_dir, single, SAFE_WEIGHTS_NAME)
         return [single]
     if (model_dir / SAFE_WEIGHTS_INDEX_NAME).is_file():
         shards = _shard_names(model_dir)
@@ -239,7 +240,8 @@ def _shard_names(model_dir: pathlib.Path) -> list[str]:
 
 
 def _check_inside(model_dir: pathlib.Path, path: pathlib.Path, what: str) -> None:
-    """Refuses a weight file that resolves (through symlinks) outside the model folder."""
+    """Refuses a shard that resolves (through symlinks) outside the model folder: the index is data, and
+    must not make xlagen read arbitrary files."""
     folder = model_dir.resolve()
     resolved = path.resolve()
     if resolved != folder and folder not in resolved.parents and path.exists():
