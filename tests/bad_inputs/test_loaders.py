@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 import struct
 import time
@@ -306,3 +307,41 @@ def test_shards_linked_into_the_hub_cache_blobs_are_read(gpt2_checkpoint, tmp_pa
     (snapshot / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "model-1.safetensors"
                                                                                        for n in names}}))
     assert read_checkpoint_shapes(snapshot) == names
+
+
+TINY_FAMILIES = [
+    ("gpt2", GPT2Config(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, max_positions=32)),
+    ("opt", OPTConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, intermediate_size=24, max_positions=32,
+                      embedding_size=8)),
+    ("t5", T5Config(vocab_size=64, hidden_size=16, num_layers=2, num_decoder_layers=3, num_heads=2, head_dim=4,
+                    intermediate_size=24, relative_attention_buckets=8, relative_attention_max_distance=20, gated=True)),
+    ("whisper", WhisperConfig(vocab_size=64, num_mel_bins=8, hidden_size=16, encoder_layers=1, encoder_heads=2,
+                              encoder_ffn_dim=24, decoder_layers=2, decoder_heads=2, decoder_ffn_dim=32,
+                              max_source_positions=16, max_positions=16)),
+]
+
+
+@pytest.mark.parametrize("family, config", TINY_FAMILIES, ids=[family for family, _ in TINY_FAMILIES])
+def test_size_checks_and_parameter_estimate_agree_with_each_family(family, config):
+    """The size checks name real tensors and pass on a model's own tensors; each wrong size is caught;
+    the parameter estimate is the model's parameter count (within 2%)."""
+    import dataclasses
+
+    import numpy as np
+
+    from xlagen.models import registry
+    from xlagen.weights.loader import check_sizes, export
+
+    architecture = {**registry.CAUSAL_LM, **registry.SEQ2SEQ_LM, **registry.SPEECH_SEQ2SEQ}[family]
+    model = modeling._PUBLIC[architecture.model_class](config)
+    values = {v.path: np.asarray(v.numpy()) for v in model.weights}
+    shapes = {name: value.shape for name, value in export(architecture.weights.rules(config), values).items()}
+    sizes = architecture.weights.sizes(config)
+    check_sizes(sizes, shapes, family)
+    for size in sizes:
+        if size.axis is not None:
+            assert size.tensor in shapes, size
+        with pytest.raises(ValueError, match=re.escape(f"{size.key}={size.value + 1}, but")):
+            check_sizes([dataclasses.replace(size, value=size.value + 1)], shapes, family)
+    count = sum(value.size for value in values.values())
+    assert architecture.weights.parameter_count(config) == pytest.approx(count, rel=0.02)
