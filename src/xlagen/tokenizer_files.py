@@ -115,7 +115,7 @@ def _setting_problem(key: str, value: Any) -> str | None:
         ok = value is None or (isinstance(value, list) and all(_is_token(t) for t in value))
         return None if ok else "a list of token strings or added-token objects"
     if key == "added_tokens_decoder":
-        ok = isinstance(value, dict) and all(k.isdigit() and _is_token(v) for k, v in value.items())
+        ok = isinstance(value, dict) and all(k.isascii() and k.isdigit() and _is_token(v) for k, v in value.items())
         return None if ok else 'an object mapping token ids ("50256") to added-token objects'
     if key == "model_max_length":
         ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -123,7 +123,7 @@ def _setting_problem(key: str, value: Any) -> str | None:
         return None if ok else "a positive finite number or null"
     if key in ("padding_side", "truncation_side"):
         return None if value in (None, "left", "right") else '"left" or "right"'
-    if key == "tokenizer_class":
+    if key in ("tokenizer_class", "model_type"):  # model_type: config.json, read for the tokenizer class
         return None if value is None or isinstance(value, str) else "a string"
     if key in ("add_prefix_space", "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces",
                "split_special_tokens"):

@@ -190,6 +190,10 @@ CASES = [
      r"tokenizer_config.json': padding_side must be \"left\" or \"right\""),
     ("special_tokens_map_number", _write("special_tokens_map.json", '{"additional_special_tokens": 3}'), TOKENIZER,
      ValueError, r"special_tokens_map.json': additional_special_tokens must be a list"),
+    ("added_token_id_not_ascii", _edit_tokenizer_config(added_tokens_decoder={"\u00b2": {"content": "x"}}), TOKENIZER,
+     ValueError, r"tokenizer_config.json': added_tokens_decoder must be"),
+    ("config_model_type_list_for_tokenizer", _edit_config(model_type=["gpt2"]), TOKENIZER, ValueError,
+     r"config.json': model_type must be a string"),
     ("tokenizer_config_invalid_json", _write("tokenizer_config.json", "{"), TOKENIZER, ValueError,
      r"tokenizer_config.json' is not valid JSON"),
 ]
