@@ -18,7 +18,7 @@ from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
 from xlagen.models import gpt2, opt, registry, t5, whisper
 from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes, read_json, write_files
-from xlagen.weights.loader import check_memory, check_sizes, convert, export, normalize_prefix, physical_memory
+from xlagen.weights.loader import check_memory, check_parameter_count, check_sizes, convert, export, normalize_prefix, physical_memory
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +43,11 @@ def _checked_config(architecture: registry.Architecture, folder: Path, hf_config
     config = architecture.config_class.from_hf_config(hf_config)
     weights = architecture.weights
     sizes = weights.sizes(config)
-    check_sizes(sizes, normalize_prefix(read_checkpoint_shapes(folder), weights.PREFIX), str(folder))
-    check_memory(weights.parameter_count(config), sizes, 2 if str(dtype) in ("bfloat16", "float16") else 4,
-                 physical_memory())
+    shapes = normalize_prefix(read_checkpoint_shapes(folder), weights.PREFIX)
+    check_sizes(sizes, shapes, str(folder))
+    parameters = weights.parameter_count(config)
+    check_parameter_count(parameters, sizes, shapes, str(folder))
+    check_memory(parameters, sizes, 2 if str(dtype) in ("bfloat16", "float16") else 4, physical_memory())
     return config
 
 

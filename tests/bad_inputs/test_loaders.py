@@ -217,6 +217,21 @@ def test_bad_checkpoint_folder(folder, case_id, breaks, what, error, message):
     assert time.perf_counter() - start < (1.0 if what != TOKENIZER else 5.0), case_id
 
 
+def _rename_tensors(folder):
+    """Renames every tensor (the config's size checks then find none of theirs)."""
+    _edit_header(lambda header: header.update({f"other.{name}": header.pop(name) for name in list(header)
+                                               if name != "__metadata__"}))(folder)
+
+
+def test_config_much_larger_than_its_checkpoint_is_refused_before_building(folder):
+    _rename_tensors(folder)
+    _edit_config(n_layer=1_000_000)(folder)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=r"about 1.*e\+1\d parameters \(.*n_layer=1000000.*hold only 3.*e\+04 values"):
+        TFAutoModelForCausalLM.from_pretrained(folder)
+    assert time.perf_counter() - start < 1.0
+
+
 def test_model_too_big_for_memory_is_refused_before_building(folder, monkeypatch):
     monkeypatch.setattr(modeling, "physical_memory", lambda: 4096)
     with pytest.raises(ValueError, match=r"about 3.*e\+04 parameters .*n_layer=2.*more than this machine's"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -399,6 +400,31 @@ def check_sizes(sizes: Iterable[Size], shapes: Mapping[str, Sequence[int]], wher
     if problems:
         raise ValueError(f"config.json does not match the weights of '{where}': " + "; ".join(problems)
                          + ". Fix config.json (or use the config saved with these weights).")
+
+
+def check_parameter_count(parameters: int, sizes: Iterable[Size], shapes: Mapping[str, Sequence[int]],
+                          where: str) -> None:
+    """Refuses a config describing a model much larger than its checkpoint (which could not fill it anyway).
+
+    This catches sizes `check_sizes` cannot see, e.g. when the checkpoint's tensor names are not the
+    family's, before a huge model is allocated.
+
+    Args:
+        parameters: The family's estimate of the model's parameter count.
+        sizes: The config's sizes, named in the message.
+        shapes: HF tensor name -> shape, from the safetensors headers.
+        where: The checkpoint, for the message.
+
+    Raises:
+        ValueError: naming the config's sizes, the estimate and the checkpoint's count.
+    """
+    stored = sum(math.prod(shape) for shape in shapes.values())
+    if parameters <= 1.5 * stored + 1024:  # the estimate is within 2%; the checkpoint may hold tied copies too
+        return
+    values = ", ".join(dict.fromkeys(f"{s.key}={s.value}" for s in sizes))
+    raise ValueError(f"config.json describes a model of about {parameters:.3g} parameters ({values}), but the "
+                     f"weights of '{where}' hold only {stored:.3g} values. Fix config.json (or use the config saved "
+                     "with these weights).")
 
 
 def check_memory(parameters: int, sizes: Iterable[Size], bytes_per_parameter: int, memory: int | None) -> None:
