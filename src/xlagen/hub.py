@@ -65,6 +65,25 @@ IGNORE_PATTERNS: tuple[str, ...] = ("*/*",)
 _PATH_PREFIXES = ("/", "~", "./", "../", ".\\", "..\\")
 
 
+class NotCachedError(OSError):
+    """A Hub repo is not in the local cache and could not be downloaded.
+
+    The message speaks of the Python API (`local_files_only=True`); a front end such as the CLI can
+    reword it from the attributes.
+
+    Attributes:
+        repo_id: The Hub repo id.
+        revision: The revision asked for ("main" by default).
+        cache: The cache folder that was searched.
+        reason: "local_files_only" (the caller forbade the network), "offline" (HF_HUB_OFFLINE is
+            set) or "unreachable" (the Hub could not be reached).
+    """
+
+    def __init__(self, message: str, *, repo_id: str, revision: str, cache: pathlib.Path | str, reason: str):
+        super().__init__(message)
+        self.repo_id, self.revision, self.cache, self.reason = repo_id, revision, cache, reason
+
+
 def resolve_model_dir(
     name_or_path: str | os.PathLike[str],
     *,
@@ -91,6 +110,8 @@ def resolve_model_dir(
         The local folder: `name_or_path` itself, or a snapshot folder inside the HF cache.
 
     Raises:
+        NotCachedError: (an OSError) If the repo is not cached and may not or cannot be downloaded
+            (its `reason` says which).
         OSError: If a path-like name does not exist or is a file; if the name is neither a folder
             nor a valid repo id; if the repo is not cached while offline; if the repo or revision
             does not exist on the Hub (or is gated); or if the Hub cannot be reached. The
@@ -156,16 +177,16 @@ def _download(
         )
     except hub_errors.LocalEntryNotFoundError as e:
         if local_files_only:
-            reason = "local_files_only=True was passed"
+            kind, reason = "local_files_only", "local_files_only=True was passed"
         elif isinstance(e.__cause__, hub_errors.OfflineModeIsEnabled):
-            reason = "offline mode is on (HF_HUB_OFFLINE is set)"
+            kind, reason = "offline", "offline mode is on (HF_HUB_OFFLINE is set)"
         else:
-            reason = f"the Hub could not be reached ({e.__cause__ or e})"
-        raise OSError(
+            kind, reason = "unreachable", f"the Hub could not be reached ({e.__cause__ or e})"
+        raise NotCachedError(
             f"{where} is not in the Hugging Face cache at '{cache}', and {reason}. To fix: run "
             "once with network access (local_files_only=False, HF_HUB_OFFLINE unset) to download "
             "it into the cache, or pass the path of a local folder that holds config.json and "
-            "the *.safetensors weights."
+            "the *.safetensors weights.", repo_id=repo_id, revision=shown_revision, cache=cache, reason=kind
         ) from e
     except hub_errors.GatedRepoError as e:
         raise OSError(

@@ -18,23 +18,53 @@ from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
 from xlagen.models import gpt2, opt, registry, t5, whisper
 from xlagen.weights.atomic_save import check_save_complete
-from xlagen.weights.checkpoint import read_checkpoint, read_json, write_files
-from xlagen.weights.loader import convert, export, normalize_prefix
+from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes, read_json, write_files
+from xlagen.weights.loader import (check_memory, check_parameter_count, check_sizes, convert, export, normalize_prefix,
+                                   physical_memory)
 
 logger = logging.getLogger(__name__)
 
 
-def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype, weight_dtype=None):
+def _read_config(folder: Path, architectures: dict[str, registry.Architecture],
+                 task: str) -> tuple[registry.Architecture, dict]:
+    """config.json and the architecture its model_type names."""
+    hf_config = read_json(folder, "config.json")
+    model_type = hf_config.get("model_type")
+    if not isinstance(model_type, (str, type(None))):
+        raise ValueError(f"'{Path(folder) / 'config.json'}': model_type must be a string, got "
+                         f"{type(model_type).__name__}")
+    return registry.lookup(model_type, architectures, task), hf_config
+
+
+def _checked_config(architecture: registry.Architecture, folder: Path, hf_config: dict, dtype=None):
+    """The model config of config.json, checked against the safetensors headers and the machine's memory.
+
+    Runs before anything large is allocated (no tensor data is read), so a config.json whose sizes the
+    checkpoint contradicts (`n_layer: 1000000`) fails at once instead of hanging in the model build.
+    """
     config = architecture.config_class.from_hf_config(hf_config)
-    tensors = normalize_prefix(read_checkpoint(folder), architecture.weights.PREFIX)
-    resolve_config = getattr(architecture.weights, "resolve_config", None)  # T5: a stored head unties
+    weights = architecture.weights
+    sizes = weights.sizes(config)
+    shapes = normalize_prefix(read_checkpoint_shapes(folder), weights.PREFIX)
+    check_sizes(sizes, shapes, str(folder))
+    parameters = weights.parameter_count(config)
+    check_parameter_count(parameters, sizes, shapes, str(folder))
+    check_memory(parameters, sizes, 2 if str(dtype) in ("bfloat16", "float16") else 4, physical_memory())
+    return config
+
+
+def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype, weight_dtype=None):
+    """Checks config.json (`_checked_config`), then builds the model and fills it from the checkpoint."""
+    config = _checked_config(architecture, folder, hf_config, dtype)
+    weights = architecture.weights
+    tensors = normalize_prefix(read_checkpoint(folder), weights.PREFIX)
+    resolve_config = getattr(weights, "resolve_config", None)  # T5: a stored head unties
     if resolve_config is not None:
         config = resolve_config(config, tensors)
     model = cls(config, dtype=dtype) if dtype else cls(config)
     variables = {v.path: v for v in model.weights}
-    values = convert(architecture.weights.rules(config), tensors,
-                     {path: tuple(v.shape) for path, v in variables.items()},
-                     ignore=architecture.weights.ignore(config))
+    values = convert(weights.rules(config), tensors, {path: tuple(v.shape) for path, v in variables.items()},
+                     ignore=weights.ignore(config))
     for path, value in values.items():
         variables[path].assign(value.astype(np.dtype(variables[path].dtype)))
     generation = read_json(folder, "generation_config.json", required=False)
@@ -72,17 +102,20 @@ class PreTrainedModel(GenerationMixin):
             The model, weights loaded, with `generation_config` from generation_config.json.
 
         Raises:
-            OSError: missing folder/files, a pickle-only checkpoint, or a folder whose last
-                `save_pretrained` was interrupted while it replaced the files (the message says how
-                to finish it).
-            ValueError: unsupported model_type or config values, or tensors that do not match.
+            OSError: missing folder/files, or a pickle-only checkpoint; `PermissionError` for an
+                unreadable file (each message names the file); a folder whose last `save_pretrained` was
+                interrupted while it replaced the files (the message says how to finish it).
+            ValueError: unsupported model_type; a config.json value of the wrong type or out of range
+                (naming the key and the expected type); config sizes that the safetensors headers
+                contradict, or a model too big for the machine's memory (checked before the model is
+                built); a corrupt or truncated weight file, or an index naming a file outside the folder
+                (naming the file); tensors that do not match.
             xlagen.native.NativeUnavailable: a packed `weight_dtype` on a machine that cannot run it.
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
         check_save_complete(folder)
-        hf_config = read_json(folder, "config.json")
-        architecture = registry.lookup(hf_config.get("model_type"), cls.architectures, cls.task)
+        architecture, hf_config = _read_config(folder, cls.architectures, cls.task)
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
         return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
 

@@ -104,9 +104,12 @@ class PreTrainedTokenizerFast:
             class is WhisperTokenizer.
 
         Raises:
-            OSError: If the folder cannot be resolved or holds no tokenizer files.
+            OSError: If the folder cannot be resolved or holds no tokenizer files; PermissionError
+                for an unreadable file.
             TypeError: If an unknown keyword argument is given.
-            ValueError: If `padding_side` is invalid, or the checkpoint needs something unsupported.
+            ValueError: If `padding_side` is invalid, the checkpoint needs something unsupported, or
+                a tokenizer file is corrupt or holds a setting of the wrong type (the message names
+                the file, and the key).
         """
         from xlagen.hub import resolve_model_dir  # Lazy: it imports huggingface_hub.
 
@@ -132,8 +135,12 @@ class PreTrainedTokenizerFast:
         backend = load_backend(folder, hf_config, token_content(values.get("bos_token")))
         decoder = sorted(hf_config.get("added_tokens_decoder", {}).items(), key=lambda item: int(item[0]))
         tokens = [values.get(name) for name in SPECIAL_TOKEN_NAMES] + values["additional_special_tokens"]
-        added = [added_token(entry) for _, entry in decoder]
-        added += [added_token(token) for token in tokens if isinstance(token, dict)]
+        try:
+            added = [added_token(entry) for _, entry in decoder]
+            added += [added_token(token) for token in tokens if isinstance(token, dict)]
+        except TypeError as e:  # a flag such as "lstrip" that is not a boolean
+            raise ValueError(f"An added token of '{folder / 'tokenizer_config.json'}' or "
+                             f"'{folder / 'special_tokens_map.json'}' is malformed: {e}") from e
         return _tokenizer_class(cls, values["tokenizer_class"])(backend, TokenizerConfig.from_hf_config(values), added)
 
     bos_token, bos_token_id = _special_properties("bos_token")

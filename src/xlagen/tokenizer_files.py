@@ -81,8 +81,75 @@ class TokenizerConfig:
 
 
 def read_json_or_empty(path: pathlib.Path) -> dict[str, Any]:
-    """Reads a JSON object file, or returns {} when it does not exist."""
-    return read_json(path.parent, path.name, required=False) or {}
+    """Reads a JSON object file, or returns {} when it does not exist.
+
+    Raises:
+        ValueError: If the file is not a JSON object, or a setting xlagen reads has the wrong type
+            (the message names the file, the key and the expected type).
+    """
+    values = read_json(path.parent, path.name, required=False) or {}
+    for key, value in values.items():
+        expected = _setting_problem(key, value)
+        if expected:
+            raise ValueError(f"'{path}': {key} must be {expected}, got {_short(value)} ({type(value).__name__}).")
+    return values
+
+
+def _short(value: Any) -> str:
+    """The start of a value's repr, for a message."""
+    text = json.dumps(value, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_token(value: Any) -> bool:
+    """A special-token value: a string, or an added-token dict with a string "content"."""
+    return isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("content"), str))
+
+
+def _setting_problem(key: str, value: Any) -> str | None:
+    """What a tokenizer setting must be, when `value` is not that; None when it is fine (or not read)."""
+    if key in SPECIAL_TOKEN_NAMES:
+        ok = value is None or _is_token(value)
+        return None if ok else 'a token string, an added-token object with a "content" string, or null'
+    if key == "additional_special_tokens":
+        ok = value is None or (isinstance(value, list) and all(_is_token(t) for t in value))
+        return None if ok else "a list of token strings or added-token objects"
+    if key == "added_tokens_decoder":
+        ok = isinstance(value, dict) and all(k.isascii() and k.isdigit() and _is_token(v) for k, v in value.items())
+        return None if ok else 'an object mapping token ids ("50256") to added-token objects'
+    if key == "model_max_length":
+        ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                               and 0 < value < float("inf"))
+        return None if ok else "a positive finite number or null"
+    if key in ("padding_side", "truncation_side"):
+        return None if value in (None, "left", "right") else '"left" or "right"'
+    if key in ("tokenizer_class", "model_type"):  # model_type: config.json, read for the tokenizer class
+        return None if value is None or isinstance(value, str) else "a string"
+    if key in ("add_prefix_space", "add_bos_token", "add_eos_token", "clean_up_tokenization_spaces",
+               "split_special_tokens"):
+        return None if value is None or isinstance(value, bool) else "true, false or null"
+    return None
+
+
+def backend_call(path: pathlib.Path | str, function, *args) -> Any:
+    """Calls into the `tokenizers` library on the contents of `path`, making its errors ValueErrors naming the file.
+
+    The library raises a bare `Exception` for a malformed file, and for some inconsistent ones panics:
+    `pyo3_runtime.PanicException` derives from BaseException, so `except Exception` would not stop it.
+
+    Raises:
+        ValueError: naming `path`, chained to the library's error.
+    """
+    try:
+        return function(*args)
+    except Exception as e:
+        raise ValueError(f"'{path}' could not be loaded by the tokenizers library: {e}. The file is corrupt or "
+                         "not in the tokenizers format; re-download it or save the tokenizer again.") from e
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":  # KeyboardInterrupt, SystemExit, ...: never swallowed
+            raise
+        raise ValueError(f"'{path}' is inconsistent: the tokenizers library failed on it ({e}). Re-download the "
+                         "file or save the tokenizer again.") from e
 
 
 def token_content(value: Any) -> Any:
@@ -120,25 +187,39 @@ def merge_settings(hf_config: dict, special_map: dict, model_type: str | None, o
 
 
 def load_backend(folder: pathlib.Path, hf_config: dict[str, Any], bos_token: str | None) -> tokenizers.Tokenizer:
-    """Reads tokenizer.json, or builds GPT-2's byte-level BPE tokenizer from vocab.json + merges.txt."""
+    """Reads tokenizer.json, or builds GPT-2's byte-level BPE tokenizer from vocab.json + merges.txt.
+
+    Raises:
+        OSError: If there are no tokenizer files; PermissionError for an unreadable one.
+        ValueError: If a file is corrupt or inconsistent (naming it; also when the `tokenizers`
+            library panics on it).
+    """
     add_prefix_space = bool(hf_config.get("add_prefix_space", False))
-    if (folder / "tokenizer.json").is_file():
-        backend = tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        open(path, "rb").close()  # an unreadable file is a PermissionError naming it
+        backend = backend_call(path, tokenizers.Tokenizer.from_file, str(path))
         # transformers makes a pre-tokenizer that has this flag (ByteLevel; not Metaspace, whose
         # legacy flag is re-serialized as prepend_scheme) follow tokenizer_config.json, default False.
         state = json.loads(backend.to_str())
         if (state.get("pre_tokenizer") or {}).get("add_prefix_space", add_prefix_space) != add_prefix_space:
             state["pre_tokenizer"]["add_prefix_space"] = add_prefix_space
-            backend = tokenizers.Tokenizer.from_str(json.dumps(state))
+            backend = backend_call(path, tokenizers.Tokenizer.from_str, json.dumps(state))
         return backend
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
     if not (vocab.is_file() and merges.is_file()):
         raise OSError(f"No tokenizer files in '{folder}': looked for tokenizer.json, or for vocab.json "
                       "together with merges.txt.")
-    backend = tokenizers.Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    for file in (vocab, merges):
+        open(file, "rb").close()
+    model = backend_call(f"{vocab}' + '{merges}", models.BPE.from_file, str(vocab), str(merges))
+    backend = tokenizers.Tokenizer(model)
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     backend.decoder = decoders.ByteLevel()
     if hf_config.get("add_bos_token") and bos_token is not None:  # OPT prepends its bos, "</s>".
+        if backend.token_to_id(bos_token) is None:
+            raise ValueError(f"'{vocab}' has no entry for the bos_token {bos_token!r} that tokenizer_config.json's "
+                             "add_bos_token=true prepends.")
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos_token}:0 $A:0", pair=f"{bos_token}:0 $A:0 $B:1",
             special_tokens=[(bos_token, backend.token_to_id(bos_token))])

@@ -22,6 +22,7 @@ from xlagen.layers.dense import Dense
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
+from xlagen.models import config_checks as checks
 from xlagen.models.base import DecoderOnlyLM
 from xlagen.models.training import CausalLMTraining
 
@@ -40,6 +41,24 @@ _IGNORED_HF_KEYS = frozenset({
     "do_sample", "early_stopping", "num_beams", "temperature", "top_k", "top_p", "repetition_penalty",
     "length_penalty", "no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
 })
+
+
+# HF key -> our field.
+_HF_NAMES = {"vocab_size": "vocab_size", "n_embd": "hidden_size", "n_layer": "num_layers", "n_head": "num_heads",
+             "n_inner": "intermediate_size", "n_positions": "max_positions", "layer_norm_epsilon": "layer_norm_eps",
+             "activation_function": "activation", "scale_attn_weights": "scale_attn_weights",
+             "scale_attn_by_inverse_layer_idx": "scale_attn_by_inverse_layer_idx",
+             "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id",
+             "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id", "embd_pdrop": "embedding_dropout",
+             "resid_pdrop": "residual_dropout", "attn_pdrop": "attention_dropout"}
+
+# Our field -> the kind of value it takes (checked in `__post_init__`, and with HF names in `from_hf_config`).
+KINDS = {"vocab_size": checks.size, "hidden_size": checks.size, "num_layers": checks.size, "num_heads": checks.size,
+         "intermediate_size": checks.optional_size, "max_positions": checks.size, "layer_norm_eps": checks.epsilon,
+         "activation": checks.string, "scale_attn_weights": checks.boolean,
+         "scale_attn_by_inverse_layer_idx": checks.boolean, "tie_word_embeddings": checks.boolean,
+         "bos_token_id": checks.token_id, "eos_token_id": checks.token_ids, "pad_token_id": checks.token_id,
+         "embedding_dropout": checks.rate, "residual_dropout": checks.rate, "attention_dropout": checks.rate}
 
 
 @dataclass(frozen=True)
@@ -84,10 +103,13 @@ class GPT2Config:
     model_type = "gpt2"
 
     def __post_init__(self):
+        """Raises:
+            ValueError: naming a field of the wrong type or out of range, hidden_size not divisible by
+                num_heads, or an unknown activation.
+        """
+        checks.check_fields(self, KINDS)
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
-        if min(self.vocab_size, self.hidden_size, self.num_layers, self.max_positions) < 1:
-            raise ValueError(f"GPT2Config sizes must be positive: {self}")
         get_activation(self.activation)
         if self.intermediate_size is None:
             object.__setattr__(self, "intermediate_size", 4 * self.hidden_size)
@@ -98,23 +120,20 @@ class GPT2Config:
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "GPT2Config":
-        """Maps a transformers `config.json` dict; raises on values that change the math unsupported."""
+        """Maps a transformers `config.json` dict.
+
+        Raises:
+            ValueError: naming the config.json key, for a value of the wrong type or out of range
+                ("config.json: n_layer must be a positive integer, got 1e+10 (float)"), or a setting
+                that changes the math and is unsupported.
+        """
         if hf.get("add_cross_attention"):
             raise ValueError("config.json: add_cross_attention=True (GPT-2 as a decoder with cross-attention) "
                              "is not supported by xlagen")
-        names = {"vocab_size": "vocab_size", "n_embd": "hidden_size", "n_layer": "num_layers",
-                 "n_head": "num_heads", "n_inner": "intermediate_size", "n_positions": "max_positions",
-                 "layer_norm_epsilon": "layer_norm_eps", "activation_function": "activation",
-                 "scale_attn_weights": "scale_attn_weights",
-                 "scale_attn_by_inverse_layer_idx": "scale_attn_by_inverse_layer_idx",
-                 "tie_word_embeddings": "tie_word_embeddings", "bos_token_id": "bos_token_id",
-                 "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
-                 "embd_pdrop": "embedding_dropout", "resid_pdrop": "residual_dropout",
-                 "attn_pdrop": "attention_dropout"}
-        unknown = sorted(set(hf) - set(names) - _IGNORED_HF_KEYS - {"add_cross_attention"})
+        unknown = sorted(set(hf) - set(_HF_NAMES) - _IGNORED_HF_KEYS - {"add_cross_attention"})
         if unknown:
             logger.warning("config.json keys ignored by xlagen's GPT-2: %s", unknown)
-        return cls(**{ours: hf[theirs] for theirs, ours in names.items() if theirs in hf})
+        return checks.from_hf(cls, hf, _HF_NAMES, KINDS)
 
     def to_hf_config(self) -> dict:
         """The transformers `config.json` dict for this configuration."""

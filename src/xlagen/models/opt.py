@@ -23,6 +23,7 @@ from xlagen.layers.dense import Dense
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
+from xlagen.models import config_checks as checks
 from xlagen.models.base import DecoderOnlyLM, positions_from_mask
 from xlagen.models.training import CausalLMTraining
 
@@ -52,6 +53,14 @@ _HF_NAMES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_hidd
              "_remove_final_layer_norm": "remove_final_norm", "enable_bias": "use_bias",
              "layer_norm_elementwise_affine": "norm_affine", "tie_word_embeddings": "tie_word_embeddings",
              "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id"}
+
+# Our field -> the kind of value it takes (checked in `__post_init__`, and with HF names in `from_hf_config`).
+KINDS = {"vocab_size": checks.size, "hidden_size": checks.size, "num_layers": checks.size, "num_heads": checks.size,
+         "intermediate_size": checks.size, "max_positions": checks.size, "embedding_size": checks.optional_size,
+         "layer_norm_eps": checks.epsilon, "activation": checks.string, "norm_first": checks.boolean,
+         "remove_final_norm": checks.boolean, "use_bias": checks.boolean, "norm_affine": checks.boolean,
+         "tie_word_embeddings": checks.boolean, "bos_token_id": checks.token_id, "eos_token_id": checks.token_ids,
+         "pad_token_id": checks.token_id}
 
 
 @dataclass(frozen=True)
@@ -98,15 +107,15 @@ class OPTConfig:
     model_type = "opt"
 
     def __post_init__(self):
+        """Raises:
+            ValueError: naming a field of the wrong type or out of range, hidden_size not divisible by
+                num_heads, or an unknown activation.
+        """
+        checks.check_fields(self, KINDS)
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                             f"{self.num_heads}")
+            raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if self.embedding_size is None:
             object.__setattr__(self, "embedding_size", self.hidden_size)
-        sizes = (self.vocab_size, self.hidden_size, self.num_layers, self.intermediate_size, self.max_positions,
-                 self.embedding_size)
-        if min(sizes) < 1:
-            raise ValueError(f"OPTConfig sizes must be positive: {self}")
         try:
             get_activation(self.activation)
         except ValueError as e:
@@ -126,14 +135,19 @@ class OPTConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "OPTConfig":
-        """Maps a transformers `config.json` dict; raises on values that change the math unsupported."""
+        """Maps a transformers `config.json` dict.
+
+        Raises:
+            ValueError: naming the config.json key, for a value of the wrong type or out of range, or a
+                setting that changes the math and is unsupported.
+        """
         if hf.get("pruned_heads"):
             raise ValueError(f"config.json: pruned_heads={hf['pruned_heads']} is not supported by xlagen's OPT "
                              "(transformers' OPT has no head pruning either)")
         unknown = sorted(set(hf) - set(_HF_NAMES) - _IGNORED_HF_KEYS - {"pruned_heads"})
         if unknown:
             logger.warning("config.json keys ignored by xlagen's OPT: %s", unknown)
-        return cls(**{ours: hf[theirs] for theirs, ours in _HF_NAMES.items() if theirs in hf})
+        return checks.from_hf(cls, hf, _HF_NAMES, KINDS)
 
     def to_hf_config(self) -> dict:
         """The transformers `config.json` dict for this configuration."""

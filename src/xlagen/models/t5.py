@@ -38,6 +38,7 @@ from xlagen.layers.dense import Dense
 from xlagen.layers.embeddings import TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import rms_norm
+from xlagen.models import config_checks as checks
 from xlagen.models.base import CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_start_prompt, encoder_context
 from xlagen.models.training import Seq2SeqLMTraining
 
@@ -69,9 +70,27 @@ _HF_NAMES = {"vocab_size": "vocab_size", "d_model": "hidden_size", "num_layers":
              "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
              "decoder_start_token_id": "decoder_start_token_id"}
 
+# Our field -> the kind of value it takes (checked in `__post_init__`, and with HF names in `from_hf_config`).
+KINDS = {**{name: checks.size for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "head_dim",
+                                           "intermediate_size", "relative_attention_buckets",
+                                           "relative_attention_max_distance")},
+         "num_decoder_layers": checks.optional_size, "max_positions": checks.optional_size,
+         "layer_norm_eps": checks.epsilon, "activation": checks.string, "gated": checks.boolean,
+         "tie_word_embeddings": checks.boolean, "dropout": checks.rate, "bos_token_id": checks.token_id,
+         "eos_token_id": checks.token_ids, "pad_token_id": checks.token_id, "decoder_start_token_id": checks.token_id}
+# `distance_buckets` builds a table of 2 * relative_attention_max_distance + 1 entries.
+MAX_RELATIVE_DISTANCE = 1 << 20
+
 
 def _feed_forward_from_hf(hf: dict) -> dict:
     """`activation` and `gated` as transformers' T5Config derives them (explicit keys win, as there)."""
+    for key, kind in (("feed_forward_proj", checks.string), ("dense_act_fn", checks.string),
+                      ("is_gated_act", checks.boolean)):
+        if key in hf:
+            try:
+                kind(key, hf[key])
+            except ValueError as e:
+                raise ValueError(f"config.json: {e}") from None
     proj = hf.get("feed_forward_proj", "relu")
     parts = proj.split("-")
     if len(parts) > 2 or (len(parts) == 2 and parts[0] != "gated"):
@@ -137,29 +156,36 @@ class T5Config:
     is_encoder_decoder = True
 
     def __post_init__(self):
+        """Raises:
+            ValueError: naming a field of the wrong type or out of range, or an unknown activation.
+        """
+        checks.check_fields(self, KINDS)
         if self.num_decoder_layers is None:
             object.__setattr__(self, "num_decoder_layers", self.num_layers)
         if self.scale_decoder_outputs is None:
             object.__setattr__(self, "scale_decoder_outputs", self.tie_word_embeddings)
-        sizes = (self.vocab_size, self.hidden_size, self.num_layers, self.num_decoder_layers, self.num_heads,
-                 self.head_dim, self.intermediate_size, self.relative_attention_buckets,
-                 self.relative_attention_max_distance, 1 if self.max_positions is None else self.max_positions)
-        if min(sizes) < 1:
-            raise ValueError(f"T5Config sizes must be positive: {self}")
+        if self.relative_attention_buckets < 4:
+            raise ValueError(f"relative_attention_buckets must be at least 4 (half of them for each direction, "
+                             f"half of those exact), got {self.relative_attention_buckets}")
+        # The logarithmic buckets span exact..max_distance, exact = relative_attention_buckets // 2 in the decoder.
+        if not self.relative_attention_buckets // 2 < self.relative_attention_max_distance <= MAX_RELATIVE_DISTANCE:
+            raise ValueError(f"relative_attention_max_distance must be more than relative_attention_buckets // 2 "
+                             f"({self.relative_attention_buckets // 2}) and at most {MAX_RELATIVE_DISTANCE}, got "
+                             f"{self.relative_attention_max_distance}")
         get_activation(self.activation)
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "T5Config":
-        """Maps a transformers `config.json` dict; raises naming the key on values that change the math
-        and are unsupported.
+        """Maps a transformers `config.json` dict.
 
         `scale_decoder_outputs` (written by transformers >= 5) decides the rescaling when present, else
         `tie_word_embeddings` does (transformers 4.x). Whether a head stored in the checkpoint replaces the
         tied one is decided with the tensors (`xlagen.weights.t5.resolve_config`).
 
         Raises:
-            ValueError: naming the key, for an unsupported value, or a `tie_word_embeddings` or
-                `scale_decoder_outputs` that is not true or false.
+            ValueError: naming the config.json key, for a value of the wrong type or out of range (a
+                `tie_word_embeddings` or `scale_decoder_outputs` that is not true or false), or a setting
+                that changes the math and is unsupported.
         """
         for key in ("tie_word_embeddings", "scale_decoder_outputs"):
             if key in hf and not isinstance(hf[key], bool):
@@ -172,7 +198,7 @@ class T5Config:
         unknown = sorted(set(hf) - known - _IGNORED_HF_KEYS)
         if unknown:
             logger.warning("config.json keys ignored by xlagen's T5: %s", unknown)
-        return cls(**{ours: hf[theirs] for theirs, ours in _HF_NAMES.items() if theirs in hf}, **feed_forward)
+        return checks.from_hf(cls, hf, _HF_NAMES, KINDS, **feed_forward)
 
     def to_hf_config(self) -> dict:
         """The transformers `config.json` dict that `save_pretrained` writes for this configuration.

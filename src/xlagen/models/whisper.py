@@ -26,6 +26,7 @@ from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock, run_bl
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
+from xlagen.models import config_checks as checks
 from xlagen.models.base import (CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_start_prompt, encoder_context,
                                 positions_at, positions_from_mask)
 from xlagen.models.training import Seq2SeqLMTraining
@@ -56,6 +57,14 @@ _HF_NAMES = {"vocab_size": "vocab_size", "num_mel_bins": "num_mel_bins", "d_mode
              "activation_dropout": "activation_dropout", "tie_word_embeddings": "tie_word_embeddings",
              "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "pad_token_id",
              "decoder_start_token_id": "decoder_start_token_id"}
+
+# Our field -> the kind of value it takes (checked in `__post_init__`, and with HF names in `from_hf_config`).
+KINDS = {**{name: checks.size for name in ("vocab_size", "num_mel_bins", "hidden_size", "encoder_layers",
+                                           "encoder_heads", "encoder_ffn_dim", "decoder_layers", "decoder_heads",
+                                           "decoder_ffn_dim", "max_source_positions", "max_positions")},
+         "activation": checks.string, "dropout": checks.rate, "attention_dropout": checks.rate,
+         "activation_dropout": checks.rate, "tie_word_embeddings": checks.boolean, "bos_token_id": checks.token_id,
+         "eos_token_id": checks.token_ids, "pad_token_id": checks.token_id, "decoder_start_token_id": checks.token_id}
 
 LAYER_NORM_EPS = 1e-5  # PyTorch's nn.LayerNorm default, which transformers' Whisper uses everywhere
 
@@ -105,14 +114,14 @@ class WhisperConfig:
     main_input_name = "input_features"
 
     def __post_init__(self):
-        sizes = (self.vocab_size, self.num_mel_bins, self.hidden_size, self.encoder_layers, self.encoder_heads,
-                 self.encoder_ffn_dim, self.decoder_layers, self.decoder_heads, self.decoder_ffn_dim,
-                 self.max_source_positions, self.max_positions)
-        if min(sizes) < 1:
-            raise ValueError(f"WhisperConfig sizes must be positive: {self}")
-        for heads in (self.encoder_heads, self.decoder_heads):
-            if self.hidden_size % heads:
-                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by {heads} heads")
+        """Raises:
+            ValueError: naming a field of the wrong type or out of range, hidden_size not divisible by
+                a number of heads, or an unknown activation.
+        """
+        checks.check_fields(self, KINDS)
+        for name in ("encoder_heads", "decoder_heads"):
+            if self.hidden_size % getattr(self, name):
+                raise ValueError(f"hidden_size {self.hidden_size} is not divisible by {name} {getattr(self, name)}")
         get_activation(self.activation)
 
     @property
@@ -122,18 +131,19 @@ class WhisperConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict) -> "WhisperConfig":
-        """Maps a transformers `config.json` dict; raises naming the key on values that change the math
-        and are unsupported."""
+        """Maps a transformers `config.json` dict.
+
+        Raises:
+            ValueError: naming the config.json key, for a value of the wrong type or out of range, or a
+                setting that changes the math and is unsupported.
+        """
         if hf.get("tie_word_embeddings", True) is False:
             raise ValueError("config.json: tie_word_embeddings=false is not supported by xlagen's Whisper "
                              "(every released Whisper ties its output projection to the token embedding)")
         unknown = sorted(set(hf) - set(_HF_NAMES) - _IGNORED_HF_KEYS)
         if unknown:
             logger.warning("config.json keys ignored by xlagen's Whisper: %s", unknown)
-        try:
-            return cls(**{ours: hf[theirs] for theirs, ours in _HF_NAMES.items() if theirs in hf})
-        except ValueError as e:
-            raise ValueError(f"config.json: {e}") from None
+        return checks.from_hf(cls, hf, _HF_NAMES, KINDS)
 
     def to_hf_config(self) -> dict:
         """The transformers `config.json` dict for this configuration."""

@@ -10,6 +10,7 @@ numpy has no bfloat16, so bfloat16 tensors are widened to float32 (exactly: a bf
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import struct
@@ -28,6 +29,12 @@ _UNSUPPORTED_PATTERNS = ("*.bin", "*.bin.index.json", "*.pt", "*.pth", "*.ckpt",
 
 # safetensors dtypes that numpy represents natively.
 _NUMPY_DTYPES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "F32", "F64"})
+# Bits per element of every safetensors dtype (the format's own list).
+_DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+               "F6_E3M2": 6, "U16": 16, "I16": 16, "F16": 16, "BF16": 16, "U32": 32, "I32": 32, "F32": 32,
+               "U64": 64, "I64": 64, "F64": 64, "C64": 64}
+# The safetensors library refuses larger headers too.
+_MAX_HEADER_BYTES = 100_000_000
 
 
 def read_checkpoint(model_dir: str | os.PathLike[str]) -> dict[str, np.ndarray]:
@@ -46,19 +53,131 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     Raises:
         OSError: If the folder has no safetensors weights (the message says what was looked for,
             and how to convert pickle-only checkpoints), or if shards named by the index are
-            missing.
-        ValueError: If the index is malformed, a tensor listed in the index is not in its shard,
-            two shards hold the same tensor, or a tensor has a dtype numpy cannot represent.
+            missing; `PermissionError` (naming the file) if a weight file cannot be read.
+        ValueError: If the index is malformed or names a shard outside the folder (absolute, '..',
+            or a symlink leading out), a weight file is truncated or not safetensors (naming the
+            file), a tensor listed in the index is not in its shard, two shards hold the same
+            tensor, or a tensor has a dtype numpy cannot represent.
+    """
+    tensors: dict[str, np.ndarray] = {}
+    for path in weight_files(model_dir):
+        for name, array in _read_safetensors(path).items():
+            if name in tensors:
+                raise ValueError(f"Tensor '{name}' appears in more than one shard of '{model_dir}'.")
+            tensors[name] = array
+    if not (pathlib.Path(model_dir) / SAFE_WEIGHTS_NAME).is_file():
+        _check_index_complete(pathlib.Path(model_dir), tensors)
+    return tensors
+
+
+def read_checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """Reads the tensor names and shapes of a checkpoint folder from the safetensors headers only.
+
+    Cheap (no tensor data is read), so the model's config can be checked against the checkpoint before
+    anything large is allocated.
+
+    Args:
+        model_dir: Folder of a Hugging Face checkpoint.
+
+    Returns:
+        HF tensor name -> shape.
+
+    Raises:
+        OSError: As `read_checkpoint` (missing folder, weights or shards); `PermissionError` if a
+            weight file cannot be read.
+        ValueError: If the index is malformed or names a file outside the folder, or a header is
+            truncated or corrupt (the message names the file).
+    """
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in weight_files(model_dir):
+        shapes.update((name, shape) for name, (_, shape, _) in read_header(path).items())
+    return shapes
+
+
+def weight_files(model_dir: str | os.PathLike[str]) -> list[pathlib.Path]:
+    """The safetensors files of a checkpoint folder: `model.safetensors`, or the shards of the index.
+
+    Raises:
+        OSError: If the folder is missing, has no safetensors weights, or shards are missing.
+        ValueError: If the index is malformed, or a shard name is absolute, contains '..' or leads
+            (through symlinks) outside the folder.
     """
     model_dir = pathlib.Path(model_dir)
     if not model_dir.is_dir():
         raise OSError(f"No such checkpoint folder: '{model_dir}'.")
     single = model_dir / SAFE_WEIGHTS_NAME
     if single.is_file():
-        return _read_safetensors(single)
+        return [single]
     if (model_dir / SAFE_WEIGHTS_INDEX_NAME).is_file():
-        return _read_sharded(model_dir)
+        shards = _shard_names(model_dir)
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise OSError(
+                f"Checkpoint '{model_dir}' is incomplete: {len(missing)} of {len(shards)} shards named "
+                f"by {SAFE_WEIGHTS_INDEX_NAME} are missing: {', '.join(missing)}. Re-download them "
+                "(an interrupted download leaves some shards out)."
+            )
+        return [model_dir / s for s in shards]
     raise OSError(_no_weights_message(model_dir))
+
+
+def read_header(path: pathlib.Path) -> dict[str, tuple[str, tuple[int, ...], tuple[int, int]]]:
+    """Reads and checks the header of one safetensors file, without its tensor data.
+
+    Returns:
+        Tensor name -> (dtype, shape, (begin, end) byte offsets into the data buffer).
+
+    Raises:
+        PermissionError, FileNotFoundError: (OSErrors) naming the file.
+        ValueError: If the file is truncated, or its header is not a valid safetensors header (a
+            tensor's offsets outside the file or disagreeing with its shape and dtype, ...).
+    """
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise ValueError(f"'{path}' is not a safetensors file: it has only {size} bytes (truncated?).")
+        (header_size,) = struct.unpack("<Q", prefix)
+        if header_size > min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"'{path}' is not a valid safetensors file: its header claims {header_size} bytes "
+                             f"and the file has {size} (truncated or not safetensors).")
+        raw = f.read(header_size)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"'{path}' is not a valid safetensors file: its header is not JSON ({e}).") from e
+    if not isinstance(header, dict):
+        raise ValueError(f"'{path}' is not a valid safetensors file: its header is not a JSON object.")
+    data_size = size - 8 - header_size
+    out = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        out[name] = _header_entry(path, name, entry, data_size)
+    return out
+
+
+def _header_entry(path: pathlib.Path, name: str, entry, data_size: int) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """Checks one tensor entry of a safetensors header."""
+    def bad(what: str) -> ValueError:
+        return ValueError(f"'{path}' is not a valid safetensors file: tensor '{name}' {what} (truncated or corrupt "
+                          "file; re-download or re-save it).")
+
+    if not isinstance(entry, dict):
+        raise bad("has no header entry")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+        raise bad(f"has an unknown dtype {str(dtype)[:40]!r}")
+    if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+        raise bad("has an invalid shape")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+            and 0 <= offsets[0] <= offsets[1]):
+        raise bad("has invalid data_offsets")
+    if offsets[1] > data_size:
+        raise bad(f"ends at byte {offsets[1]} of the data, which has only {data_size} bytes")
+    if (math.prod(shape) * _DTYPE_BITS[dtype] + 7) // 8 != offsets[1] - offsets[0]:
+        raise bad(f"of shape {shape} and dtype {dtype} does not fit its {offsets[1] - offsets[0]} bytes")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
 
 
 def read_json(model_dir: str | os.PathLike[str], name: str, required: bool = True) -> dict | None:
@@ -88,31 +207,54 @@ def read_json(model_dir: str | os.PathLike[str], name: str, required: bool = Tru
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"'{path}' is not valid JSON: {e}") from e
+    except RecursionError as e:
+        raise ValueError(f"'{path}' nests its JSON too deeply to be a configuration file.") from e
     if not isinstance(data, dict):
         raise ValueError(f"'{path}' must hold a JSON object, not a {type(data).__name__}.")
     return data
 
 
-def _read_sharded(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
-    """Reads the shards named by `model.safetensors.index.json`."""
-    index = read_json(model_dir, SAFE_WEIGHTS_INDEX_NAME)
-    weight_map = index.get("weight_map")
+def _weight_map(model_dir: pathlib.Path) -> dict[str, str]:
+    """The `weight_map` of `model.safetensors.index.json`: tensor name -> shard file name."""
+    index_path = model_dir / SAFE_WEIGHTS_INDEX_NAME
+    weight_map = read_json(model_dir, SAFE_WEIGHTS_INDEX_NAME).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"'{model_dir / SAFE_WEIGHTS_INDEX_NAME}' has no 'weight_map' object.")
-    shards = sorted(set(weight_map.values()))
-    missing = [s for s in shards if not (model_dir / s).is_file()]
-    if missing:
-        raise OSError(
-            f"Checkpoint '{model_dir}' is incomplete: {len(missing)} of {len(shards)} shards named "
-            f"by {SAFE_WEIGHTS_INDEX_NAME} are missing: {', '.join(missing)}. Re-download them "
-            "(an interrupted download leaves some shards out)."
-        )
-    tensors: dict[str, np.ndarray] = {}
-    for shard in shards:
-        for name, array in _read_safetensors(model_dir / shard).items():
-            if name in tensors:
-                raise ValueError(f"Tensor '{name}' appears in more than one shard of '{model_dir}'.")
-            tensors[name] = array
+        raise ValueError(f"'{index_path}' has no 'weight_map' object.")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not shard:
+            raise ValueError(f"'{index_path}': weight_map entry '{name}' must be a shard file name (a string), "
+                             f"got {type(shard).__name__}.")
+    return weight_map
+
+
+def _shard_names(model_dir: pathlib.Path) -> list[str]:
+    """The shard file names of the index, each checked to stay inside the folder."""
+    weight_map = _weight_map(model_dir)
+    for name, shard in weight_map.items():
+        pure = pathlib.PurePath(shard)
+        if pure.is_absolute() or ".." in pure.parts or "\\" in shard or pathlib.PureWindowsPath(shard).drive:
+            raise ValueError(f"'{model_dir / SAFE_WEIGHTS_INDEX_NAME}': weight_map entry '{name}' names the shard "
+                             f"'{shard}', which is not a file name inside the model folder (absolute paths and "
+                             "'..' are refused).")
+        _check_inside(model_dir, model_dir / shard, f"weight_map entry '{name}' ('{shard}')")
+    return sorted(set(weight_map.values()))
+
+
+def _check_inside(model_dir: pathlib.Path, path: pathlib.Path, what: str) -> None:
+    """Refuses a shard that resolves (through symlinks) outside the model folder: the index is data, and
+    must not make xlagen read arbitrary files."""
+    folder = model_dir.resolve()
+    resolved = path.resolve()
+    if resolved != folder and folder not in resolved.parents and path.exists():
+        # Hugging Face cache snapshots link every file into the shared blobs/ folder beside them.
+        if not (folder.parent.name == "snapshots" and folder.parent.parent in resolved.parents):
+            raise ValueError(f"'{model_dir}': {what} leads to '{resolved}', outside the model folder; xlagen reads "
+                             "weights only from inside the folder (replace the symlink by the file).")
+
+
+def _check_index_complete(model_dir: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+    """Checks that every tensor of the index is in its shard."""
+    weight_map = _weight_map(model_dir)
     absent = sorted(n for n in weight_map if n not in tensors)
     if absent:
         raise ValueError(
@@ -123,37 +265,36 @@ def _read_sharded(model_dir: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """Reads one safetensors file; bfloat16 is widened to float32."""
+    """Reads one safetensors file (header checked first); bfloat16 is widened to float32."""
+    header = read_header(path)
+    for name, (dtype, _, _) in header.items():
+        if dtype not in _NUMPY_DTYPES and dtype != "BF16":  # float8 and other formats numpy lacks.
+            raise ValueError(f"Tensor '{name}' in '{path}' has dtype {dtype}, which xlagen cannot read.")
     tensors: dict[str, np.ndarray] = {}
-    bf16_names = []
-    with safetensors.safe_open(str(path), framework="np") as f:
-        for name in f.keys():
-            dtype = f.get_slice(name).get_dtype()
-            if dtype == "BF16":
-                bf16_names.append(name)
-            elif dtype in _NUMPY_DTYPES:
-                tensors[name] = f.get_tensor(name)
-            else:  # float8 and other formats numpy lacks.
-                raise ValueError(f"Tensor '{name}' in '{path}' has dtype {dtype}, which xlagen cannot read.")
-    if bf16_names:
-        tensors.update(_read_bfloat16(path, bf16_names))
+    try:
+        with safetensors.safe_open(str(path), framework="np") as f:
+            for name in f.keys():
+                if header[name][0] != "BF16":
+                    tensors[name] = f.get_tensor(name)
+    except safetensors.SafetensorError as e:
+        raise ValueError(f"'{path}' is not a valid safetensors file ({e}); re-download or re-save it.") from e
+    bf16 = {name: entry for name, entry in header.items() if entry[0] == "BF16"}
+    if bf16:
+        tensors.update(_read_bfloat16(path, bf16))
     return tensors
 
 
-def _read_bfloat16(path: pathlib.Path, names: list[str]) -> dict[str, np.ndarray]:
-    """Reads bfloat16 tensors as float32 from the raw bytes located by the safetensors header."""
+def _read_bfloat16(path: pathlib.Path, entries: dict) -> dict[str, np.ndarray]:
+    """Reads bfloat16 tensors as float32 from the raw bytes located by the (checked) header entries."""
     # Format: u64 little-endian header size N, N bytes of JSON header, then the data buffer;
     # each entry's data_offsets are relative to the start of the data buffer.
     with open(path, "rb") as f:
         (header_size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_size))
     out = {}
-    for name in names:
-        entry = header[name]
-        begin, end = entry["data_offsets"]
+    for name, (_, shape, (begin, end)) in entries.items():
         raw = np.fromfile(path, dtype="<u2", count=(end - begin) // 2, offset=8 + header_size + begin)
         # A bfloat16 is the top half of a float32 with the same value.
-        out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(entry["shape"])
+        out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
     return out
 
 

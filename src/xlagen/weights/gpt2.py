@@ -6,7 +6,7 @@ no transposes are needed; the fused `c_attn` maps onto our fused `qkv` kernel un
 
 from __future__ import annotations
 
-from xlagen.weights.loader import Rule, transpose
+from xlagen.weights.loader import Rule, Size, transpose
 
 # GPT2LMHeadModel prefixes the trunk with "transformer."; a bare GPT2Model checkpoint does not.
 PREFIX = "transformer."
@@ -45,3 +45,19 @@ def ignore(config) -> tuple[str, ...]:
 def saved_name(name: str) -> str:
     """The name transformers' GPT2LMHeadModel gives a tensor of the table (the trunk is prefixed)."""
     return name if name.startswith("lm_head.") else PREFIX + name
+
+
+def sizes(config) -> list[Size]:
+    """The config values that the checkpoint's tensor shapes must agree with."""
+    return [Size("vocab_size", config.vocab_size, "wte.weight", 0), Size("n_embd", config.hidden_size, "wte.weight", 1),
+            Size("n_positions", config.max_positions, "wpe.weight", 0),
+            Size("n_inner", config.intermediate_size, "h.0.mlp.c_fc.weight", 1),
+            Size("n_layer", config.num_layers, r"h\.(\d+)\.", None)]
+
+
+def parameter_count(config) -> int:
+    """The number of parameters of the model (before it is built)."""
+    h, f = config.hidden_size, config.intermediate_size
+    block = 4 * h * h + 2 * h * f + 9 * h + f
+    head = 0 if config.tie_word_embeddings else config.vocab_size * h
+    return (config.vocab_size + config.max_positions) * h + config.num_layers * block + 2 * h + head

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
+import os
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
@@ -345,3 +347,110 @@ def export(rules: Iterable[Rule], values: Mapping[str, np.ndarray]) -> dict[str,
         pieces = _inverse(parts[0])(rule, value)
         out.update({name: np.ascontiguousarray(piece) for name, piece in zip(rule.sources, pieces)})
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Size:
+    """A config value that the shape of a checkpoint tensor must agree with.
+
+    Attributes:
+        key: The config.json key (or a short expression of keys) the value comes from.
+        value: The config's value.
+        tensor: HF tensor name (after `normalize_prefix`); for a layer count (`axis` None), a regex
+            whose group 1 is the layer index, e.g. `r"h\\.(\\d+)\\."`.
+        axis: The axis of `tensor` whose length is `value`; None: `value` is the number of layers.
+    """
+
+    key: str
+    value: int
+    tensor: str
+    axis: int | None = 0
+
+
+def check_sizes(sizes: Iterable[Size], shapes: Mapping[str, Sequence[int]], where: str) -> None:
+    """Checks a model config against the tensor shapes of its checkpoint (from the headers alone).
+
+    Run before the model is built, so a config whose sizes the checkpoint contradicts (a corrupted or
+    mismatched config.json) fails at once instead of allocating (or hanging on) a huge model. Tensors
+    absent from the checkpoint are skipped here; `convert` reports them later.
+
+    Args:
+        sizes: The family's `Size` checks for the config.
+        shapes: HF tensor name -> shape.
+        where: The checkpoint, for the message.
+
+    Raises:
+        ValueError: naming each config key whose value the checkpoint contradicts, the value, and the
+            tensor shape (or layer count) that contradicts it.
+    """
+    problems = []
+    for size in sizes:
+        if size.axis is None:
+            pattern = re.compile(size.tensor)
+            layers = {int(m.group(1)) for name in shapes if (m := pattern.match(name))}
+            if layers and len(layers) != size.value:
+                problems.append(f"{size.key}={size.value}, but the checkpoint has {len(layers)} layers "
+                                f"(tensors matching {size.tensor!r})")
+            continue
+        shape = shapes.get(size.tensor)
+        if shape is None or size.axis >= len(shape) or shape[size.axis] == size.value:
+            continue
+        problems.append(f"{size.key}={size.value}, but the checkpoint's '{size.tensor}' has shape {tuple(shape)} "
+                        f"(axis {size.axis} is {shape[size.axis]})")
+    if problems:
+        raise ValueError(f"config.json does not match the weights of '{where}': " + "; ".join(problems)
+                         + ". Fix config.json (or use the config saved with these weights).")
+
+
+def check_parameter_count(parameters: int, sizes: Iterable[Size], shapes: Mapping[str, Sequence[int]],
+                          where: str) -> None:
+    """Refuses a config describing a model much larger than its checkpoint (which could not fill it anyway).
+
+    This catches sizes `check_sizes` cannot see, e.g. when the checkpoint's tensor names are not the
+    family's, before a huge model is allocated.
+
+    Args:
+        parameters: The family's estimate of the model's parameter count.
+        sizes: The config's sizes, named in the message.
+        shapes: HF tensor name -> shape, from the safetensors headers.
+        where: The checkpoint, for the message.
+
+    Raises:
+        ValueError: naming the config's sizes, the estimate and the checkpoint's count.
+    """
+    stored = sum(math.prod(shape) for shape in shapes.values())
+    if parameters <= 1.5 * stored + 1024:  # the estimate is within 2%; the checkpoint may hold tied copies too
+        return
+    values = ", ".join(dict.fromkeys(f"{s.key}={s.value}" for s in sizes))
+    raise ValueError(f"config.json describes a model of about {parameters:.3g} parameters ({values}), but the "
+                     f"weights of '{where}' hold only {stored:.3g} values. Fix config.json (or use the config saved "
+                     "with these weights).")
+
+
+def check_memory(parameters: int, sizes: Iterable[Size], bytes_per_parameter: int, memory: int | None) -> None:
+    """Refuses a model whose parameters alone would not fit in the machine's memory, before allocating it.
+
+    Args:
+        parameters: The family's estimate of the model's parameter count.
+        sizes: The config's sizes, named in the message.
+        bytes_per_parameter: Bytes of one parameter in the model's dtype.
+        memory: Bytes of memory of the machine; None skips the check.
+
+    Raises:
+        ValueError: naming the config's sizes, the estimate and the memory.
+    """
+    need = parameters * bytes_per_parameter
+    if memory is None or need <= memory:
+        return
+    values = ", ".join(dict.fromkeys(f"{s.key}={s.value}" for s in sizes))
+    raise ValueError(f"config.json describes a model of about {parameters:.3g} parameters ({need / 2**30:.3g} GiB; "
+                     f"{values}), more than this machine's {memory / 2**30:.3g} GiB of memory. Check these "
+                     "values in config.json.")
+
+
+def physical_memory() -> int | None:
+    """Bytes of physical memory of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None

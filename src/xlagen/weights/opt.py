@@ -7,7 +7,7 @@ order, before the transpose).
 
 from __future__ import annotations
 
-from xlagen.weights.loader import Rule, chain, concat_first, concat_last, transpose
+from xlagen.weights.loader import Rule, Size, chain, concat_first, concat_last, transpose
 
 # OPTForCausalLM prefixes the trunk with "model."; a bare OPTModel checkpoint does not.
 PREFIX = "model."
@@ -61,3 +61,21 @@ def ignore(config) -> tuple[str, ...]:
 def saved_name(name: str) -> str:
     """The name transformers' OPTForCausalLM gives a tensor of the table (the trunk is prefixed)."""
     return name if name.startswith("lm_head.") else PREFIX + name
+
+
+def sizes(config) -> list[Size]:
+    """The config values that the checkpoint's tensor shapes must agree with."""
+    return [Size("vocab_size", config.vocab_size, "decoder.embed_tokens.weight", 0),
+            Size("word_embed_proj_dim", config.embedding_size, "decoder.embed_tokens.weight", 1),
+            Size("max_position_embeddings + 2", config.max_positions + 2, "decoder.embed_positions.weight", 0),
+            Size("hidden_size", config.hidden_size, "decoder.embed_positions.weight", 1),
+            Size("ffn_dim", config.intermediate_size, "decoder.layers.0.fc1.weight", 0),
+            Size("num_hidden_layers", config.num_layers, r"decoder\.layers\.(\d+)\.", None)]
+
+
+def parameter_count(config) -> int:
+    """The number of parameters of the model (before it is built)."""
+    h, f, e = config.hidden_size, config.intermediate_size, config.embedding_size
+    block = 4 * h * h + 2 * h * f + 9 * h + f
+    extra = (2 * e * h if config.projects_embeddings else 0) + (0 if config.tie_word_embeddings else config.vocab_size * e)
+    return config.vocab_size * e + (config.max_positions + 2) * h + config.num_layers * block + 2 * h + extra

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from xlagen.weights.loader import Rule, chain, concat_first, transpose
+from xlagen.weights.loader import Rule, Size, chain, concat_first, transpose
 
 # T5ForConditionalGeneration has no prefix on its trunk.
 PREFIX = ""
@@ -130,3 +130,27 @@ def saved_tensors(config, tensors):
         head = tensors["lm_head.weight"]
         tensors["lm_head.weight"] = (head * np.asarray(config.hidden_size ** -0.5, head.dtype)).astype(head.dtype)
     return tensors
+
+
+def sizes(config) -> list[Size]:
+    """The config values that the checkpoint's tensor shapes must agree with."""
+    bias = "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    return [Size("vocab_size", config.vocab_size, "shared.weight", 0),
+            Size("d_model", config.hidden_size, "shared.weight", 1),
+            Size("num_heads * d_kv", config.num_heads * config.head_dim,
+                 "encoder.block.0.layer.0.SelfAttention.q.weight"),
+            Size("relative_attention_num_buckets", config.relative_attention_buckets, bias, 0),
+            Size("num_heads", config.num_heads, bias, 1),
+            Size("d_ff", config.intermediate_size, "encoder.block.0.layer.1.DenseReluDense.wo.weight", 1),
+            Size("num_layers", config.num_layers, r"encoder\.block\.(\d+)\.", None),
+            Size("num_decoder_layers", config.num_decoder_layers, r"decoder\.block\.(\d+)\.", None)]
+
+
+def parameter_count(config) -> int:
+    """The number of parameters of the model (before it is built)."""
+    h, inner = config.hidden_size, config.num_heads * config.head_dim
+    feed_forward = (3 if config.gated else 2) * h * config.intermediate_size
+    encoder = config.num_layers * (4 * h * inner + feed_forward + 2 * h)
+    decoder = config.num_decoder_layers * (8 * h * inner + feed_forward + 3 * h)
+    head = 0 if config.tie_word_embeddings else config.vocab_size * h
+    return config.vocab_size * h + 2 * config.relative_attention_buckets * config.num_heads + encoder + decoder + head

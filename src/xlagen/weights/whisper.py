@@ -8,7 +8,7 @@ get zeros in the key's place. The stem's Conv1d weights `[out, in, width]` becom
 
 from __future__ import annotations
 
-from xlagen.weights.loader import Rule, chain, concat_first, conv_kernel, insert_zeros, transpose
+from xlagen.weights.loader import Rule, Size, chain, concat_first, conv_kernel, insert_zeros, transpose
 
 # WhisperForConditionalGeneration prefixes the encoder and decoder with "model."; a bare WhisperModel does not.
 PREFIX = "model."
@@ -74,3 +74,26 @@ def ignore(config) -> tuple[str, ...]:
 def saved_name(name: str) -> str:
     """The name transformers' WhisperForConditionalGeneration gives a tensor of the table."""
     return PREFIX + name
+
+
+def sizes(config) -> list[Size]:
+    """The config values that the checkpoint's tensor shapes must agree with."""
+    return [Size("d_model", config.hidden_size, "encoder.conv1.weight", 0),
+            Size("num_mel_bins", config.num_mel_bins, "encoder.conv1.weight", 1),
+            Size("max_source_positions", config.max_source_positions, "encoder.embed_positions.weight", 0),
+            Size("vocab_size", config.vocab_size, "decoder.embed_tokens.weight", 0),
+            Size("max_target_positions", config.max_positions, "decoder.embed_positions.weight", 0),
+            Size("encoder_ffn_dim", config.encoder_ffn_dim, "encoder.layers.0.fc1.weight", 0),
+            Size("decoder_ffn_dim", config.decoder_ffn_dim, "decoder.layers.0.fc1.weight", 0),
+            Size("encoder_layers", config.encoder_layers, r"encoder\.layers\.(\d+)\.", None),
+            Size("decoder_layers", config.decoder_layers, r"decoder\.layers\.(\d+)\.", None)]
+
+
+def parameter_count(config) -> int:
+    """The number of parameters of the model (before it is built)."""
+    h = config.hidden_size
+    stem = 3 * h * (config.num_mel_bins + h) + 2 * h
+    encoder = config.encoder_layers * (4 * h * h + 2 * h * config.encoder_ffn_dim + 9 * h)
+    decoder = config.decoder_layers * (8 * h * h + 2 * h * config.decoder_ffn_dim + 15 * h)
+    positions = (config.max_source_positions + config.max_positions) * h
+    return stem + encoder + decoder + positions + config.vocab_size * h + 4 * h
