@@ -74,6 +74,16 @@ def build_whisper_tokenizer(folder, multilingual: bool = True) -> dict:
             "vocab_size": ids[timestamps[-1]] + 1}
 
 
+def reference_tokenizer(folder, **options):
+    """transformers' WhisperTokenizerFast of `folder`, decoding as transformers 4.x did: transformers 5 ignores
+    the checkpoint's `clean_up_tokenization_spaces=True` for BPE tokenizers unless told otherwise; xlagen
+    keeps 4.x's behaviour (README, "Differences from transformers")."""
+    from transformers import WhisperTokenizerFast
+
+    return WhisperTokenizerFast.from_pretrained(
+        folder, clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output=True, **options)
+
+
 def save_feature_extractor(folder, num_mel_bins: int = 80) -> None:
     """Writes preprocessor_config.json with transformers' WhisperFeatureExtractor."""
     from transformers import WhisperFeatureExtractor
