@@ -316,5 +316,5 @@ def test_cli_generate_prints_the_decoder_output(t5, capsys):
     sequences = model.generate(**encoding, max_new_tokens=6)
     assert (sequences.numpy()[:, 0] == START).all()
     expected = tokenizer.batch_decode(sequences[:, 1:], skip_special_tokens=True)
-    assert printed == "".join(text + "\n" for text in expected)
+    assert printed == "---\n".join(text + "\n" for text in expected)  # a line of --- between prompts
     assert any(expected)
