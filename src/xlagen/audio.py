@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from xlagen.weights.atomic_save import check_save_complete
 from xlagen.weights.checkpoint import read_json, write_files
 
 logger = logging.getLogger(__name__)
@@ -311,7 +310,6 @@ class WhisperFeatureExtractor:
             raise TypeError(f"Unexpected keyword arguments {sorted(unknown)}; the settings are {list(_SETTINGS)}.")
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
-        check_save_complete(folder)
         return cls.from_dict({**read_preprocessor_config(folder), **overrides})
 
     @classmethod

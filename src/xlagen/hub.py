@@ -23,6 +23,8 @@ from huggingface_hub import constants as hub_constants
 from huggingface_hub import errors as hub_errors
 from huggingface_hub.utils import validate_repo_id
 
+from xlagen.weights.atomic_save import check_save_complete
+
 logger = logging.getLogger(__name__)
 
 
@@ -115,8 +117,16 @@ def resolve_model_dir(
         OSError: If a path-like name does not exist or is a file; if the name is neither a folder
             nor a valid repo id; if the repo is not cached while offline; if the repo or revision
             does not exist on the Hub (or is gated); or if the Hub cannot be reached. The
-            huggingface_hub exception, when there is one, is chained as `__cause__`.
+            huggingface_hub exception, when there is one, is chained as `__cause__`. Also if the folder's last
+            `save_pretrained` was interrupted while it replaced the files (the message says how to finish it).
     """
+    folder = _resolve(name_or_path, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only)
+    check_save_complete(folder)
+    return folder
+
+
+def _resolve(name_or_path: str | os.PathLike[str], *, revision: str | None,
+             cache_dir: str | os.PathLike[str] | None, local_files_only: bool) -> pathlib.Path:
     if isinstance(name_or_path, os.PathLike):
         return _local_dir(pathlib.Path(name_or_path), revision)
     name = str(name_or_path)

@@ -17,7 +17,6 @@ from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
 from xlagen.models import gpt2, opt, registry, t5, whisper
-from xlagen.weights.atomic_save import check_save_complete
 from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes, read_json, write_files
 from xlagen.weights.loader import (check_memory, check_parameter_count, check_sizes, convert, export, normalize_prefix,
                                    physical_memory)
@@ -114,7 +113,6 @@ class PreTrainedModel(GenerationMixin):
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
-        check_save_complete(folder)
         architecture, hf_config = _read_config(folder, cls.architectures, cls.task)
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
         return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
