@@ -7,10 +7,11 @@ up to TensorFlow's float non-determinism on CPU.
 
     apt-get install bible-kjv          # the corpus (text in /usr/lib/bible.data)
     pip install -e ".[train]"          # matplotlib for the loss curve
-    python scripts/train_default_model.py --output src/xlagen/default_model
+    python scripts/train_default_model.py --output src/xlagen/default_model --report docs/default-model
 
 Writes the Hugging Face checkpoint (config.json, generation_config.json, model.safetensors,
-tokenizer files), training_log.json, loss_curve.png and the model card README.md.
+tokenizer files) and the model card README.md to --output (the package ships that folder), and
+training_log.json and loss_curve.png to --report (the repository's docs).
 """
 
 from __future__ import annotations
@@ -89,7 +90,9 @@ def blocks(tokenizer, documents: list[str], length: int) -> np.ndarray:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--output", type=pathlib.Path, required=True)
+    parser.add_argument("--output", type=pathlib.Path, required=True, help="the checkpoint folder")
+    parser.add_argument("--report", type=pathlib.Path, default=pathlib.Path("docs/default-model"),
+                        help="where the training log and the loss curve go (default: docs/default-model)")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
@@ -171,8 +174,9 @@ def main() -> None:
            "history": history.history, "step_losses": step_losses, "validation_loss": final["loss"],
            "validation_perplexity": final["perplexity"], "samples": samples,
            "versions": {"tensorflow": tf.__version__, "keras": keras.__version__}}
-    (args.output / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    plot(step_losses, history.history, len(train) // args.batch_size, args.output / "loss_curve.png")
+    args.report.mkdir(parents=True, exist_ok=True)
+    (args.report / "training_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    plot(step_losses, history.history, len(train) // args.batch_size, args.report / "loss_curve.png")
     logger.info("done in %.0f s: validation loss %.3f, perplexity %.2f", seconds, final["loss"],
                 final["perplexity"])
     for sample in samples:
