@@ -167,7 +167,7 @@ class CausalDecoding:
     Generation calls `generation_inputs`, then `prefill` and `decode_step`; the state they pass around
     is an opaque nest (a `DecoderState`). Beam search turns it into K beams per prompt with
     `expand_beams` and continues chosen beams with `reorder_state`. Decoder-only models use everything
-    as is; an encoder-decoder model overrides `generation_inputs` and `encode_context`.
+    as is (`DecoderOnlyLM`); encoder-decoder models build on `EncoderDecoderLM`.
     """
 
     def generation_inputs(self, input_ids, attention_mask, decoder_start_token_id=None, decoder_input_ids=None,
@@ -275,6 +275,66 @@ class CausalDecoding:
         logits, cache = self.call_with_cache(token_ids, state.cache, index, state.attention_mask,
                                              context=state.context, slots=slots)
         return logits[:, -1], state._replace(cache=cache, slots=slots)
+
+
+class EncoderDecoderLM(CausalDecoding):
+    """The decoding contract of an encoder-decoder model (T5, Whisper): the encoder runs once per generation
+    (`encode_context`), and the decoder's steps attend to its output through the `EncoderContext`.
+
+    A subclass (also a `keras.Model`) defines what is its own:
+    - `_encoder_inputs(inputs, attention_mask) -> dict`: the checked inputs of `encode_context` (keywords);
+    - `encode_context(**encoder_inputs) -> EncoderContext`;
+    - `decoder_cache_shape() -> (layers, heads, head_dim)` of the decoder's self-attention cache;
+    - `_decode_cached(token_ids, cache, cache_index, attention_mask, last_only, context, slots)`: the
+      decoder's cached forward, `(logits [B, T, V], cache)`.
+    """
+
+    def generation_inputs(self, inputs, attention_mask, decoder_start_token_id=None, decoder_input_ids=None,
+                          decoder_attention_mask=None):
+        """The encoder gets `inputs` (token ids or audio features, with their mask if any); the decoder
+        continues `decoder_input_ids`, or starts from its start token.
+
+        Returns:
+            `(prompt_ids [B, P'], prompt_mask [B, P'], encoder inputs)`: see `CausalDecoding`.
+
+        Raises:
+            ValueError: for encoder inputs the model cannot take, or no decoder start token.
+        """
+        encoder = self._encoder_inputs(inputs, attention_mask)
+        ids, mask = decoder_start_prompt(ops.shape(inputs)[0], self.config.decoder_start_token_id,
+                                         decoder_start_token_id, decoder_input_ids, decoder_attention_mask)
+        return ids, mask, encoder
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None):
+        """Zero decoder self-attention cache `L x (k, v) [B, H, S, D]`."""
+        layers, heads, head_dim = self.decoder_cache_shape()
+        return cache_lib.init_cache(layers, batch_size, heads, max_length, head_dim, dtype or self.compute_dtype)
+
+    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=None,
+                        slots=None):
+        """Runs decoder tokens written at `cache_index` against the static cache and the encoder context.
+
+        Args:
+            token_ids: int32 `[B, T]`.
+            cache: From `init_cache`, `[B, H, S, D]` per layer (or the beam layout, see `slots`).
+            cache_index: int32 scalar tensor, the write offset (and the first token's position).
+            attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
+            last_only: Compute logits for the last token only (`T` becomes 1 in the output).
+            context: The `EncoderContext` from `encode_context`, of B rows, or of G rows with the beam layout
+                (each prompt's K beams attend over its one row).
+            slots: For a decoding step over a cache in the beam layout: int32 `[G, K, S]`, see
+                `attention.causal_mask`.
+
+        Returns:
+            `(logits float32 [B, T, V], updated cache)`.
+
+        Raises:
+            TypeError: without an `EncoderContext`.
+        """
+        if not isinstance(context, EncoderContext):
+            raise TypeError(f"{type(self).__name__} decodes against its encoder: pass "
+                            "context=model.encode_context(...) (the encoder inputs of generation_inputs)")
+        return self._decode_cached(token_ids, cache, cache_index, attention_mask, last_only, context, slots)
 
 
 class DecoderOnlyLM(CausalDecoding):

@@ -31,7 +31,6 @@ import keras
 import numpy as np
 from keras import ops
 
-from xlagen import cache as cache_lib
 from xlagen.layers.attention import causal_mask, padding_mask
 from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock, run_blocks
 from xlagen.layers.dense import Dense
@@ -39,7 +38,7 @@ from xlagen.layers.embeddings import TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import rms_norm
 from xlagen.models import config_checks as checks
-from xlagen.models.base import CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_start_prompt, encoder_context
+from xlagen.models.base import EncoderContext, EncoderDecoderLM, Seq2SeqLMOutput, encoder_context
 from xlagen.models.training import Seq2SeqLMTraining
 
 logger = logging.getLogger(__name__)
@@ -280,7 +279,7 @@ def block_spec(config: T5Config, cross_attention: bool) -> BlockSpec:
                      gated=config.gated, feed_forward_dropout=config.dropout, cross_attention=cross_attention)
 
 
-class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
+class T5LM(Seq2SeqLMTraining, EncoderDecoderLM, keras.Model):
     """T5 with its language-modelling head, as a Keras 3 model.
 
     Args:
@@ -405,51 +404,27 @@ class T5LM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         logits, _ = self._decode(decoder_input_ids, decoder_attention_mask, context, training=training)
         return Seq2SeqLMOutput(logits)
 
-    # The decoding contract (see `xlagen.models.base.CausalDecoding`).
+    # The decoding contract (see `xlagen.models.base.EncoderDecoderLM`).
 
-    def generation_inputs(self, input_ids, attention_mask, decoder_start_token_id=None, decoder_input_ids=None,
-                          decoder_attention_mask=None):
-        """The encoder gets `input_ids`; the decoder starts from its start token (or `decoder_input_ids`).
+    def _encoder_inputs(self, input_ids, attention_mask) -> dict:
+        """The encoder's ids and mask (see `EncoderDecoderLM`).
 
         Raises:
-            ValueError: for an encoder input beyond `max_positions`, or no decoder start token.
+            ValueError: for an encoder input beyond `max_positions`.
         """
         self._check_length(input_ids.shape[1], "input_ids")
         # Padding positions hold id 0 (their outputs are masked) so that any pad id is a valid index.
-        encoder = {"encoder_ids": ops.where(ops.cast(attention_mask, "bool"), input_ids, 0),
-                   "encoder_mask": attention_mask}
-        ids, mask = decoder_start_prompt(ops.shape(input_ids)[0], self.config.decoder_start_token_id,
-                                         decoder_start_token_id, decoder_input_ids, decoder_attention_mask)
-        return ids, mask, encoder
+        return {"encoder_ids": ops.where(ops.cast(attention_mask, "bool"), input_ids, 0),
+                "encoder_mask": attention_mask}
 
     def encode_context(self, encoder_ids, encoder_mask) -> EncoderContext:
         """Runs the encoder once and projects its output to every decoder block's cross-attention keys/values
         (or keeps it for the folded cross-attention, see `encoder_context`)."""
         return self._context(self.encode(encoder_ids, encoder_mask), encoder_mask, fold=True)
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None):
-        """Zero decoder self-attention cache `L x (k, v) [B, H, S, D]`."""
-        return cache_lib.init_cache(self.config.num_decoder_layers, batch_size, self.config.num_heads, max_length,
-                                    self.config.head_dim, dtype or self.compute_dtype)
+    def decoder_cache_shape(self) -> tuple[int, int, int]:
+        """(layers, heads, head_dim) of the decoder's self-attention cache."""
+        return self.config.num_decoder_layers, self.config.num_heads, self.config.head_dim
 
-    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=None,
-                        slots=None):
-        """Runs decoder tokens written at `cache_index` against the static cache and the encoder context.
-
-        Args:
-            token_ids: int32 `[B, T]`.
-            cache: From `init_cache`, `[B, H, S, D]` per layer (or the beam layout, see `slots`).
-            cache_index: int32 scalar tensor, the write offset (and the first token's position).
-            attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
-            last_only: Compute logits for the last token only (`T` becomes 1 in the output).
-            context: The `EncoderContext` from `encode_context`, of B rows, or of G rows with the beam layout
-                (each prompt's K beams attend over its one row).
-            slots: For a decoding step over a cache in the beam layout: int32 `[G, K, S]`, see
-                `attention.causal_mask`.
-
-        Returns:
-            `(logits float32 [B, T, V], updated cache)`.
-        """
-        if not isinstance(context, EncoderContext):
-            raise TypeError("T5 decodes against its encoder: pass context=model.encode_context(ids, mask)")
+    def _decode_cached(self, token_ids, cache, cache_index, attention_mask, last_only, context, slots):
         return self._decode(token_ids, attention_mask, context, cache, cache_index, last_only, slots=slots)

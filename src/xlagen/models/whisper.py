@@ -20,15 +20,14 @@ from dataclasses import dataclass
 import keras
 from keras import ops
 
-from xlagen import cache as cache_lib
 from xlagen.layers.attention import causal_mask
 from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock, run_blocks
 from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
 from xlagen.models import config_checks as checks
-from xlagen.models.base import (CausalDecoding, EncoderContext, Seq2SeqLMOutput, decoder_start_prompt, encoder_context,
-                                positions_at, positions_from_mask)
+from xlagen.models.base import (EncoderContext, EncoderDecoderLM, Seq2SeqLMOutput, encoder_context, positions_at,
+                                positions_from_mask)
 from xlagen.models.training import Seq2SeqLMTraining
 
 logger = logging.getLogger(__name__)
@@ -192,7 +191,7 @@ class ConvStem(keras.layers.Layer):
         return self.activation(self.conv2(ops.pad(x, pad)))
 
 
-class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
+class WhisperLM(Seq2SeqLMTraining, EncoderDecoderLM, keras.Model):
     """Whisper's encoder-decoder with its language-modelling head, as a Keras 3 model.
 
     Args:
@@ -305,53 +304,28 @@ class WhisperLM(Seq2SeqLMTraining, CausalDecoding, keras.Model):
         logits, _ = self._decode(decoder_input_ids, positions, mask, context, training=training)
         return Seq2SeqLMOutput(logits)
 
-    # The decoding contract (see `xlagen.models.base.CausalDecoding`).
+    # The decoding contract (see `xlagen.models.base.EncoderDecoderLM`).
 
-    def generation_inputs(self, input_features, attention_mask=None, decoder_start_token_id=None,
-                          decoder_input_ids=None, decoder_attention_mask=None):
-        """The encoder gets `input_features`; the decoder continues `decoder_input_ids` (the forced prefix
-        `generate` builds), or starts from its start token.
+    def _encoder_inputs(self, input_features, attention_mask) -> dict:
+        """The encoder's features (see `EncoderDecoderLM`); Whisper's encoder takes no mask.
 
         Raises:
-            ValueError: for features of the wrong shape, or no decoder start token.
+            ValueError: for features of the wrong shape.
         """
         self._check_features(input_features)
-        encoder = {"input_features": input_features}
-        ids, mask = decoder_start_prompt(ops.shape(input_features)[0], self.config.decoder_start_token_id,
-                                         decoder_start_token_id, decoder_input_ids, decoder_attention_mask)
-        return ids, mask, encoder
+        return {"input_features": input_features}
 
     def encode_context(self, input_features) -> EncoderContext:
         """Runs the encoder once and projects its output to every decoder block's cross-attention keys/values
         (or keeps it for the folded cross-attention, see `encoder_context`)."""
         return self._context(self.encode(input_features), fold=True)
 
-    def init_cache(self, batch_size: int, max_length: int, dtype=None):
-        """Zero decoder self-attention cache `L x (k, v) [B, H, S, D]`."""
+    def decoder_cache_shape(self) -> tuple[int, int, int]:
+        """(layers, heads, head_dim) of the decoder's self-attention cache."""
         heads = self.config.decoder_heads
-        return cache_lib.init_cache(self.config.decoder_layers, batch_size, heads, max_length,
-                                    self.config.hidden_size // heads, dtype or self.compute_dtype)
+        return self.config.decoder_layers, heads, self.config.hidden_size // heads
 
-    def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=None,
-                        slots=None):
-        """Runs decoder tokens written at `cache_index` against the static cache and the encoder context.
-
-        Args:
-            token_ids: int32 `[B, T]`.
-            cache: From `init_cache`, `[B, H, S, D]` per layer (or the beam layout, see `slots`).
-            cache_index: int32 scalar tensor, the write offset.
-            attention_mask: `[B, S]` 1/0 over the whole cache (prompt mask then ones).
-            last_only: Compute logits for the last token only (`T` becomes 1 in the output).
-            context: The `EncoderContext` from `encode_context`, of B rows, or of G rows with the beam layout
-                (each prompt's K beams attend over its one row).
-            slots: For a decoding step over a cache in the beam layout: int32 `[G, K, S]`, see
-                `attention.causal_mask`.
-
-        Returns:
-            `(logits float32 [B, T, V], updated cache)`.
-        """
-        if not isinstance(context, EncoderContext):
-            raise TypeError("Whisper decodes against its encoder: pass context=model.encode_context(features)")
+    def _decode_cached(self, token_ids, cache, cache_index, attention_mask, last_only, context, slots):
         num_tokens = token_ids.shape[1]
         positions = positions_at(attention_mask, cache_index, num_tokens)
         mask = causal_mask(attention_mask, cache_index, num_tokens, slots)
