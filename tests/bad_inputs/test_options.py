@@ -3,6 +3,7 @@ eagerly, under `tf.function(model.generate, jit_compile=True)` and through `Comp
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -188,3 +189,19 @@ def test_whisper_bad_features(whisper, change, error, message):
     with pytest.raises(error, match=message):
         generator.generate(features, max_new_tokens=2)
     assert generator.trace_log == []
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"num_beams": "2"}, "num_beams must be an int, got str"),
+    ({"length_penalty": "NaN"}, "length_penalty must be a number"),
+    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+])
+def test_bad_generation_config_file_names_the_file(tmp_path, values, message):
+    (tmp_path / "generation_config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=f"generation_config.json: {message}"):
+        GenerationConfig.from_pretrained(tmp_path)
+
+
+def test_generation_config_file_nulls_mean_default(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"temperature": null, "max_new_tokens": null}')
+    assert GenerationConfig.from_pretrained(tmp_path).temperature == 1.0

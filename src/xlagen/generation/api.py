@@ -121,8 +121,8 @@ class Request(NamedTuple):
 
 
 def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
-    """Validates a `generate` call (before any tracing), resolves its options and splits the inputs
-    into the decoder prompt and the model's other inputs (`model.generation_inputs`)."""
+    """Validates a `generate` call (before any tracing, see `checks`), resolves its options and splits the
+    inputs into the decoder prompt and the model's other inputs (`model.generation_inputs`)."""
     model_inputs, options = _split_kwargs(kwargs)
     main = getattr(model.config, "main_input_name", "input_ids")
     if inputs is None:
@@ -243,7 +243,7 @@ class GenerationMixin:
                 `input_features` `[B, mel bins, frames]`, with `language`, `task` and `return_timestamps`
                 among the options.
             generation_config: Overrides the model's defaults (`generation_config.json`).
-            seed: Optional `[2]` ints (or one int) for reproducible sampling.
+            seed: Optional `[2]` ints (or one int), each in the int32 range, for reproducible sampling.
             **kwargs: `attention_mask` `[B, P]`; for encoder-decoder models `decoder_input_ids` `[B, P']`
                 (a decoder prompt starting with decoder_start_token_id) and `decoder_attention_mask`;
                 and any `GenerationConfig` field (max_new_tokens, num_beams, do_sample, ...).
@@ -254,7 +254,11 @@ class GenerationMixin:
             the decoder prompt (the start token by default) and the new tokens.
 
         Raises:
-            ValueError: for invalid options, inputs or lengths, before anything is traced.
+            TypeError: for inputs or options of the wrong type (float token ids, `num_beams=2.5`).
+            ValueError: for invalid options, inputs or lengths, or a call whose estimated memory exceeds
+                the limit (`max_memory_gb`), before anything is traced. Values (token ids within the
+                vocabulary, 0/1 masks, finite features) are checked when known: eagerly, not for tensor
+                arguments of a `tf.function` (`CompiledGenerator` always checks them).
         """
         request = parse_request(self, inputs, generation_config, seed, kwargs)
         config, prompt_length = request.config, request.prompt.ids.shape[1]

@@ -186,14 +186,25 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "GenerationConfig":
-        """Builds a config from a dict, ignoring keys xlagen does not use (e.g. `transformers_version`)."""
-        names = cls.field_names()
-        return cls(**{k: v for k, v in values.items() if k in names})
+        """Builds a config from a dict, ignoring keys xlagen does not use (e.g. `transformers_version`) and
+        nulls of options that have a default (transformers' "unset")."""
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items()
+                      if k in defaults and not (v is None and defaults[k] not in (None, dataclasses.MISSING))})
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "GenerationConfig":
-        """Reads `generation_config.json` from a local folder (OSError if missing, ValueError if malformed)."""
-        return cls.from_dict(read_json(folder, "generation_config.json"))
+        """Reads `generation_config.json` from a local folder.
+
+        Raises:
+            OSError: if the file is missing or unreadable.
+            ValueError: if it is malformed or holds an invalid value (the message names the file).
+        """
+        values = read_json(folder, "generation_config.json")
+        try:
+            return cls.from_dict(values)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{Path(folder, 'generation_config.json')}: {error}") from error
 
     @classmethod
     def from_model_config(cls, model_config) -> "GenerationConfig":
