@@ -12,6 +12,7 @@ import tensorflow as tf
 
 from conftest import random_ids, tiny_family_model
 from xlagen import CompiledGenerator, GenerationConfig
+from xlagen.generation import checks
 
 IDS = random_ids((2, 4), 64, seed=51)
 MASK = np.ones_like(IDS)
@@ -50,16 +51,21 @@ BAD_INPUTS = [
     (dict(input_ids=IDS.astype(np.float32)), TypeError, "input_ids must hold integer token ids, got dtype float"),
     (dict(input_ids=IDS.astype(bool)), TypeError, "input_ids must hold integer token ids, got dtype bool"),
     (dict(input_ids=[[1, 2], [3]]), ValueError, "input_ids must be a rectangular"),
-    (dict(input_ids=_with(IDS, 1, 2, 1000)), ValueError, r"input_ids holds token id 1000 at row 1, column 2.*\[0, 320\)"),
+    (dict(input_ids=_with(IDS, 1, 2, 1000)), ValueError,
+     r"input_ids holds token id 1000 at row 1, column 2.*\[0, 320\)"),
     (dict(input_ids=_with(IDS, 0, 0, -3)), ValueError, "input_ids holds token id -3 at row 0"),
-    (dict(input_ids=_with(IDS, 0, 1, 2**33 + 5, np.int64)), ValueError, "input_ids holds 8589934597, outside the int32"),
+    (dict(input_ids=_with(IDS, 0, 1, 2**33 + 5, np.int64)), ValueError,
+     "input_ids holds 8589934597, outside the int32"),
     (dict(input_ids=IDS[:0]), ValueError, "empty batch: input_ids has 0 rows"),
-    (dict(input_ids=IDS, attention_mask=_with(MASK, 1, 0, 2)), ValueError, "attention_mask must hold only 0 .* got 2 at row 1"),
-    (dict(input_ids=IDS, attention_mask=_with(MASK, 0, 3, -1)), ValueError, "attention_mask .* got -1 at row 0, column 3"),
+    (dict(input_ids=IDS, attention_mask=_with(MASK, 1, 0, 2)), ValueError,
+     "attention_mask must hold only 0 .* got 2 at row 1"),
+    (dict(input_ids=IDS, attention_mask=_with(MASK, 0, 3, -1)), ValueError,
+     "attention_mask .* got -1 at row 0, column 3"),
     (dict(input_ids=IDS, attention_mask=_with(MASK, 0, 0, 0.5, np.float32)), ValueError, "attention_mask .* got 0.5"),
     (dict(input_ids=IDS, attention_mask=np.stack([MASK[0], np.zeros(4, np.int32)])), ValueError,
      "attention_mask row 1 is all zeros"),
-    (dict(input_ids=IDS, attention_mask=MASK[:1]), ValueError, r"attention_mask shape \(1, 4\) does not match input_ids"),
+    (dict(input_ids=IDS, attention_mask=MASK[:1]), ValueError,
+     r"attention_mask shape \(1, 4\) does not match input_ids"),
     (dict(input_ids=IDS, attention_mask=MASK[:, :3]), ValueError, "attention_mask shape"),
     (dict(input_ids=np.full((1, 3), 1, np.int32), pad_token_id=1), ValueError, "attention_mask row 0 is all zeros"),
     (dict(input_ids=IDS, do_sample=True, seed=2**40), ValueError, "seed 1099511627776 is outside the int32"),
@@ -205,3 +211,15 @@ def test_bad_generation_config_file_names_the_file(tmp_path, values, message):
 def test_generation_config_file_nulls_mean_default(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"temperature": null, "max_new_tokens": null}')
     assert GenerationConfig.from_pretrained(tmp_path).temperature == 1.0
+
+
+def test_memory_estimate_follows_the_cache(gpt2_model):
+    """`decoding_bytes` is the real cache size plus one step's scores; ordinary calls are estimated small."""
+    cache = gpt2_model.init_cache(3, 10)
+    cache_bytes = sum(int(np.prod(t.shape)) * t.dtype.size for t in tf.nest.flatten(cache))
+    heads = gpt2_model.config.num_heads
+    assert gpt2_model.decoding_bytes(3, 10) == cache_bytes + 3 * heads * 10 * 9
+    assert checks.estimate_bytes(gpt2_model, 2, 8, 16, GenerationConfig(), {}) < 2**20
+    # Beam search's step scores grow with the square of the beams.
+    beams = [checks.estimate_bytes(gpt2_model, 1, 8, 16, GenerationConfig(num_beams=k), {}) for k in (100, 200)]
+    assert 3.5 < beams[1] / beams[0] < 4.5

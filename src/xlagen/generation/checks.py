@@ -154,7 +154,9 @@ def estimate_bytes(model, batch: int, prompt_length: int, new_tokens: int, confi
     rows = batch * max(beams, config.num_return_sequences)
     total = prompt_length + new_tokens
     vocab = model.config.vocab_size
-    needed = model.decoding_bytes(batch if beams > 1 else rows, total, beams)
+    # `CausalDecoding.decoding_bytes`; a model without it is estimated from generation's own buffers only.
+    state_bytes = getattr(model, "decoding_bytes", lambda *sizes: 0)
+    needed = state_bytes(batch if beams > 1 else rows, total, beams)
     needed += 4 * rows * total * 4  # tokens: running, finished and candidate buffers (beam search)
     needed += 8 * rows * vocab * 4  # logits, log-probs, processed scores, top-k / sort temporaries
     if config.output_scores:
@@ -162,7 +164,7 @@ def estimate_bytes(model, batch: int, prompt_length: int, new_tokens: int, confi
     encoder_rows = batch if beams > 1 else rows  # beams share their prompt's encoder context
     for tensor in extra.values():
         sizes = [d for d in tensor.shape[1:] if d is not None]
-        needed += model.decoding_bytes(encoder_rows, max(sizes, default=1)) + encoder_rows * 4 * int(np.prod(sizes))
+        needed += state_bytes(encoder_rows, max(sizes, default=1)) + encoder_rows * 4 * int(np.prod(sizes))
     return needed
 
 
