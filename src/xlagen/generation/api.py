@@ -9,10 +9,9 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-import numpy as np
 import tensorflow as tf
 
-from xlagen.generation import whisper
+from xlagen.generation import checks, whisper
 from xlagen.generation.beam_search import BeamOptions, beam_search
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Plan, Prompt, decode, repeat_rows
@@ -37,12 +36,6 @@ class GenerateOutput(NamedTuple):
     sequences: tf.Tensor
     scores: tuple | None = None
     sequences_scores: tf.Tensor | None = None
-
-
-def _as_int32(value) -> tf.Tensor:
-    if isinstance(value, (list, tuple)) or isinstance(value, np.ndarray):
-        value = np.asarray(value)
-    return tf.cast(tf.convert_to_tensor(value), tf.int32)
 
 
 def _default_attention_mask(input_ids: tf.Tensor, config: GenerationConfig) -> tf.Tensor:
@@ -88,32 +81,26 @@ def _check_lengths(model, prompt_length: int, config: GenerationConfig) -> int:
     return new_tokens
 
 
-def _as_batch(name: str, value) -> tf.Tensor:
-    """`value` as an int32 tensor, checked to be `[B, T]`."""
-    value = _as_int32(value)
-    if value.shape.rank != 2:
-        raise ValueError(f"{name} must be [batch, length], got shape {value.shape}")
-    return value
-
-
-def _decoder_inputs(model_inputs: dict, input_ids: tf.Tensor, config: GenerationConfig):
+def _decoder_inputs(model, model_inputs: dict, input_ids: tf.Tensor, config: GenerationConfig):
     """`decoder_input_ids` / `decoder_attention_mask` as int32 tensors, checked against the batch."""
     ids, mask = model_inputs.get("decoder_input_ids"), model_inputs.get("decoder_attention_mask")
     if ids is None:
         if mask is not None:
             raise ValueError("decoder_attention_mask needs decoder_input_ids")
         return None, None
-    ids = _as_batch("decoder_input_ids", ids)
+    ids = checks.as_int_tensor("decoder_input_ids", ids)
     if None not in (ids.shape[0], input_ids.shape[0]) and ids.shape[0] != input_ids.shape[0]:
         raise ValueError(f"decoder_input_ids has batch size {ids.shape[0]} but input_ids has {input_ids.shape[0]}: "
                          "give one decoder prompt per input row")
     if mask is not None:
-        mask = _as_batch("decoder_attention_mask", mask)
-        if mask.shape != ids.shape:
+        mask = checks.as_mask_tensor("decoder_attention_mask", mask)
+        if not mask.shape.is_compatible_with(ids.shape):
             raise ValueError(f"decoder_attention_mask shape {mask.shape} does not match decoder_input_ids "
                              f"{ids.shape}")
     if ids.shape[1] == 0:
         raise ValueError("decoder_input_ids is empty: leave it out to start from decoder_start_token_id")
+    checks.check_tokens("decoder_input_ids", ids, "decoder_attention_mask", tf.ones_like(ids) if mask is None else mask,
+                        model.config.vocab_size)
     first = tf.get_static_value(ids[:, 0])
     start = config.decoder_start_token_id
     if first is not None and start is not None and (first != start).all():
@@ -134,8 +121,8 @@ class Request(NamedTuple):
 
 
 def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
-    """Validates a `generate` call (before any tracing), resolves its options and splits the inputs
-    into the decoder prompt and the model's other inputs (`model.generation_inputs`)."""
+    """Validates a `generate` call (before any tracing, see `checks`), resolves its options and splits the
+    inputs into the decoder prompt and the model's other inputs (`model.generation_inputs`)."""
     model_inputs, options = _split_kwargs(kwargs)
     main = getattr(model.config, "main_input_name", "input_ids")
     if inputs is None:
@@ -147,17 +134,27 @@ def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
     config = resolve_config(model, generation_config, options)
     if main == "input_features":
         return _parse_speech_request(model, inputs, model_inputs, config, seed)
-    input_ids = _as_batch("input_ids", inputs)
+    input_ids = checks.as_int_tensor("input_ids", inputs)
+    checks.check_batch("input_ids", input_ids)
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token (e.g. the BOS token) in input_ids")
     mask = model_inputs.get("attention_mask")
-    mask = _default_attention_mask(input_ids, config) if mask is None else _as_int32(mask)
-    if mask.shape.rank != 2 or mask.shape[1] != input_ids.shape[1]:
-        raise ValueError(f"attention_mask shape {mask.shape} does not match input_ids {input_ids.shape}")
-    decoder_ids, decoder_mask = _decoder_inputs(model_inputs, input_ids, config)
+    mask = _default_attention_mask(input_ids, config) if mask is None else checks.as_mask_tensor("attention_mask", mask)
+    if mask.shape.rank != 2 or not mask.shape.is_compatible_with(input_ids.shape):
+        raise ValueError(f"attention_mask shape {mask.shape} does not match input_ids {input_ids.shape}: give one "
+                         "mask value per token")
+    checks.check_tokens("input_ids", input_ids, "attention_mask", mask, model.config.vocab_size)
+    checks.check_seed(seed)
+    decoder_ids, decoder_mask = _decoder_inputs(model, model_inputs, input_ids, config)
     prompt = Prompt(*model.generation_inputs(input_ids, mask, config.decoder_start_token_id, decoder_ids,
                                              decoder_mask))
+    return _request(model, prompt, config, seed)
+
+
+def _request(model, prompt: Prompt, config: GenerationConfig, seed) -> Request:
+    """The request, once its lengths fit the model and its estimated memory the limit."""
     new_tokens = _check_lengths(model, prompt.ids.shape[1], config)
+    checks.check_sizes(model, prompt.ids.shape[0] or 1, prompt.ids.shape[1], new_tokens, config, prompt.extra)
     return Request(prompt, config, new_tokens, seed)
 
 
@@ -174,11 +171,13 @@ def _parse_speech_request(model, features, model_inputs: dict, config: Generatio
     features = tf.cast(features, tf.float32)
     if features.shape.rank != 3:
         raise ValueError(f"input_features must be [batch, mel bins, frames], got shape {features.shape}")
-    ids, mask = _decoder_inputs(model_inputs, features[:, :1, 0], config)
+    checks.check_features("input_features", features)
+    checks.check_seed(seed)
+    ids, mask = _decoder_inputs(model, model_inputs, features[:, :1, 0], config)
     if ids is None:
         ids = whisper.decoder_prompt(model, features, config)
     prompt = Prompt(*model.generation_inputs(features, None, config.decoder_start_token_id, ids, mask))
-    return Request(prompt, config, _check_lengths(model, prompt.ids.shape[1], config), seed)
+    return _request(model, prompt, config, seed)
 
 
 def make_plan(config: GenerationConfig, capacity: int, vocab_size: int, always: bool = False) -> Plan:
@@ -244,7 +243,7 @@ class GenerationMixin:
                 `input_features` `[B, mel bins, frames]`, with `language`, `task` and `return_timestamps`
                 among the options.
             generation_config: Overrides the model's defaults (`generation_config.json`).
-            seed: Optional `[2]` ints (or one int) for reproducible sampling.
+            seed: Optional `[2]` ints (or one int), each in the int32 range, for reproducible sampling.
             **kwargs: `attention_mask` `[B, P]`; for encoder-decoder models `decoder_input_ids` `[B, P']`
                 (a decoder prompt starting with decoder_start_token_id) and `decoder_attention_mask`;
                 and any `GenerationConfig` field (max_new_tokens, num_beams, do_sample, ...).
@@ -255,7 +254,11 @@ class GenerationMixin:
             the decoder prompt (the start token by default) and the new tokens.
 
         Raises:
-            ValueError: for invalid options, inputs or lengths, before anything is traced.
+            TypeError: for inputs or options of the wrong type (float token ids, `num_beams=2.5`).
+            ValueError: for invalid options, inputs or lengths, or a call whose estimated memory exceeds
+                the limit (`max_memory_gb`), before anything is traced. Values (token ids within the
+                vocabulary, 0/1 masks, finite features) are checked when known: eagerly, not for tensor
+                arguments of a `tf.function` (`CompiledGenerator` always checks them).
         """
         request = parse_request(self, inputs, generation_config, seed, kwargs)
         config, prompt_length = request.config, request.prompt.ids.shape[1]
@@ -270,5 +273,6 @@ def seed_tensor(seed, needed: bool) -> tf.Tensor:
         return tf.zeros([2], tf.int32)
     if seed is None:
         return tf.random.uniform([2], maxval=2**31 - 1, dtype=tf.int32)
+    checks.check_seed(seed)
     seed = tf.reshape(tf.cast(tf.convert_to_tensor(seed), tf.int32), [-1])
     return tf.concat([tf.zeros([max(0, 2 - seed.shape[0])], tf.int32), seed], 0)[-2:]

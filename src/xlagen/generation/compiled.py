@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from xlagen.generation import checks
 from xlagen.generation.api import format_output, make_plan, make_runtime, parse_request, run
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Prompt
@@ -159,8 +160,13 @@ class CompiledGenerator:
     def generate(self, inputs=None, generation_config: GenerationConfig | None = None, seed=None, **kwargs):
         """Same arguments and result as `model.generate`, through cached bucketed XLA programs.
 
+        Inputs are checked before any program is traced or run: besides `model.generate`'s checks,
+        the values (token ids in the vocabulary, 0/1 masks, finite features) are always known here.
+
         Raises:
-            ValueError: for invalid options, or a prompt / max_new_tokens beyond the largest bucket.
+            TypeError: for inputs or options of the wrong type (e.g. float token ids).
+            ValueError: for invalid options or inputs, a prompt / max_new_tokens beyond the largest bucket,
+                or a call whose estimated memory exceeds the limit (`max_memory_gb`).
         """
         request = parse_request(self.model, inputs, generation_config, seed, kwargs)
         config = request.config
@@ -168,6 +174,9 @@ class CompiledGenerator:
         prompt_bucket, new_bucket = self._buckets_for(prompt_length, request.max_new_tokens)
         buckets = (prompt_bucket, self._encoder_bucket(request.prompt.extra), new_bucket)
         largest = self.buckets.batch_sizes[-1]
+        # The padded shapes the program is compiled for must fit too.
+        batch_bucket = _bucket(min(batch, largest), self.buckets.batch_sizes, "batch size")
+        checks.check_sizes(self.model, batch_bucket, prompt_bucket, new_bucket, config, request.prompt.extra)
         chunks = [self._generate_chunk(request, start, min(start + largest, batch), buckets)
                   for start in range(0, batch, largest)]
         sequences = tf.concat([c[0] for c in chunks], 0)
@@ -239,10 +248,17 @@ class CompiledGenerator:
         """Compiles the programs for these shapes ahead of time, with the given static options.
 
         Args:
-            batch_sizes, prompt_lengths, max_new_tokens: Shapes to compile for (each rounded up to its
-                bucket, as real calls will be).
+            batch_sizes, prompt_lengths, max_new_tokens: Shapes to compile for, each an int or a sequence
+                of ints (each rounded up to its bucket, as real calls will be).
             **options: `generate` options (e.g. num_beams=2); numeric values do not matter.
+
+        Raises:
+            TypeError: for sizes that are not ints.
+            ValueError: for sizes < 1 or beyond the largest bucket, or invalid options.
         """
+        batch_sizes = checks.positive_ints("batch_sizes", batch_sizes)
+        prompt_lengths = checks.positive_ints("prompt_lengths", prompt_lengths)
+        max_new_tokens = checks.positive_ints("max_new_tokens", max_new_tokens)
         options = {"eos_token_id": self.model.generation_config.eos_token_id if self.model.generation_config
                    else None, **options}
         for batch in batch_sizes:

@@ -7,10 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import operator
 from dataclasses import dataclass
 from pathlib import Path
 
 from xlagen.weights.checkpoint import read_json
+
+
+_INT_FIELDS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "top_k", "num_beams",
+               "num_return_sequences", "no_repeat_ngram_size")
+_FLOAT_FIELDS = ("temperature", "top_p", "length_penalty", "repetition_penalty", "max_memory_gb")
+_OPTIONAL = ("max_new_tokens", "min_new_tokens", "max_memory_gb")
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,8 @@ class GenerationConfig:
         return_dict_in_generate: Return a `GenerateOutput` rather than the token tensor.
         suppress_tokens: Ids that are never generated.
         begin_suppress_tokens: Ids that are not generated as the first new token.
+        max_memory_gb: `generate` refuses a call whose estimated memory exceeds this many GB (None: the
+            machine's physical memory); not a decoding option, never part of a compiled program.
 
     Speech recognition (Whisper; the keys of its generation_config.json):
         language: Language of the audio (a code "fr", a name "french" or a token "<|fr|>"), or one per
@@ -83,8 +93,10 @@ class GenerationConfig:
     is_multilingual: bool | None = None
     max_initial_timestamp_index: int | None = None
     forced_decoder_ids: tuple | None = None
+    max_memory_gb: float | None = None
 
     def __post_init__(self):
+        self._check_types()
         for name in ("suppress_tokens", "begin_suppress_tokens"):  # lists from JSON -> hashable tuples
             value = getattr(self, name)
             if value is not None:
@@ -96,6 +108,34 @@ class GenerationConfig:
         if self.task is not None and self.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be 'transcribe' or 'translate', got {self.task!r}")
         self._check_decoding()
+
+    def _check_types(self):
+        """Sizes must be ints and numeric options finite numbers (numpy scalars are converted)."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if isinstance(value, (bool, float, str)) or value is None:
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            try:
+                object.__setattr__(self, name, operator.index(value))
+            except TypeError as error:
+                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from error
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if value is None and name in _OPTIONAL:
+                continue
+            if isinstance(value, (bool, str)) or value is None:
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+            try:
+                number = float(value)
+            except (TypeError, ValueError) as error:
+                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from error
+            if not math.isfinite(number):
+                raise ValueError(f"{name} must be a finite number, got {number}")
+            object.__setattr__(self, name, number)
+        if self.max_memory_gb is not None and self.max_memory_gb <= 0:
+            raise ValueError(f"max_memory_gb must be > 0, got {self.max_memory_gb}")
 
     def _check_decoding(self):
         if self.num_beams < 1:
@@ -118,6 +158,11 @@ class GenerationConfig:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.no_repeat_ngram_size < 0:
             raise ValueError(f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        if self.max_length < 1:
+            raise ValueError(f"max_length must be >= 1, got {self.max_length}")
+        for name in ("min_length", "min_new_tokens"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.early_stopping not in (True, False, "never"):
@@ -141,14 +186,25 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "GenerationConfig":
-        """Builds a config from a dict, ignoring keys xlagen does not use (e.g. `transformers_version`)."""
-        names = cls.field_names()
-        return cls(**{k: v for k, v in values.items() if k in names})
+        """Builds a config from a dict, ignoring keys xlagen does not use (e.g. `transformers_version`) and
+        nulls of options that have a default (transformers' "unset")."""
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in values.items()
+                      if k in defaults and not (v is None and defaults[k] not in (None, dataclasses.MISSING))})
 
     @classmethod
     def from_pretrained(cls, folder: str | Path) -> "GenerationConfig":
-        """Reads `generation_config.json` from a local folder (OSError if missing, ValueError if malformed)."""
-        return cls.from_dict(read_json(folder, "generation_config.json"))
+        """Reads `generation_config.json` from a local folder.
+
+        Raises:
+            OSError: if the file is missing or unreadable.
+            ValueError: if it is malformed or holds an invalid value (the message names the file).
+        """
+        values = read_json(folder, "generation_config.json")
+        try:
+            return cls.from_dict(values)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"{Path(folder, 'generation_config.json')}: {error}") from error
 
     @classmethod
     def from_model_config(cls, model_config) -> "GenerationConfig":

@@ -6,8 +6,11 @@ Shapes: B batch, T tokens in this call, S cache length (static), H heads, D head
 
 from __future__ import annotations
 
+import math
+import re
 from typing import NamedTuple
 
+import keras
 from keras import ops
 
 from xlagen import cache as cache_lib
@@ -218,6 +221,17 @@ class CausalDecoding:
                                              context=context)
         return logits[:, -1], DecoderState(cache, mask, context)
 
+    def decoding_bytes(self, batch_size: int, max_length: int, num_beams: int = 1) -> int:
+        """An estimate of the bytes a decoding run holds, without allocating it: the cache of `batch_size`
+        prompts of `num_beams` beams over `max_length` positions, and one layer's attention scores of a step
+        (in the beam layout each beam scores its prompt's K slots, `[B, H, K, K * S]`)."""
+        unit = keras.tree.flatten(self.init_cache(1, 1))  # per layer [1, H, 1, D]: the cache grows with B and S
+        per_position = sum(math.prod(t.shape) * _dtype_bytes(t.dtype) for t in unit)
+        heads = max(t.shape[1] for t in unit)
+        rows = batch_size * num_beams
+        scores = rows * heads * num_beams * max_length * (4 * 2 + 1)  # float32 scores and weights, bool mask
+        return rows * max_length * per_position + scores
+
     def expand_beams(self, state: DecoderState, num_beams: int) -> DecoderState:
         """The state of K = `num_beams` beams per row of a prompt's state (rows `[G]` -> `[G * K]`).
 
@@ -335,6 +349,12 @@ class EncoderDecoderLM(CausalDecoding):
             raise TypeError(f"{type(self).__name__} decodes against its encoder: pass "
                             "context=model.encode_context(...) (the encoder inputs of generation_inputs)")
         return self._decode_cached(token_ids, cache, cache_index, attention_mask, last_only, context, slots)
+
+
+def _dtype_bytes(dtype) -> int:
+    """Bytes of one element of `dtype` ("float32" -> 4, "bfloat16" -> 2, "bool" -> 1)."""
+    bits = re.search(r"\d+$", keras.backend.standardize_dtype(dtype))
+    return int(bits.group()) // 8 if bits else 1
 
 
 class DecoderOnlyLM(CausalDecoding):
