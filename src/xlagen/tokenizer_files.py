@@ -104,6 +104,8 @@ def merge_settings(hf_config: dict, special_map: dict, model_type: str | None, o
     tokenizer_class = tokenizer_class.removesuffix("Fast")
     values = {**_CLASS_DEFAULTS.get(tokenizer_class, {}), **hf_config, "tokenizer_class": tokenizer_class}
     additional = list(values.get("additional_special_tokens") or ())
+    if isinstance(values.get("extra_special_tokens"), list):  # transformers 5's name for the same list
+        additional += [t for t in values.pop("extra_special_tokens") if t not in additional]
     contents = {token_content(token) for token in additional}
     additional += [t for t in special_map.get("additional_special_tokens") or () if token_content(t) not in contents]
     values.update(special_map, additional_special_tokens=additional)
