@@ -423,6 +423,12 @@ def test_english_only_layout(tmp_path):
 def test_processor_matches_transformers_and_round_trips(whisper_folder, tmp_path):
     folder = whisper_folder[0]
     transformers.WhisperProcessor.from_pretrained(folder).save_pretrained(tmp_path / "hf")
+    # transformers 5 writes processor_config.json (the feature extractor's settings nested inside) instead of
+    # preprocessor_config.json; both layouts load.
+    assert (tmp_path / "hf" / "processor_config.json").is_file()
+    assert not (tmp_path / "hf" / "preprocessor_config.json").exists()
+    assert WhisperFeatureExtractor.from_pretrained(tmp_path / "hf").to_dict() == {
+        **WhisperFeatureExtractor.from_pretrained(folder).to_dict(), "processor_class": "WhisperProcessor"}
     processor = AutoProcessor.from_pretrained(tmp_path / "hf")
     assert isinstance(processor, WhisperProcessor)
     assert isinstance(processor.feature_extractor, WhisperFeatureExtractor)
