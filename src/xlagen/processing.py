@@ -175,8 +175,8 @@ def _check_whisper(folder: pathlib.Path, what: str) -> None:
         return
     if not kinds:
         raise ValueError(f"Cannot tell which {what} '{folder}' needs: it has no preprocessor_config.json or "
-                         "processor_config.json naming a feature_extractor_type or processor_class, and no config.json model_type. xlagen has "
-                         "Whisper's only.")
+                         "processor_config.json naming a feature_extractor_type or processor_class, and no "
+                         "config.json model_type. xlagen has Whisper's only.")
     raise ValueError(f"'{folder}' is a {'/'.join(sorted(kinds))} checkpoint; xlagen only has Whisper's {what} "
                      "(use AutoTokenizer for text models).")
 
