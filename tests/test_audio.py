@@ -16,7 +16,7 @@ from whisper_fixtures import (NUM_TIMESTAMPS, build_whisper_tokenizer, save_feat
                               whisper_languages)
 from xlagen import (AutoFeatureExtractor, AutoProcessor, AutoTokenizer, WhisperFeatureExtractor, WhisperProcessor,
                     WhisperTokenizerFast, load_audio)
-from xlagen.audio import LongFormFeatures
+from xlagen.transcribe import LongFormFeatures
 
 RATE = 16000
 TOLERANCE = 1e-4  # max abs difference allowed on the log-mel features

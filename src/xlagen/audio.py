@@ -424,39 +424,6 @@ class WhisperFeatureExtractor:
         return ((np.maximum(log_mel, peak - DYNAMIC_RANGE) + 4.0) / 4.0).T.astype(np.float32)
 
 
-class LongFormFeatures:
-    """Log-mel features of a whole recording, computed one window at a time.
-
-    `window(first, count)` equals `extractor(samples, padding="longest", truncation=False)
-    ["input_features"][0, :, first:first + count]`, the features transformers' long-form generation
-    cuts its 30 s windows from: the 8-decade floor follows the loudest bin of the whole recording,
-    found in a first pass over blocks of `block_frames`. Memory does not grow with the recording
-    beyond its samples.
-
-    Args:
-        extractor: The `WhisperFeatureExtractor`.
-        samples: float32 [n] mono audio at the extractor's sampling rate, n > n_fft // 2.
-        block_frames: Frames per block of the first pass.
-
-    Raises:
-        ValueError: If the audio is too short for one STFT frame.
-    """
-
-    def __init__(self, extractor: WhisperFeatureExtractor, samples: np.ndarray, block_frames: int = 3000):
-        if len(samples) <= extractor.n_fft // 2:
-            raise ValueError(f"Audio of {len(samples)} samples is too short: the STFT needs more than "
-                             f"{extractor.n_fft // 2}.")
-        self.extractor = extractor
-        self.samples = samples
-        self.num_frames = len(samples) // extractor.hop_length
-        self.peak = max(extractor.log10_mel(samples, first, min(block_frames, self.num_frames - first)).max()
-                        for first in range(0, self.num_frames, block_frames))
-
-    def window(self, first: int, count: int) -> np.ndarray:
-        """float32 [M, count] features of frames first .. first + count - 1 (within `num_frames`)."""
-        return self.extractor.scale_log_mel(self.extractor.log10_mel(self.samples, first, count), self.peak)
-
-
 def read_preprocessor_config(folder: str | os.PathLike[str], required: bool = True) -> dict[str, Any] | None:
     """Reads the feature extractor's settings of a checkpoint folder.
 

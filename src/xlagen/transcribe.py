@@ -2,7 +2,7 @@
 
 Long-form audio follows transformers 5.24's sequential algorithm (`WhisperGenerationMixin.generate` with
 `_retrieve_segment`): the recording's log-mel features are cut into 30 s windows (computed one window at a
-time, with the values of the whole recording's features: `xlagen.audio.LongFormFeatures`); each window is
+time, with the values of the whole recording's features: `LongFormFeatures`); each window is
 decoded with timestamps, its EOS removed, split into segments at consecutive timestamp tokens, and the next
 window starts at the last complete segment's end (or after the window when it ended on a single timestamp).
 The language is detected once, on the first window. Every window reuses one compiled program (`CompiledGenerator`).
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from xlagen.audio import LongFormFeatures, load_audio
+from xlagen.audio import WhisperFeatureExtractor, load_audio
 from xlagen.generation.api import resolve_config
 from xlagen.generation.compiled import CompiledGenerator
 from xlagen.generation.whisper import check_options, decoder_prompt
@@ -90,6 +90,39 @@ def split_segments(tokens: np.ndarray, timestamp_begin: int, window_frames: int)
     if single_ending:
         return segments, window_frames
     return segments, int(tokens[last - 2] - timestamp_begin) * 2  # two frames per timestamp step
+
+
+class LongFormFeatures:
+    """Log-mel features of a whole recording, computed one window at a time.
+
+    `window(first, count)` equals `extractor(samples, padding="longest", truncation=False)
+    ["input_features"][0, :, first:first + count]`, the features transformers' long-form generation
+    cuts its 30 s windows from: the 8-decade floor follows the loudest bin of the whole recording,
+    found in a first pass over blocks of `block_frames`. Memory does not grow with the recording
+    beyond its samples.
+
+    Args:
+        extractor: The `WhisperFeatureExtractor`.
+        samples: float32 [n] mono audio at the extractor's sampling rate, n > n_fft // 2.
+        block_frames: Frames per block of the first pass.
+
+    Raises:
+        ValueError: If the audio is too short for one STFT frame.
+    """
+
+    def __init__(self, extractor: WhisperFeatureExtractor, samples: np.ndarray, block_frames: int = 3000):
+        if len(samples) <= extractor.n_fft // 2:
+            raise ValueError(f"Audio of {len(samples)} samples is too short: the STFT needs more than "
+                             f"{extractor.n_fft // 2}.")
+        self.extractor = extractor
+        self.samples = samples
+        self.num_frames = len(samples) // extractor.hop_length
+        self.peak = max(extractor.log10_mel(samples, first, min(block_frames, self.num_frames - first)).max()
+                        for first in range(0, self.num_frames, block_frames))
+
+    def window(self, first: int, count: int) -> np.ndarray:
+        """float32 [M, count] features of frames first .. first + count - 1 (within `num_frames`)."""
+        return self.extractor.scale_log_mel(self.extractor.log10_mel(self.samples, first, count), self.peak)
 
 
 class Transcriber:
