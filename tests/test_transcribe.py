@@ -9,9 +9,9 @@ import pytest
 import soundfile
 import torch
 
-from models.test_whisper import save_tiny_whisper
+from models.test_whisper import EOT, TIMESTAMP_BEGIN, save_tiny_whisper
 from whisper_fixtures import build_whisper_tokenizer, save_feature_extractor, synthetic_audio
-from xlagen import TFWhisperForConditionalGeneration, WhisperProcessor
+from xlagen import TFWhisperForConditionalGeneration, WhisperFeatureExtractor, WhisperProcessor
 from xlagen.cli.__main__ import main
 from xlagen.transcribe import Transcriber, split_segments
 
@@ -145,3 +145,90 @@ def test_transformers_tf_whisper_example_runs_with_the_import_changed(checkpoint
     ours = generated_ids.numpy()
     np.testing.assert_array_equal(ours[:, :theirs.shape[1]], theirs)
     assert transcription == processor.batch_decode(theirs, skip_special_tokens=True)[0]
+
+
+# Each window: <|0.10|> a b <|0.20|><|0.20|> c <|0.30|> EOS, a window that ends on a single timestamp.
+FORCED = [TIMESTAMP_BEGIN + 5, 40, 41, TIMESTAMP_BEGIN + 10, TIMESTAMP_BEGIN + 10, 42, TIMESTAMP_BEGIN + 15, EOT]
+
+
+def _force_decoder(model, targets, prompt_length: int) -> None:
+    """Makes a transformers Whisper write `targets` after its prompt whatever the audio.
+
+    The learned position embedding of each step points (40x larger than anything else) along its
+    target's token embedding, made zero-mean and the longest row; with the decoder's final norm a plain
+    standardisation, the tied output projection scores that target highest.
+    """
+    with torch.no_grad():
+        embeddings = model.model.decoder.embed_tokens.weight
+        positions = model.model.decoder.embed_positions.weight
+        longest = 3 * embeddings.norm(dim=1).max()
+        embeddings[EOT] = torch.randn(embeddings.shape[1])  # the padding row: zeros
+        for token in set(targets):
+            embeddings[token] -= embeddings[token].mean()
+            embeddings[token] *= longest / embeddings[token].norm()
+        for step, token in enumerate(targets):
+            positions[prompt_length - 1 + step] = 40.0 * embeddings[token]
+        model.model.decoder.layer_norm.weight.fill_(1.0)
+        model.model.decoder.layer_norm.bias.zero_()
+
+
+@pytest.fixture(scope="module")
+def english_only(tmp_path_factory):
+    """A tiny English-only Whisper (generation_config is_multilingual=false) whose windows end on a single
+    timestamp then EOS, with the tokenizer and feature extractor."""
+    folder = tmp_path_factory.mktemp("whisper_en")
+    reference = save_tiny_whisper(folder, seed=2, multilingual=False)
+    _force_decoder(reference, FORCED, prompt_length=1)  # the prompt: <|startoftranscript|>
+    reference.save_pretrained(folder)
+    build_whisper_tokenizer(folder)
+    save_feature_extractor(folder, 80)
+    return folder, reference
+
+
+def test_window_ending_on_a_single_timestamp_matches_transformers(english_only, monkeypatch):
+    """The last window's EOS is removed before splitting, as transformers does: its last segment is kept and
+    no extra window is decoded. Features are computed a window (plus STFT context) at a time."""
+    folder, reference = english_only
+    transcriber = Transcriber(TFWhisperForConditionalGeneration.from_pretrained(folder),
+                              WhisperProcessor.from_pretrained(folder))
+    audio = _speechy(70.0, seed=3)
+    sizes = []
+    original = WhisperFeatureExtractor._log10_mel_of
+    monkeypatch.setattr(WhisperFeatureExtractor, "_log10_mel_of",
+                        lambda self, samples: sizes.append(len(samples)) or original(self, samples))
+    transcript = transcriber(audio, max_new_tokens=MAX_NEW)
+    extractor = transcriber.processor.feature_extractor
+    assert max(sizes) <= extractor.n_samples + extractor.n_fft
+    monkeypatch.undo()
+    features = extractor(audio, sampling_rate=16000, padding="longest", truncation=False,
+                         return_attention_mask=True, return_tensors="np")
+    with torch.no_grad():
+        out = reference.generate(torch.tensor(features["input_features"]),
+                                 attention_mask=torch.tensor(features["attention_mask"]), return_timestamps=True,
+                                 return_segments=True, max_new_tokens=MAX_NEW)
+    expected = out["segments"][0]
+    assert len(expected) == 6 and expected[-1]["tokens"].tolist() == FORCED[4:-1]  # three windows, all kept
+    assert [list(s.tokens) for s in transcript.segments] == [s["tokens"].tolist() for s in expected]
+    np.testing.assert_allclose([s.start for s in transcript.segments], [float(s["start"]) for s in expected], atol=1e-6)
+    np.testing.assert_allclose([s.end for s in transcript.segments], [float(s["end"]) for s in expected], atol=1e-6)
+    assert [s.text for s in transcript.segments] == [
+        transcriber.processor.tokenizer.decode(s["tokens"].tolist(), skip_special_tokens=True) for s in expected]
+    assert transcript.language is None
+    with pytest.raises(ValueError, match="English-only"):  # refused before the (missing) file is read
+        transcriber(str(folder / "missing.wav"), language="en")
+    with pytest.raises(ValueError, match="English-only"):
+        transcriber(audio, task="translate")
+
+
+def test_cli_english_only_model(english_only, tmp_path, capsys):
+    folder, _ = english_only
+    wav = tmp_path / "a.wav"
+    soundfile.write(wav, _speechy(5.0, 4), 16000)
+    base = ["transcribe", "--model", str(folder), "--max-new-tokens", str(MAX_NEW), "-q", str(wav)]
+    assert main(base + ["--format", "json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["language"] is None and record["segments"]
+    for option in (["--task", "translate"], ["--task", "transcribe"], ["--language", "en"]):
+        assert main(base + option) == 2
+        error = capsys.readouterr().err
+        assert f"--{option[0][2:]} {option[1]}" in error and "English-only" in error

@@ -41,6 +41,7 @@ from xlagen.weights.checkpoint import read_json, write_files
 logger = logging.getLogger(__name__)
 
 FEATURE_EXTRACTOR_NAME = "preprocessor_config.json"
+PROCESSOR_NAME = "processor_config.json"  # transformers 5
 _MAX_MEL_FREQUENCY = 8000.0  # Whisper's filter bank stops at 8 kHz whatever the sampling rate.
 LOG_FLOOR = 1e-10
 DYNAMIC_RANGE = 8.0  # decades (80 dB) below the loudest bin of each example
@@ -288,7 +289,8 @@ class WhisperFeatureExtractor:
     def from_pretrained(cls, name_or_path: str | os.PathLike[str], *, revision: str | None = None,
                         cache_dir: str | os.PathLike[str] | None = None, local_files_only: bool = False,
                         **overrides: Any) -> WhisperFeatureExtractor:
-        """Loads preprocessor_config.json from a local folder, the HF cache or the Hub.
+        """Loads preprocessor_config.json (or transformers 5's processor_config.json) from a local folder,
+        the HF cache or the Hub.
 
         Args:
             name_or_path: A local folder, or a Hub repo id such as "openai/whisper-tiny".
@@ -442,28 +444,80 @@ class WhisperFeatureExtractor:
 
     def _log_mel(self, waveform: np.ndarray) -> np.ndarray:
         """float32 [M, length // hop] log-mel features of one padded waveform [length]."""
-        waveform = waveform.astype(np.float64)
-        if self.dither:
-            waveform = waveform + self.dither * np.random.default_rng().standard_normal(waveform.shape)
+        log_mel = self.log10_mel(waveform, 0, len(waveform) // self.hop_length)
+        return self.scale_log_mel(log_mel, log_mel.max())
+
+    def log10_mel(self, waveform: np.ndarray, first_frame: int, num_frames: int) -> np.ndarray:
+        """Unscaled log10 mel energies of some frames of a waveform's centred STFT.
+
+        Frame i is centred on sample i * hop_length, with reflect padding at the waveform's two ends
+        (as `torch.stft(center=True)`); only the samples of the asked frames are read, so a long
+        recording can be processed window by window with the values of the whole.
+
+        Args:
+            waveform: float [n] samples, n > n_fft // 2.
+            first_frame: Index of the first frame.
+            num_frames: Number of frames (>= 1).
+
+        Returns:
+            float64 [num_frames, M].
+        """
         half = self.n_fft // 2
-        padded = np.pad(waveform, half, mode="reflect")  # centred frames, as torch.stft(center=True)
-        frames = np.lib.stride_tricks.sliding_window_view(padded, self.n_fft)[::self.hop_length]
-        frames = frames[:-1]  # Whisper drops the last frame: [length // hop, n_fft]
+        start = first_frame * self.hop_length - half
+        positions = np.abs(np.arange(start, start + (num_frames - 1) * self.hop_length + self.n_fft))
+        last = len(waveform) - 1
+        positions = np.where(positions > last, 2 * last - positions, positions)  # reflect at the end
+        samples = waveform[positions].astype(np.float64)
+        if self.dither:
+            samples += self.dither * np.random.default_rng().standard_normal(samples.shape)
+        return self._log10_mel_of(samples)
+
+    def _log10_mel_of(self, samples: np.ndarray) -> np.ndarray:
+        """float64 [frames, M] log10 mel energies of the n_fft-sample frames of `samples`, hop_length apart."""
+        frames = np.lib.stride_tricks.sliding_window_view(samples, self.n_fft)[::self.hop_length]
         spectrum = np.fft.rfft(frames * self.window, axis=-1)  # [T, F]
         power = spectrum.real ** 2 + spectrum.imag ** 2
-        log_mel = np.log10(np.maximum(power @ self.mel_filters, LOG_FLOOR))  # [T, M]
-        log_mel = np.maximum(log_mel, log_mel.max() - DYNAMIC_RANGE)
-        return ((log_mel + 4.0) / 4.0).T.astype(np.float32)
+        return np.log10(np.maximum(power @ self.mel_filters, LOG_FLOOR))  # [T, M]
+
+    @staticmethod
+    def scale_log_mel(log_mel: np.ndarray, peak: float) -> np.ndarray:
+        """Whisper's features from `log10_mel` values [T, M]: at most 8 decades below `peak`, then
+        (x + 4) / 4; float32 [M, T]."""
+        return ((np.maximum(log_mel, peak - DYNAMIC_RANGE) + 4.0) / 4.0).T.astype(np.float32)
 
 
-def read_preprocessor_config(folder: str | os.PathLike[str]) -> dict[str, Any]:
-    """Reads preprocessor_config.json of a checkpoint folder.
+def read_preprocessor_config(folder: str | os.PathLike[str], required: bool = True) -> dict[str, Any] | None:
+    """Reads the feature extractor's settings of a checkpoint folder.
+
+    transformers 4 writes them to preprocessor_config.json; transformers 5's processors write
+    processor_config.json, with the settings under "feature_extractor" (its "processor_class" is
+    added to them here).
+
+    Args:
+        folder: The checkpoint folder.
+        required: If False, a folder with neither file gives None.
 
     Raises:
-        FileNotFoundError: (an OSError) If the folder has none.
-        ValueError: If it is not a JSON object.
+        FileNotFoundError: (an OSError) If the folder has neither file and `required` is True.
+        ValueError: If a file is not a JSON object, or processor_config.json has no "feature_extractor" object.
     """
-    return read_json(folder, FEATURE_EXTRACTOR_NAME)
+    values = read_json(folder, FEATURE_EXTRACTOR_NAME, required=False)
+    if values is not None:
+        return values
+    processor = read_json(folder, PROCESSOR_NAME, required=False)
+    if processor is None:
+        if not required:
+            return None
+        raise FileNotFoundError(f"'{folder}' has no feature extractor settings: neither {FEATURE_EXTRACTOR_NAME} "
+                                f"(transformers 4) nor {PROCESSOR_NAME} (transformers 5). Pass the folder a Whisper "
+                                "processor or feature extractor was saved to.")
+    values = processor.get("feature_extractor")
+    if not isinstance(values, dict):
+        raise ValueError(f"'{pathlib.Path(folder) / PROCESSOR_NAME}' has no \"feature_extractor\" object (the "
+                         "feature extractor's settings, as transformers 5 saves a processor); re-save the "
+                         "processor or add a preprocessor_config.json.")
+    extra = {"processor_class": processor["processor_class"]} if "processor_class" in processor else {}
+    return {**extra, **values}
 
 
 def _as_clips(raw_speech: Any) -> list[np.ndarray]:

@@ -1,8 +1,9 @@
 """Whisper's processor (feature extractor + tokenizer) and the Auto classes that load it.
 
 Reference: transformers' `WhisperProcessor` (4.57, models/whisper/processing_whisper.py),
-`AutoProcessor` and `AutoFeatureExtractor`. A processor folder holds preprocessor_config.json
-(with "processor_class": "WhisperProcessor") and the tokenizer files.
+`AutoProcessor` and `AutoFeatureExtractor`. A processor folder holds the tokenizer files and
+preprocessor_config.json (with "processor_class": "WhisperProcessor"), or, as transformers 5 saves it,
+processor_config.json with the feature extractor's settings under "feature_extractor".
 
 Known divergences from transformers:
   * The Auto classes only know Whisper; any other checkpoint is an error (use `AutoTokenizer` for
@@ -48,7 +49,8 @@ class WhisperProcessor:
                 task="transcribe"`).
 
         Raises:
-            OSError: If the folder cannot be resolved or lacks preprocessor or tokenizer files.
+            OSError: If the folder cannot be resolved or lacks the feature extractor's settings
+                (preprocessor_config.json or processor_config.json) or tokenizer files.
             ValueError: If the files are not Whisper's.
         """
         folder = _resolve(name_or_path, revision, cache_dir, local_files_only)
@@ -126,10 +128,11 @@ class AutoFeatureExtractor:
     def from_pretrained(name_or_path: str | os.PathLike[str], *, revision: str | None = None,
                         cache_dir: str | os.PathLike[str] | None = None, local_files_only: bool = False,
                         **overrides: Any) -> WhisperFeatureExtractor:
-        """Loads the feature extractor named by preprocessor_config.json (or config.json's model_type).
+        """Loads the feature extractor named by preprocessor_config.json / processor_config.json (or config.json's
+        model_type).
 
         Raises:
-            OSError: If the folder cannot be resolved or has no preprocessor_config.json.
+            OSError: If the folder cannot be resolved or has neither preprocessor_config.json nor processor_config.json.
             ValueError: If the checkpoint is not a Whisper checkpoint.
         """
         folder = _resolve(name_or_path, revision, cache_dir, local_files_only)
@@ -163,17 +166,17 @@ def _resolve(name_or_path, revision, cache_dir, local_files_only) -> pathlib.Pat
 
 
 def _check_whisper(folder: pathlib.Path, what: str) -> None:
-    """Raises ValueError unless the folder's preprocessor_config.json or config.json says Whisper."""
-    preprocessor = read_json(folder, FEATURE_EXTRACTOR_NAME, required=False) or {}
+    """Raises ValueError unless the folder's feature extractor settings or config.json say Whisper."""
+    preprocessor = read_preprocessor_config(folder, required=False) or {}
     config = read_json(folder, "config.json", required=False) or {}
     kinds = {preprocessor.get("processor_class"), preprocessor.get("feature_extractor_type"),
              config.get("model_type")} - {None}
     if kinds & {"WhisperProcessor", "WhisperFeatureExtractor", "whisper"}:
         return
     if not kinds:
-        raise ValueError(f"Cannot tell which {what} '{folder}' needs: it has no preprocessor_config.json naming a "
-                         "feature_extractor_type or processor_class, and no config.json model_type. xlagen has "
-                         "Whisper's only.")
+        raise ValueError(f"Cannot tell which {what} '{folder}' needs: it has no preprocessor_config.json or "
+                         "processor_config.json naming a feature_extractor_type or processor_class, and no "
+                         "config.json model_type. xlagen has Whisper's only.")
     raise ValueError(f"'{folder}' is a {'/'.join(sorted(kinds))} checkpoint; xlagen only has Whisper's {what} "
                      "(use AutoTokenizer for text models).")
 

@@ -1,10 +1,11 @@
 """Audio file -> transcript with Whisper, including audio longer than one 30 s window.
 
-Long-form audio follows transformers 4.57's sequential algorithm (`WhisperGenerationMixin.generate` with
-`_retrieve_segment`): the log-mel features of the whole recording are cut into 30 s windows; each window is
-decoded with timestamps, split into segments at consecutive timestamp tokens, and the next window starts at
-the last complete segment's end (or after the window when it ended on a single timestamp). The language is
-detected once, on the first window. Every window reuses one compiled program (`CompiledGenerator`).
+Long-form audio follows transformers 5.24's sequential algorithm (`WhisperGenerationMixin.generate` with
+`_retrieve_segment`): the recording's log-mel features are cut into 30 s windows (computed one window at a
+time, with the values of the whole recording's features: `LongFormFeatures`); each window is
+decoded with timestamps, its EOS removed, split into segments at consecutive timestamp tokens, and the next
+window starts at the last complete segment's end (or after the window when it ended on a single timestamp).
+The language is detected once, on the first window. Every window reuses one compiled program (`CompiledGenerator`).
 Known divergences: no temperature fallback, no conditioning on the previous window's text and no
 no-speech detection (transformers' options `temperature=(0.0, 0.2, ...)`, `condition_on_prev_tokens`,
 `no_speech_threshold`); digital silence (peak below `SILENCE_PEAK`) gives an empty transcript without
@@ -20,10 +21,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from xlagen.audio import load_audio
+from xlagen.audio import WhisperFeatureExtractor, load_audio
 from xlagen.generation.api import resolve_config
 from xlagen.generation.compiled import CompiledGenerator
-from xlagen.generation.whisper import decoder_prompt
+from xlagen.generation.whisper import check_options, decoder_prompt
 
 SAMPLING_RATE = 16000
 TIME_PRECISION = 0.02  # seconds per timestamp token
@@ -60,7 +61,8 @@ def split_segments(tokens: np.ndarray, timestamp_begin: int, window_frames: int)
     """Splits one window's new tokens at its timestamps (transformers' `_retrieve_segment`).
 
     Args:
-        tokens: int `[n]`, the window's generated tokens (EOS and padding removed).
+        tokens: int `[n]`, the window's generated tokens (EOS and padding removed, as transformers removes them
+            before splitting: a window ending on a single timestamp then keeps its last segment).
         timestamp_begin: Id of <|0.00|>.
         window_frames: Log-mel frames of audio in this window (<= 3000).
 
@@ -90,6 +92,39 @@ def split_segments(tokens: np.ndarray, timestamp_begin: int, window_frames: int)
     return segments, int(tokens[last - 2] - timestamp_begin) * 2  # two frames per timestamp step
 
 
+class LongFormFeatures:
+    """Log-mel features of a whole recording, computed one window at a time.
+
+    `window(first, count)` equals `extractor(samples, padding="longest", truncation=False)
+    ["input_features"][0, :, first:first + count]`, the features transformers' long-form generation
+    cuts its 30 s windows from: the 8-decade floor follows the loudest bin of the whole recording,
+    found in a first pass over blocks of `block_frames`. Memory does not grow with the recording
+    beyond its samples.
+
+    Args:
+        extractor: The `WhisperFeatureExtractor`.
+        samples: float32 [n] mono audio at the extractor's sampling rate, n > n_fft // 2.
+        block_frames: Frames per block of the first pass.
+
+    Raises:
+        ValueError: If the audio is too short for one STFT frame.
+    """
+
+    def __init__(self, extractor: WhisperFeatureExtractor, samples: np.ndarray, block_frames: int = 3000):
+        if len(samples) <= extractor.n_fft // 2:
+            raise ValueError(f"Audio of {len(samples)} samples is too short: the STFT needs more than "
+                             f"{extractor.n_fft // 2}.")
+        self.extractor = extractor
+        self.samples = samples
+        self.num_frames = len(samples) // extractor.hop_length
+        self.peak = max(extractor.log10_mel(samples, first, min(block_frames, self.num_frames - first)).max()
+                        for first in range(0, self.num_frames, block_frames))
+
+    def window(self, first: int, count: int) -> np.ndarray:
+        """float32 [M, count] features of frames first .. first + count - 1 (within `num_frames`)."""
+        return self.extractor.scale_log_mel(self.extractor.log10_mel(self.samples, first, count), self.peak)
+
+
 class Transcriber:
     """Transcribes (or translates) audio with a Whisper model and its processor.
 
@@ -110,13 +145,13 @@ class Transcriber:
         self.timestamp_begin = config.no_timestamps_token_id + 1
         self.eos_ids = set(config.eos_token_ids) | ({config.pad_token_id} if config.pad_token_id is not None else set())
 
-    def _features(self, audio: np.ndarray) -> np.ndarray:
+    def _features(self, audio: np.ndarray) -> LongFormFeatures:
+        """The recording's features, computed per window; up to 30 s, padded with silence to 30 s first
+        (as for short-form generation)."""
         extractor = self.processor.feature_extractor
-        window = extractor.n_samples
-        if len(audio) <= window:  # one window, padded with silence as for short-form generation
-            return extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="np")["input_features"]
-        return extractor(audio, sampling_rate=SAMPLING_RATE, return_tensors="np", padding="longest",
-                         truncation=False)["input_features"]
+        if len(audio) < extractor.n_samples:
+            audio = np.pad(audio, (0, extractor.n_samples - len(audio)), constant_values=extractor.padding_value)
+        return LongFormFeatures(extractor, audio)
 
     def __call__(self, audio: Any, *, sampling_rate: int | None = None, language: str | None = None,
                  task: str | None = None, return_timestamps: bool = False, progress: Callable | None = None,
@@ -127,7 +162,8 @@ class Transcriber:
             audio: A file path, or a float array (with `sampling_rate`; 16 kHz when None).
             sampling_rate: The array's sampling rate.
             language: Language code/name; None detects it from the first 30 s (multilingual models).
-            task: "transcribe" (default) or "translate" (to English).
+            task: "transcribe" or "translate" (to English); None: the model's default (multilingual models
+                transcribe; English-only models take no language or task).
             return_timestamps: Segments with timestamps; audio longer than 30 s always uses them.
             progress: Optional `callable(done_frames, total_frames)` called after each window.
             **generate_options: Further `generate` options (num_beams, max_new_tokens, ...).
@@ -136,16 +172,20 @@ class Transcriber:
             A `Transcript`.
 
         Raises:
-            ValueError / OSError: unreadable, empty or non-finite audio (naming the file), bad options.
+            ValueError / OSError: unreadable, empty or non-finite audio (naming the file), bad options (a
+                language or task for an English-only model, checked before the audio is read).
         """
+        # Checked before reading or decoding anything (timestamps do not change what is refused).
+        check_options(resolve_config(self.model, None, dict(generate_options, task=task, language=language,
+                                                            decoder_start_token_id=self._start_token())))
         samples = load_audio(audio, SAMPLING_RATE, source_sampling_rate=sampling_rate)
         duration = len(samples) / SAMPLING_RATE
-        if np.max(np.abs(samples)) < SILENCE_PEAK:
+        if max(samples.max(), -samples.min()) < SILENCE_PEAK:  # no abs(): that would copy a long recording
             if progress:
                 progress(1, 1)
             return Transcript("", (), language, duration)
         features = self._features(samples)
-        total = features.shape[-1]
+        total = features.num_frames
         window_size = self.model.config.input_frames
         timestamps = return_timestamps or total > window_size
         options = dict(generate_options, task=task, return_timestamps=timestamps)
@@ -158,7 +198,7 @@ class Transcriber:
             frames = min(total - seek, window_size)
             tokens = self.generator.generate(self._window(features, seek), decoder_input_ids=prompt,
                                              **options).numpy()[0]
-            new = self._strip(tokens[prompt.shape[1]:], final=seek + window_size >= total)
+            new = self._strip(tokens[prompt.shape[1]:])
             if timestamps:
                 pieces, advance = split_segments(new, self.timestamp_begin, frames)
             else:
@@ -173,13 +213,18 @@ class Transcriber:
         text = "".join(segment.text for segment in segments).strip()
         return Transcript(text, tuple(segments), self._language_token(prompt[0]), duration)
 
-    def _window(self, features: np.ndarray, seek: int) -> np.ndarray:
-        """The 30 s window of `features` `[1, M, frames]` starting at frame `seek`, padded with zeros."""
+    def _window(self, features: LongFormFeatures, seek: int) -> np.ndarray:
+        """The 30 s window `[1, M, frames]` of features starting at frame `seek`, padded with zeros."""
         size = self.model.config.input_frames
-        window = np.zeros((1, features.shape[1], size), np.float32)
-        part = features[..., seek:seek + size]
-        window[..., :part.shape[-1]] = part
+        part = features.window(seek, min(size, features.num_frames - seek))
+        window = np.zeros((1, part.shape[0], size), np.float32)
+        window[0, :, :part.shape[-1]] = part
         return window
+
+    def _start_token(self) -> int | None:
+        """The decoder start token: the generation config's, else the model config's."""
+        start = self.model.generation_config.decoder_start_token_id
+        return self.model.config.decoder_start_token_id if start is None else start
 
     def _language_token(self, prompt: np.ndarray) -> str | None:
         by_id = {i: token for token, i in (self.model.generation_config.lang_to_id or {}).items()}
@@ -188,9 +233,7 @@ class Transcriber:
                 return by_id[token]
         return None
 
-    def _strip(self, tokens: np.ndarray, final: bool) -> np.ndarray:
-        """The generated tokens without the padding after EOS, and without EOS unless this is the last window."""
+    def _strip(self, tokens: np.ndarray) -> np.ndarray:
+        """The generated tokens before the first EOS (transformers removes EOS and padding before splitting)."""
         ends = [i for i, token in enumerate(tokens.tolist()) if token in self.eos_ids]
-        if ends:
-            tokens = tokens[:ends[0] + (1 if final else 0)]
-        return tokens
+        return tokens[:ends[0]] if ends else tokens

@@ -36,8 +36,9 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     parser.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
     parser.add_argument("--language", help="language of the audio (code or name, e.g. fr or french); "
                         "default: detected from the first 30 s")
-    parser.add_argument("--task", choices=("transcribe", "translate"), default="transcribe",
-                        help="transcribe, or translate to English (default: transcribe)")
+    parser.add_argument("--task", choices=("transcribe", "translate"),
+                        help="transcribe, or translate to English (default: the model's, transcribe for "
+                        "multilingual models; English-only models take no task)")
     parser.add_argument("--timestamps", action="store_true",
                         help="segment timestamps in txt output (json/srt/vtt always have them)")
     parser.add_argument("--format", "-f", choices=FORMATS, default="txt", help="output format (default: txt)")
@@ -116,6 +117,12 @@ def run(args: argparse.Namespace) -> int:
     transcriber = Transcriber(model, processor)
     options = {key: value for key, value in (("num_beams", args.num_beams), ("max_new_tokens", args.max_new_tokens))
                if value is not None}
+    if model.generation_config.is_multilingual is False:
+        given = [f"--{name} {value}" for name, value in (("language", args.language), ("task", args.task)) if value]
+        if given:
+            raise UsageError(f"{' and '.join(given)}: '{args.model}' is an English-only Whisper model "
+                             "(generation_config.json is_multilingual=false); it takes no language or task. "
+                             "Leave the option out, or use a multilingual checkpoint.")
     try:
         config = model.generation_config.update(language=args.language, task=args.task, **options)
         check_options(config)
