@@ -57,6 +57,13 @@ class WhisperTokenizerFast(PreTrainedTokenizerFast):
     or given to `from_pretrained`; they shape `prefix_tokens` and are saved back.
     """
 
+    def __init__(self, backend, config, added_tokens=()):
+        super().__init__(backend, config, added_tokens)
+        # Settings given at load time (or saved in tokenizer_config.json) shape the prompt that encoding adds,
+        # as in transformers >= 5 (4.x applied them only when set_prefix_tokens was called).
+        if self.language is not None or self.task is not None or self.predict_timestamps:
+            self.set_prefix_tokens()
+
     @property
     def language(self) -> str | None:
         """Language of the transcript (a code or an English name), or None to let the model detect it."""
