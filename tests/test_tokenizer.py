@@ -10,6 +10,7 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from conftest import build_t5_tokenizer
 from xlagen import tokenizer as xtok
+from xlagen.auto_tokenizer import AutoTokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -93,7 +94,7 @@ def folders(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 def _pair(folder: pathlib.Path, **kwargs):
     """(xlagen tokenizer, transformers tokenizer) loaded from the same folder with the same arguments."""
-    return xtok.AutoTokenizer.from_pretrained(folder, **kwargs), transformers.AutoTokenizer.from_pretrained(
+    return AutoTokenizer.from_pretrained(folder, **kwargs), transformers.AutoTokenizer.from_pretrained(
         str(folder), **kwargs)
 
 
@@ -169,10 +170,10 @@ def test_attributes_match_transformers(folders, kind):
 
 
 def test_prefix_space_follows_tokenizer_config(folders):
-    with_prefix = xtok.AutoTokenizer.from_pretrained(folders["prefix_files"]).encode("Hello")
-    assert with_prefix != xtok.AutoTokenizer.from_pretrained(folders["prefix_json"]).encode("Hello")
-    assert xtok.AutoTokenizer.from_pretrained(folders["t5_legacy"]).encode("Hello")[0] == (
-        xtok.AutoTokenizer.from_pretrained(folders["t5"]).encode("Hello")[0])
+    with_prefix = AutoTokenizer.from_pretrained(folders["prefix_files"]).encode("Hello")
+    assert with_prefix != AutoTokenizer.from_pretrained(folders["prefix_json"]).encode("Hello")
+    assert AutoTokenizer.from_pretrained(folders["t5_legacy"]).encode("Hello")[0] == (
+        AutoTokenizer.from_pretrained(folders["t5"]).encode("Hello")[0])
 
 
 def test_guide_call_adds_pad_token(folders):
@@ -203,7 +204,7 @@ def test_decode_matches_transformers(folders, kind):
 
 
 def test_clean_up_tokenization_spaces(folders):
-    ours = xtok.AutoTokenizer.from_pretrained(folders["json"])
+    ours = AutoTokenizer.from_pretrained(folders["json"])
     ids = ours.encode("a . b")
     assert ours.decode(ids) == "a . b"
     assert ours.decode(ids, clean_up_tokenization_spaces=True) == "a. b"
@@ -211,7 +212,7 @@ def test_clean_up_tokenization_spaces(folders):
 
 def test_missing_files_error_names_folder_and_files(tmp_path):
     with pytest.raises(OSError) as info:
-        xtok.AutoTokenizer.from_pretrained(tmp_path)
+        AutoTokenizer.from_pretrained(tmp_path)
     for part in (str(tmp_path), "tokenizer.json", "vocab.json", "merges.txt"):
         assert part in str(info.value)
 
@@ -232,10 +233,10 @@ def test_padding_without_pad_token_raises(folders):
 
 def test_bad_arguments_raise(folders):
     with pytest.raises(ValueError, match="padding_side"):
-        xtok.AutoTokenizer.from_pretrained(folders["json"], padding_side="middle")
+        AutoTokenizer.from_pretrained(folders["json"], padding_side="middle")
     with pytest.raises(TypeError, match="padding_sied"):
-        xtok.AutoTokenizer.from_pretrained(folders["json"], padding_sied="left")
-    tok = xtok.AutoTokenizer.from_pretrained(folders["json"], pad_token="<|endoftext|>")
+        AutoTokenizer.from_pretrained(folders["json"], padding_sied="left")
+    tok = AutoTokenizer.from_pretrained(folders["json"], pad_token="<|endoftext|>")
     with pytest.raises(ValueError, match="padding_side"):
         tok.padding_side = "up"
     with pytest.raises(ValueError, match="return_tensors"):
@@ -249,7 +250,7 @@ def test_bad_arguments_raise(folders):
 
 
 def test_single_string_and_empty_prompt(folders):
-    tok = xtok.AutoTokenizer.from_pretrained(folders["json"], pad_token="<|endoftext|>")
+    tok = AutoTokenizer.from_pretrained(folders["json"], pad_token="<|endoftext|>")
     assert tok("").input_ids == [] and tok("").attention_mask == []
     assert tok("", return_tensors="np").input_ids.shape == (1, 0)
     enc = tok("Hello world", return_tensors="np")
@@ -260,7 +261,7 @@ def test_single_string_and_empty_prompt(folders):
 
 @pytest.mark.parametrize("kind", ["json", "files", "model_type", "opt", "t5", "t5_unigram", "prefix_files"])
 def test_save_pretrained_round_trip(folders, kind, tmp_path):
-    tok = xtok.AutoTokenizer.from_pretrained(folders[kind], padding_side="left", pad_token="[PAD]")
+    tok = AutoTokenizer.from_pretrained(folders[kind], padding_side="left", pad_token="[PAD]")
     written = tok.save_pretrained(tmp_path)
     assert sorted(pathlib.Path(p).name for p in written) == [
         "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]

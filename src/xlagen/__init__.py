@@ -10,7 +10,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "AutoTokenizer": "xlagen.tokenizer",
+    "AutoTokenizer": "xlagen.auto_tokenizer",
     "GPT2TokenizerFast": "xlagen.tokenizer",
     "PreTrainedTokenizerFast": "xlagen.tokenizer",
     "WhisperTokenizerFast": "xlagen.whisper_tokens",

@@ -17,7 +17,7 @@ import pathlib
 from typing import Any
 
 from xlagen.audio import FEATURE_EXTRACTOR_NAME, BatchFeature, WhisperFeatureExtractor, read_preprocessor_config
-from xlagen.tokenizer import AutoTokenizer
+from xlagen.auto_tokenizer import AutoTokenizer
 from xlagen.weights.checkpoint import read_json
 from xlagen.whisper_tokens import WhisperTokenizerFast
 

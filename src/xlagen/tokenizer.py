@@ -141,7 +141,13 @@ class PreTrainedTokenizerFast:
         except TypeError as e:  # a flag such as "lstrip" that is not a boolean
             raise ValueError(f"An added token of '{folder / 'tokenizer_config.json'}' or "
                              f"'{folder / 'special_tokens_map.json'}' is malformed: {e}") from e
-        return _tokenizer_class(cls, values["tokenizer_class"])(backend, TokenizerConfig.from_hf_config(values), added)
+        return cls._class_for(values["tokenizer_class"])(backend, TokenizerConfig.from_hf_config(values), added)
+
+    @classmethod
+    def _class_for(cls, tokenizer_class: str) -> type:
+        """The class `from_pretrained` builds for a checkpoint whose tokenizer class is `tokenizer_class`: this
+        one (`xlagen.auto_tokenizer.AutoTokenizer` picks by the name)."""
+        return cls
 
     bos_token, bos_token_id = _special_properties("bos_token")
     eos_token, eos_token_id = _special_properties("eos_token")
@@ -369,21 +375,6 @@ class PreTrainedTokenizerFast:
 
 
 GPT2TokenizerFast = PreTrainedTokenizerFast
-
-
-class AutoTokenizer:
-    """transformers' entry point: `AutoTokenizer.from_pretrained(...)` returns a `PreTrainedTokenizerFast`."""
-
-    from_pretrained = PreTrainedTokenizerFast.from_pretrained
-
-
-def _tokenizer_class(cls: type, tokenizer_class: str) -> type:
-    """The class to build: `WhisperTokenizerFast` for a Whisper checkpoint loaded through the generic class."""
-    if cls is PreTrainedTokenizerFast and tokenizer_class == "WhisperTokenizer":
-        from xlagen.whisper_tokens import WhisperTokenizerFast  # Lazy: that module imports this one.
-
-        return WhisperTokenizerFast
-    return cls
 
 
 def _pad(row: list[int], length: int, value: int, left: bool) -> list[int]:
