@@ -95,43 +95,35 @@ void Check(XlaCustomCallStatus_* status, const char* target, const char* error) 
   if (error != nullptr) Fail(status, target, error);
 }
 
-}  // namespace
-
-// The backend config of the products is "M,K,N".
-extern "C" void xlagen_bf16_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
-                                   XlaCustomCallStatus_* status) {
+// A product's custom call: the backend config is "M,K,N", x is the first operand and the weights (stored as
+// W) the second.
+template <typename W>
+void ProductCall(const char* target, const char* (*entry)(const float*, const W*, float*, int, int, int), void* out,
+                 const void** in, const char* opaque, size_t opaque_len, XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
   int m, k, n;
   if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Done())) {
-    return Fail(status, "xlagen_bf16_matmul", "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N");
+    return Fail(status, target, "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N");
   }
-  Check(status, "xlagen_bf16_matmul", xlagen_bf16_product(static_cast<const float*>(in[0]),
-                                                          static_cast<const uint32_t*>(in[1]),
-                                                          static_cast<float*>(out), m, k, n));
+  Check(status, target, entry(static_cast<const float*>(in[0]), static_cast<const W*>(in[1]),
+                              static_cast<float*>(out), m, k, n));
+}
+
+}  // namespace
+
+extern "C" void xlagen_bf16_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                   XlaCustomCallStatus_* status) {
+  ProductCall<uint32_t>("xlagen_bf16_matmul", xlagen_bf16_product, out, in, opaque, opaque_len, status);
 }
 
 extern "C" void xlagen_int8_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
                                    XlaCustomCallStatus_* status) {
-  Fields f(opaque, opaque_len);
-  int m, k, n;
-  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Done())) {
-    return Fail(status, "xlagen_int8_matmul", "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N");
-  }
-  Check(status, "xlagen_int8_matmul", xlagen_int8_product(static_cast<const float*>(in[0]),
-                                                          static_cast<const int8_t*>(in[1]),
-                                                          static_cast<float*>(out), m, k, n));
+  ProductCall<int8_t>("xlagen_int8_matmul", xlagen_int8_product, out, in, opaque, opaque_len, status);
 }
 
 extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* status) {
-  Fields f(opaque, opaque_len);
-  int m, k, n;
-  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Done())) {
-    return Fail(status, "xlagen_f32_matmul", "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N");
-  }
-  Check(status, "xlagen_f32_matmul", xlagen_f32_product(static_cast<const float*>(in[0]),
-                                                        static_cast<const float*>(in[1]), static_cast<float*>(out),
-                                                        m, k, n));
+  ProductCall<float>("xlagen_f32_matmul", xlagen_f32_product, out, in, opaque, opaque_len, status);
 }
 
 // The backend config is "heads,t,s,d,scale,transposed" (scale printed with 9 significant digits: exact for
