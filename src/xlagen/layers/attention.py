@@ -201,7 +201,7 @@ class Attention(_MultiHead):
         then fuses a copy of the dynamic-update-slice into each attention dot's operand and copies the
         loop's cache buffers (twice) so the in-place update cannot clobber what the dot reads: several
         cache-sized reads and writes per layer and step, growing with the cache length (GPT-2-small at
-        512 new tokens: 24.1 -> 17.9 ms/token, docs/performance.md). Here both dots read the loop's
+        512 new tokens: 24.1 -> 17.9 ms/token). Here both dots read the loop's
         buffers directly, the keys are the left operand (`K @ q`, so the key cache is never
         transposed), and the write is made to depend on the attention output so that XLA orders it
         after the reads and updates the buffers in place without any copy.

@@ -170,7 +170,7 @@ def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, p
     arguments (`keras.StatelessScope`), and every block calls that function with its own weights. XLA
     inlines the calls, so the compiled program is the one the blocks would have traced one by one (same
     operations, same results), but the traced graph of GPT-2-small's greedy `generate` has 463 operations
-    instead of 2,035, and its trace takes 0.3-0.5 s instead of 1.0-1.8 s (see docs/performance.md).
+    instead of 2,035, and its trace takes 0.3-0.5 s instead of 1.0-1.8 s (`benchmarks/first_call.py`).
     """
     shared = _SharedTrace() if _share_traces(training) else None
     new_caches = []

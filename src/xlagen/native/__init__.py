@@ -7,11 +7,11 @@ xlagen brings its own product for the few rows of a decoding step, in three form
 - float32 weights as XLA stores them (`matmul_float32`): XLA's CPU dot streams a decoding step's
   weights more slowly than the cores can read them; this kernel streams long runs of weight rows
   (GPT-2-small greedy, batch 1: the whole step is 1.09-1.16x faster than with XLA's dot in
-  `benchmarks/ab.py --compare kernel` runs; docs/performance.md). Used automatically for the products inside
+  `benchmarks/ab.py --compare kernel` runs). Used automatically for the products inside
   a compiled decoding loop with at most `FLOAT32_MAX_ROWS` rows, when the machine can run the kernel;
   elsewhere, and with `XLAGEN_FLOAT32_KERNEL=0`, XLA's own dot. Only the summation order differs.
 - bfloat16 weights (`matmul`, `pack_bfloat16`): XLA's CPU dot does not read bfloat16 weights directly
-  (it multiplies an upcast float32 copy, no faster than float32 weights: docs/performance.md); this one
+  (it multiplies an upcast float32 copy, no faster than float32 weights: `benchmarks/low_precision.py`); this one
   reads weights stored as bfloat16 in a packed panel layout, widens them in registers and multiplies in
   float32. It computes exactly `x @ float32(W)` with half the bytes read.
 - int8 weights with one float32 scale per output column (`matmul`, `pack_int8`): a quarter of float32's
@@ -63,18 +63,18 @@ MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
 # A decoding step's self-attention runs as one native call per layer (`step_attention`) from this many
 # query rows (batch x beams): at 2 and 8 rows it made GPT-2-small's `generate` 1.035x and 1.074x faster, at
 # one row 0.98-0.99x (the kernel's workers already read the next weights during XLA's attention ops there;
-# `benchmarks/ab.py --compare step-attention`, docs/performance.md).
+# `benchmarks/ab.py --compare step-attention`).
 STEP_ATTENTION_MIN_ROWS = 2
 WEIGHT_DTYPES = ("bfloat16", "int8")  # what `pack_tensor` packs
 MAX_ROWS = 32  # outside loops, products with more rows (long prompts, encoders) unpack and use XLA's dot
 # Rows up to which a float32 product in a decoding loop uses the kernel (batch x beams): 16 covers 2 beams
 # over a batch of 8. At 16 rows the product is close to compute-bound; the kernel's streams still made the
 # whole of `generate` 1.12-1.20x faster than XLA's dot there (GPT-2, OPT, T5, Whisper, beam 2 at batch 8;
-# `benchmarks/ab.py --compare kernel --max-rows 16`, docs/performance.md). Above it XLA's dot.
+# `benchmarks/ab.py --compare kernel --max-rows 16`). Above it XLA's dot.
 FLOAT32_MAX_ROWS = 16
 # Two limits that kept some decoding products on XLA's dot, both off by default since every product on
 # the kernel measured faster or even in in-process A/B runs (T5-small greedy 1.26-1.35x, GPT-2-small,
-# OPT-125m and Whisper-tiny 1.00-1.08x; docs/performance.md); `benchmarks/ab.py --compare rules` measures
+# OPT-125m and Whisper-tiny 1.00-1.08x); `benchmarks/ab.py --compare rules` measures
 # them again. Matrices of fewer bytes than this stay with XLA's dot:
 FLOAT32_MIN_BYTES = 0
 # and, when x has one row, matrices with more columns than this (LM heads), if not None:
@@ -88,7 +88,7 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the kernel has code fo
 # (`memory_attention`), when the encoder output has at least this many bytes: the per-layer keys and values
 # it replaces (twice as many bytes, per layer) no longer stay in the CPU's caches between steps. Whisper-tiny
 # greedy, 128 tokens (`benchmarks/ab.py --compare fold`): batch 8 (18 MB) 1.059x, batch 4 (9 MB) 1.021x,
-# batch 1 (2.3 MB) 0.96x (docs/performance.md).
+# batch 1 (2.3 MB) 0.96x.
 MEMORY_ATTENTION_MIN_BYTES = 8 * 2**20
 
 logger = logging.getLogger(__name__)
@@ -501,7 +501,7 @@ def attention(query, key, value, scale: float, key_transposed: bool = False):
     cross-attention memory, `CrossAttention.project_memory`) and are read in place. The scores of 8 query
     rows at a time stay in the core's cache instead of being written out `[T, S]` and read back twice
     (Whisper-tiny's encoder, 1500 positions: about 2x XLA's attention; its decoding steps' cross-attention:
-    docs/performance.md). Gradients are those of the same formula in TensorFlow ops."""
+    `benchmarks/ab.py --compare cross-attention`). Gradients are those of the same formula in TensorFlow ops."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
@@ -583,7 +583,7 @@ def argmax(scores):
     native kernel's custom call (call it under XLA only; see `use_argmax`). The same result as
     `tf.argmax(scores, -1)` except on rows holding NaN, which the kernel skips (a row of only NaN or -inf
     gives 0). XLA's argmax reduces (value, index) pairs one element at a time: over Whisper-tiny's 8 x
-    51,865 logits it took about 0.9 ms of a 12 ms decoding step (docs/performance.md)."""
+    51,865 logits it took about 0.9 ms of a 12 ms decoding step."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
@@ -639,7 +639,7 @@ def memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, heads: int
     As the native kernel's custom call (call it under XLA only; see `use_memory_attention`), which folds
     the projections into the query and the output: `softmax(q Wk_h^T states^T) states Wv_h + bv_h`, so
     each decoder layer reads `states` rather than its own projected keys and values (half the bytes, and
-    no projection before the loop; docs/performance.md). The key bias moves every score of a row by the
+    no projection before the loop; `benchmarks/ab.py --compare fold`). The key bias moves every score of a row by the
     same amount, which the softmax ignores. Gradients are those of `reference_memory_attention`."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops

@@ -26,7 +26,7 @@ namespace {
 // With keys given transposed ([heads, d, s]: a decoder's cross-attention memory, transposed once when it
 // is projected), the unit's few query rows read the keys straight from memory, one contiguous row of s
 // keys per head dimension, rather than through a copy: each key and value is read once per unit, at the
-// rate memory streams (XLA's dots over Whisper's memory read it at a third of that, docs/performance.md).
+// rate memory streams (XLA's dots over Whisper's memory read it at a third of that).
 constexpr int kAttentionRows = 8;  // query rows per unit
 
 struct Attention {
@@ -236,7 +236,7 @@ void RunStepAttention(const void* args, int u0, int u1) {
 // once against K and V), and the same M for every layer, with no projection of M per layer before the
 // loop. The price is compute: the scores and the weighted sum run over E rather than D per head, which
 // pays while a head has few query rows (one per memory row: 6 x 1500 x 384 multiply-adds per row and
-// layer for Whisper-tiny, against reading 2 x 1500 x 384 floats). See docs/performance.md.
+// layer for Whisper-tiny, against reading 2 x 1500 x 384 floats).
 //
 // Three passes on the pool: (1) q'_h = scale * q_h Wk_h^T for every query row (Wk given transposed,
 // [H * D, E], made once per generation); (2) per memory row and chunk of keys, the scores of its rows

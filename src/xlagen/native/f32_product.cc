@@ -135,7 +135,7 @@ void RunF32Units(const void* args, int u0, int u1) {
 // long sequential run, and keeps its sums in a packed buffer of its own (L1 or L2). The tiles above read
 // 1 KB runs of 32 rows instead; in a phase where this VM's memory was slow, those scattered runs read a
 // step's weights 1.3-1.9x more slowly than these streams (1.2-1.7x at 1 to 8 rows;
-// `benchmarks/kernel_variants.py`, docs/performance.md). The sums are in the same order: weight row by
+// `benchmarks/kernel_variants.py`). The sums are in the same order: weight row by
 // weight row.
 // Up to this many rows of x, a pass covers two vectors of columns for every row; from one more, one vector
 // for all the rows (up to 16 sums in registers), so that each weight vector is read once per group. At 4 to
@@ -146,7 +146,7 @@ constexpr int kWideM = 3;
 // prefetching leaves the loads waiting (memory and arithmetic took the sum of their times, not the larger):
 // each pass asks for the next group's same columns, kStreamRows rows down. At 8 rows this read GPT-2's
 // products 1.14-1.45x faster (two vectors per pass); with one vector per pass, 4 to 7 rows gained too
-// (0.99-1.05x; docs/performance.md).
+// (0.99-1.05x).
 constexpr int kPrefetchM = 4;
 // Up to this many rows of x, x's eight broadcast vectors per row stay in registers; beyond, they would be
 // spilled, and x is broadcast from memory instead (one row: 0.96-0.99x as fast from memory).
