@@ -1,5 +1,5 @@
 """What a `generate` first call costs with the blocks traced once per spec (`xlagen.layers.block.run_blocks`,
-the default) and block by block, in fresh processes, alternating.
+the default) and block by block (`Kernels(share_traces=False)`), in fresh processes, alternating.
 
     python benchmarks/first_call.py --model gpt2 --strategy greedy --pairs 3
 
@@ -21,9 +21,8 @@ import sys
 
 CHILD = """
 import json, statistics, time
+from xlagen import native
 from xlagen.cli import bench
-from xlagen.layers import block
-block.SHARE_TRACES = {shared}
 bench.configure_threads({threads})
 system = bench.XlagenSystem()
 model = system.build({model!r}, "float32")
@@ -32,7 +31,8 @@ function, inputs, options = bench.prepare(system, model, scenario)
 model_inputs = {{k: v for k, v in inputs.items() if k != "_prefix"}}
 options = dict(options, max_new_tokens={new_tokens})
 started = time.perf_counter()
-function.get_concrete_function(**model_inputs, **options)
+with native.tracing(native.Kernels(share_traces={shared})):
+    function.get_concrete_function(**model_inputs, **options)
 trace = time.perf_counter() - started
 first = bench._timed(function, inputs, options, {new_tokens})
 median = statistics.median(bench._timed(function, inputs, options, {new_tokens}) for _ in range(3))

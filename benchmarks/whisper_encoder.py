@@ -8,8 +8,8 @@ stand-ins of the encoder's work with its shapes, timed apart:
 
   encoder     `model.encode` (stem, 4 blocks, final norm), as xlagen runs it (the fused attention kernel,
               `xlagen.native.attention`, where the machine can run it)
-  encoder, XLA's attention   the same with XLA's ops for the attention (`native.ATTENTION_MIN_KEYS` out
-              of reach while tracing)
+  encoder, XLA's attention   the same with XLA's ops for the attention (the policy's
+              `attention_min_keys` out of reach while tracing)
   stem        the two convolutions
   dense       the 4 blocks' products on [B * 1500, 384]: qkv, output, MLP in (with GELU) and out
   attention   4 x softmax(q k^T / 8) v over [B, 6, 1500, 64]
@@ -80,11 +80,8 @@ def main(argv=None) -> int:
         return q
 
     def xla_attention_encoder(f):
-        former, native.ATTENTION_MIN_KEYS = native.ATTENTION_MIN_KEYS, sys.maxsize  # read while tracing
-        try:
+        with native.tracing(native.Kernels(attention_min_keys=sys.maxsize)):  # read while tracing
             return model.encode(f)
-        finally:
-            native.ATTENTION_MIN_KEYS = former
 
     def score_products(q):
         for _ in range(layers):

@@ -106,14 +106,20 @@ def test_kernel_runs_as_a_custom_call_for_few_rows_and_inside_loops(weight_dtype
         function = tf.function(lambda x: native.matmul(x, words, 48), jit_compile=True)
         return function.experimental_get_compiler_ir(tf.zeros((rows, 32)))(stage="optimized_hlo")
 
-    assert f'custom_call_target="{target}"' in hlo(native.MAX_ROWS)
-    assert target not in hlo(native.MAX_ROWS + 1)
-    # Inside a loop the kernel runs whatever the rows: unpacking there would repeat every iteration.
-    x = rng.standard_normal((native.MAX_ROWS + 8, 32)).astype(np.float32)
+    most = native.Kernels().packed_max_rows
+    assert f'custom_call_target="{target}"' in hlo(most)
+    assert target not in hlo(most + 1)
+    with native.tracing(native.Kernels.OFF):
+        assert target not in hlo(most)
+    # In a decoding step the kernel runs whatever the rows: unpacking there would repeat every iteration.
+    x = rng.standard_normal((most + 8, 32)).astype(np.float32)
+
+    def step(i, y):
+        with native.decoding_step():
+            return i + 1, y + native.matmul(x, words, 48)
 
     def loop(x):
-        return tf.while_loop(lambda i, y: i < 2, lambda i, y: (i + 1, y + native.matmul(x, words, 48)),
-                             (0, tf.zeros((x.shape[0], 48))))[1]
+        return tf.while_loop(lambda i, y: i < 2, step, (0, tf.zeros((x.shape[0], 48))))[1]
 
     looped = tf.function(loop, jit_compile=True)
     assert f'custom_call_target="{target}"' in looped.experimental_get_compiler_ir(x)(stage="optimized_hlo")
@@ -312,10 +318,10 @@ def test_save_pretrained_of_a_packed_model_writes_the_float32_weights(gpt2_check
 
 
 def test_unavailable_reason_names_what_is_missing(monkeypatch):
-    monkeypatch.setattr(native.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(native.library.platform, "machine", lambda: "aarch64")
     assert "x86-64" in native.unavailable_reason()
     monkeypatch.undo()
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native.library, "_compiler", lambda: None)
     assert "C++ compiler" in native.unavailable_reason()
 
 
@@ -366,26 +372,19 @@ def test_bench_measures_packed_weights_beside_float32(tmp_path):
 
 def test_the_kernel_library_builds_into_the_cache_folder_once(tmp_path, monkeypatch):
     monkeypatch.setenv("XLAGEN_CACHE", str(tmp_path))
-    library = native._build()
+    library = native.build.build()
     assert library.parent == tmp_path / "native" and library.suffix == ".so"
     built = library.stat().st_mtime_ns
-    assert native._build() == library and library.stat().st_mtime_ns == built  # cached: not rebuilt
+    assert native.build.build() == library and library.stat().st_mtime_ns == built  # cached: not rebuilt
     # no scratch left behind; the library's SHA-256 beside it (tests/test_native_build.py)
     assert sorted(p.name for p in library.parent.iterdir()) == [library.name, library.name + ".sha256"]
     monkeypatch.setenv("XLAGEN_CACHE", str(tmp_path / "file"))
     (tmp_path / "file").write_text("")  # a file where the folder should be
     with pytest.raises(native.NativeUnavailable, match="XLAGEN_CACHE"):
-        native._build()
+        native.build.build()
 
 
 # ----------------------------------------------------------------------------- the float32 kernel
-
-@pytest.fixture
-def float32_kernel():
-    """A switch for the float32 kernel (`native.set_float32_kernel`), restored afterwards."""
-    yield native.set_float32_kernel
-    native.set_float32_kernel(True)
-
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 20])
 @pytest.mark.parametrize("k, n", [(64, 2304), (515, 300), (37, 19), (16, 50257)])
@@ -405,9 +404,10 @@ def test_float32_kernel_matches_float64_numpy(rows, k, n):
 def _float32_generate(model, inputs: dict, enabled: bool, **options):
     """(generate output with scores, optimized HLO) of a compiled generate traced with the float32 kernel on
     or off."""
-    native.set_float32_kernel(enabled)
-    program = tf.function(lambda inputs: model.generate(**inputs, **options), jit_compile=True)
-    return _generate(model, inputs, **options), program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+    kernels = native.Kernels(float32=enabled)
+    program = tf.function(lambda inputs: model.generate(**inputs, kernels=kernels, **options), jit_compile=True)
+    return (_generate(model, inputs, kernels=kernels, **options),
+            program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo"))
 
 
 def _assert_kernel_changes_nothing(model, inputs: dict, **options):
@@ -423,7 +423,7 @@ def _assert_kernel_changes_nothing(model, inputs: dict, **options):
 
 @pytest.mark.parametrize("options", [{"max_new_tokens": 10}, {"max_new_tokens": 8, "num_beams": 3},
                                      {"max_new_tokens": 6, "num_beams": 6}])
-def test_gpt2_generates_the_same_with_the_float32_kernel(gpt2_model, float32_kernel, options):
+def test_gpt2_generates_the_same_with_the_float32_kernel(gpt2_model, options):
     ids = random_ids((2, 7), 300, seed=3)
     mask = np.ones_like(ids)
     mask[1, :3] = 0
@@ -431,12 +431,12 @@ def test_gpt2_generates_the_same_with_the_float32_kernel(gpt2_model, float32_ker
 
 
 @pytest.mark.parametrize("family", ["opt", "t5", "whisper"])
-def test_other_models_generate_the_same_with_the_float32_kernel(tmp_path, float32_kernel, family):
+def test_other_models_generate_the_same_with_the_float32_kernel(tmp_path, family):
     model, inputs = tiny_family_model(tmp_path, family)
     _assert_kernel_changes_nothing(model, inputs, max_new_tokens=6, num_beams=2)
 
 
-def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model, float32_kernel):
+def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model):
     ids = random_ids((3, 5), 300, seed=1)
 
     def hlo(function, *args):
@@ -444,22 +444,26 @@ def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model, float32_k
 
     # A forward pass (prefill, training, predict) is not a decoding loop: XLA's own dot.
     assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model(ids).logits, ids)
-    # 3 rows x 6 beams = 18 rows per product, above FLOAT32_MAX_ROWS; x 5 beams = 15, within it.
-    assert 15 <= native.FLOAT32_MAX_ROWS < 18
+    # 3 rows x 6 beams = 18 rows per product, above float32_max_rows; x 5 beams = 15, within it.
+    assert 15 <= native.Kernels().float32_max_rows < 18
     assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=6), ids)
     assert native.FLOAT32_TARGET in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=5), ids)
-    with native.portable():
+    with native.tracing(native.Kernels.OFF):
         assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
-    float32_kernel(False)
-    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
-    float32_kernel(True)
+    assert native.FLOAT32_TARGET not in hlo(
+        lambda ids: gpt2_model.generate(ids, max_new_tokens=3, kernels=native.Kernels(float32=False)), ids)
+    # A policy given to generate wins over the one in force.
+    with native.tracing(native.Kernels.OFF):
+        assert native.FLOAT32_TARGET in hlo(
+            lambda ids: gpt2_model.generate(ids, max_new_tokens=3, kernels=native.Kernels()), ids)
 
 
-def test_float32_kernel_limits_by_size_and_width(gpt2_model, float32_kernel, monkeypatch):
+def test_float32_kernel_limits_by_size_and_width(gpt2_model):
     ids = random_ids((1, 5), 300, seed=1)
 
-    def kernel_calls(**options):
-        program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, **options), jit_compile=True)
+    def kernel_calls(kernels=native.Kernels(), **options):
+        program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, kernels=kernels, **options),
+                              jit_compile=True)
         return program.experimental_get_compiler_ir(ids)(stage="optimized_hlo").count(
             f'custom_call_target="{native.FLOAT32_TARGET}"')
 
@@ -467,20 +471,19 @@ def test_float32_kernel_limits_by_size_and_width(gpt2_model, float32_kernel, mon
     # the tiny model's few-kB matrices.
     projections = 4 * gpt2_model.config.num_layers
     assert kernel_calls() == projections + 1
-    # FLOAT32_MAX_COLUMNS keeps wider matrices (the head) with XLA's dot at one row, not at two beams.
-    monkeypatch.setattr(native, "FLOAT32_MAX_COLUMNS", gpt2_model.config.vocab_size - 1)
-    assert kernel_calls() == projections
-    assert kernel_calls(num_beams=2) == projections + 1
-    # FLOAT32_MIN_BYTES keeps smaller matrices (here all of them) with XLA's dot.
-    monkeypatch.setattr(native, "FLOAT32_MIN_BYTES", 2 * 2**20)
-    assert kernel_calls() == 0
+    # float32_max_columns keeps wider matrices (the head) with XLA's dot at one row, not at two beams.
+    narrow = native.Kernels(float32_max_columns=gpt2_model.config.vocab_size - 1)
+    assert kernel_calls(narrow) == projections
+    assert kernel_calls(narrow, num_beams=2) == projections + 1
+    # float32_min_bytes keeps smaller matrices (here all of them) with XLA's dot.
+    assert kernel_calls(narrow.replace(float32_min_bytes=2 * 2**20)) == 0
 
 
 def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_model, caplog):
     ids = random_ids((1, 5), 300, seed=2)
     expected = gpt2_model.generate(ids, max_new_tokens=4).numpy()  # eager: XLA's kernels are not involved
-    monkeypatch.setattr(native, "hardware_reason", lambda: "no AVX-512 here")
-    native._float32_kernel_ready.cache_clear()
+    monkeypatch.setattr(native.library, "hardware_reason", lambda: "no AVX-512 here")
+    native.library.ready.cache_clear()
     try:
         program = tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=4), jit_compile=True)
         with caplog.at_level("INFO", logger="xlagen.native"):
@@ -488,7 +491,7 @@ def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_
         assert native.FLOAT32_TARGET not in program.experimental_get_compiler_ir(ids)(stage="optimized_hlo")
         assert "no AVX-512 here" in caplog.text
     finally:
-        native._float32_kernel_ready.cache_clear()
+        native.library.ready.cache_clear()
 
 
 @pytest.mark.parametrize("transposed", [False, True], ids=["keys", "transposed keys"])
@@ -523,13 +526,13 @@ def test_attention_kernel_gradients_are_the_formulas(transposed):
         return tape.gradient(loss, [q, k, v])
 
     ours = tf.function(lambda: gradients(native.attention), jit_compile=True)()
-    reference = tf.function(lambda: gradients(native._reference_attention), jit_compile=True)()
+    reference = tf.function(lambda: gradients(native.ops._reference_attention), jit_compile=True)()
     for got, expected in zip(ours, reference):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=0, atol=1e-5)
 
 
-def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla(float32_kernel):
-    q, k = tf.zeros((1, 2, 4, 64)), tf.zeros((1, 2, native.ATTENTION_MIN_KEYS, 64))
+def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla():
+    q, k = tf.zeros((1, 2, 4, 64)), tf.zeros((1, 2, native.Kernels().attention_min_keys, 64))
     seen = {}
 
     def probe(name, *args, **kwargs):
@@ -540,7 +543,7 @@ def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla(flo
         probe("plain", q, k)
         probe("constant all-true mask", q, k, tf.ones((1, 1, 1, 1), tf.bool))
         probe("constant mask", q, k, tf.constant([[[[True, False]]]]))
-        probe("bias", q, k, bias=tf.zeros((1, 2, 4, native.ATTENTION_MIN_KEYS)))
+        probe("bias", q, k, bias=tf.zeros((1, 2, 4, native.Kernels().attention_min_keys)))
         probe("dropout", q, k, dropout=True)
         probe("short", q, k[:, :, :-1])
         probe("head size 48", q[..., :48], k[..., :48])
@@ -549,19 +552,19 @@ def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla(flo
         probe("transposed", q, kt, key_transposed=True)
         probe("transposed, short", q, kt[..., :-1], key_transposed=True)
         probe("transposed, other head size", q[..., :32], kt, key_transposed=True)
-        with native.portable():
-            probe("portable", q, k)
+        with native.tracing(native.Kernels.OFF):
+            probe("kernels off", q, k)
         return tf.zeros(())
 
     tf.function(traced, jit_compile=True)()
     assert seen == {"plain": True, "constant all-true mask": True, "constant mask": False, "bias": False,
-                    "dropout": False, "short": False, "head size 48": False, "bfloat16": False, "portable": False,
+                    "dropout": False, "short": False, "head size 48": False, "bfloat16": False, "kernels off": False,
                     "transposed": True, "transposed, short": False, "transposed, other head size": False}
     assert not native.use_attention_kernel(q, k)  # eager: not under XLA
     tf.function(traced)()  # a graph not compiled by XLA
     assert not any(seen.values())
-    float32_kernel(False)
-    tf.function(traced, jit_compile=True)()
+    with native.tracing(native.Kernels(float32=False)):
+        tf.function(traced, jit_compile=True)()
     assert not any(seen.values())
 
 
@@ -627,8 +630,8 @@ def test_memory_attention_refuses_shapes_it_has_no_code_for():
         native.memory_attention(query, states, kv_kernel[:, :32], kv_kernel, kv_bias, 2, 1.0)
 
 
-def test_memory_attention_only_for_large_unmasked_float32_states_under_xla(float32_kernel, monkeypatch):
-    states = tf.zeros((2, native.ATTENTION_MIN_KEYS, 128))
+def test_memory_attention_only_for_large_unmasked_float32_states_under_xla():
+    states = tf.zeros((2, native.Kernels().attention_min_keys, 128))
     seen = {}
 
     def probe(name, *args):
@@ -636,26 +639,27 @@ def test_memory_attention_only_for_large_unmasked_float32_states_under_xla(float
 
     def traced():
         probe("plain", states, None, 64)
-        probe("mask", states, tf.ones((2, native.ATTENTION_MIN_KEYS)), 64)
+        probe("mask", states, tf.ones((2, native.Kernels().attention_min_keys)), 64)
         probe("short", states[:, 1:], None, 64)
         probe("width 96", states[..., :96], None, 32)
         probe("head size 48", states, None, 48)
         probe("bfloat16", tf.cast(states, tf.bfloat16), None, 64)
-        with native.portable():
-            probe("portable", states, None, 64)
+        with native.tracing(native.Kernels.OFF):
+            probe("kernels off", states, None, 64)
         return tf.zeros(())
 
     tf.function(traced, jit_compile=True)()
-    assert not any(seen.values())  # 256 KB: smaller than MEMORY_ATTENTION_MIN_BYTES
-    monkeypatch.setattr(native, "MEMORY_ATTENTION_MIN_BYTES", 4 * 2 * native.ATTENTION_MIN_KEYS * 128)
-    tf.function(traced, jit_compile=True)()
+    assert not any(seen.values())  # 256 KB: smaller than memory_attention_min_bytes
+    with native.tracing(native.Kernels(memory_attention_min_bytes=4 * 2 * native.Kernels().attention_min_keys * 128)):
+        tf.function(traced, jit_compile=True)()
     assert seen == {"plain": True, "mask": False, "short": False, "width 96": False, "head size 48": False,
-                    "bfloat16": False, "portable": False}
+                    "bfloat16": False, "kernels off": False}
     assert not native.use_memory_attention(states, None, 64)  # eager: not under XLA
-    tf.function(traced)()  # a graph not compiled by XLA
+    with native.tracing(native.Kernels(memory_attention_min_bytes=0)):
+        tf.function(traced)()  # a graph not compiled by XLA
     assert not any(seen.values())
-    float32_kernel(False)
-    tf.function(traced, jit_compile=True)()
+    with native.tracing(native.Kernels(float32=False)):
+        tf.function(traced, jit_compile=True)()
     assert not any(seen.values())
 
 
@@ -794,37 +798,46 @@ def test_step_attention_kernel_refuses_a_bias_or_head_size_it_cannot_take():
         native.step_attention(wide, wide, wide, wide, wide, tf.zeros((2, 1, 1, 2)), 1.0, MASK_VALUE)
 
 
-def test_step_attention_kernel_only_in_compiled_decoding_loops(float32_kernel):
+def test_step_attention_kernel_only_in_compiled_decoding_loops():
     q, keys = tf.zeros((2, 2, 1, 64)), tf.zeros((2, 2, 9, 64))
     seen = {}
 
     def probe(name, *args):
         seen[name] = native.use_step_attention(*args)
 
-    def body(i):
+    def step(i):
         probe("loop", q, keys)
         probe("two beams of one prompt", tf.zeros((1, 2, 2, 64)), keys[:1])
         probe("one row", q[:1], keys[:1])
         probe("bfloat16", tf.cast(q, tf.bfloat16), tf.cast(keys, tf.bfloat16))
         wide = tf.zeros((2, 2, 1, native.STEP_ATTENTION_MAX_HEAD_DIM + 16))
         probe("head size 272", wide, tf.zeros((2, 2, 9, native.STEP_ATTENTION_MAX_HEAD_DIM + 16)))
-        with native.portable():
-            probe("portable", q, keys)
+        with native.tracing(native.Kernels.OFF):
+            probe("kernels off", q, keys)
         return (i + 1,)
+
+    def body(i):
+        with native.decoding_step():
+            return step(i)
 
     def traced():
         probe("outside the loop", q, keys)
         return tf.while_loop(lambda i: i < 1, body, (tf.constant(0),))
 
+    def undeclared():  # a compiled tf.while_loop that does not say it is a decoding step
+        return tf.while_loop(lambda i: i < 1, step, (tf.constant(0),))
+
     tf.function(traced, jit_compile=True)()
-    assert native.STEP_ATTENTION_MIN_ROWS == 2
+    assert native.Kernels().step_attention_min_rows == 2
     assert seen == {"outside the loop": False, "loop": True, "two beams of one prompt": True, "one row": False,
                     "bfloat16": False, "head size 272": False,
-                    "portable": False}
+                    "kernels off": False}
     tf.function(traced)()  # a graph not compiled by XLA
     assert not any(seen.values())
-    float32_kernel(False)
-    tf.function(traced, jit_compile=True)()
+    tf.function(undeclared, jit_compile=True)()
+    assert not any(seen.values())
+    with native.tracing(native.Kernels(float32=False)):
+        tf.function(traced, jit_compile=True)()
     assert not any(seen.values())
 
 
@@ -848,7 +861,7 @@ def test_argmax_kernel_ties_infinities_and_nan():
     np.testing.assert_array_equal(_xla(native.argmax, x)[[0, 1, 3, 5]], expected[[0, 1, 3, 5]])
 
 
-def test_argmax_kernel_only_for_static_float32_scores_under_xla(float32_kernel):
+def test_argmax_kernel_only_for_static_float32_scores_under_xla():
     seen = {}
 
     def probe(name, scores):
@@ -858,19 +871,19 @@ def test_argmax_kernel_only_for_static_float32_scores_under_xla(float32_kernel):
         probe("compiled", scores)
         probe("bfloat16", tf.cast(scores, tf.bfloat16))
         probe("three axes", scores[None])
-        with native.portable():
-            probe("portable", scores)
+        with native.tracing(native.Kernels.OFF):
+            probe("kernels off", scores)
         return scores
 
     scores = tf.zeros((2, 50))
     tf.function(traced, jit_compile=True)(scores)
-    assert seen == {"compiled": True, "bfloat16": False, "three axes": False, "portable": False}
+    assert seen == {"compiled": True, "bfloat16": False, "three axes": False, "kernels off": False}
     tf.function(traced)(scores)  # a graph not compiled by XLA
     assert not any(seen.values())
     tf.function(traced, jit_compile=True, input_signature=[tf.TensorSpec((None, 50))])(scores)
     assert not seen["compiled"]  # rows not static
-    float32_kernel(False)
-    tf.function(traced, jit_compile=True)(scores)
+    with native.tracing(native.Kernels(float32=False)):
+        tf.function(traced, jit_compile=True)(scores)
     assert not any(seen.values())
 
 

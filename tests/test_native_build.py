@@ -77,13 +77,13 @@ def umask_002():
 @requires_compiler
 def test_the_real_library_builds_privately_and_loads(tmp_path, monkeypatch, umask_002):
     monkeypatch.setenv("XLAGEN_CACHE", str(tmp_path))
-    library = native._build()
+    library = native.build.build()
     cache = type("Cache", (), {"folder": library.parent, "library": library,
                                "record": library.with_name(library.name + build.RECORD_SUFFIX)})
     assert library.parent == tmp_path / "native" and library.suffix == ".so"
     _assert_private_and_recorded(cache)  # under umask 002 too
     built = library.stat().st_mtime_ns
-    assert native._build() == library and library.stat().st_mtime_ns == built  # cached: not built again
+    assert native.build.build() == library and library.stat().st_mtime_ns == built  # cached: not built again
     # dlopen of the verified descriptor, in a fresh process (this one may hold another copy already).
     script = textwrap.dedent("""
         import ctypes
@@ -264,13 +264,13 @@ def test_concurrent_builders_compile_once_and_both_load(tmp_path):
 def no_compiler(tmp_path, monkeypatch):
     """A machine that could run the kernels but has no compiler (and nothing cached)."""
     monkeypatch.setenv("XLAGEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(native, "hardware_reason", lambda: None)
+    monkeypatch.setattr(native.library, "hardware_reason", lambda: None)
     monkeypatch.setattr(build, "_compiler", lambda: None)
     native.load.cache_clear()
-    native._float32_kernel_ready.cache_clear()
+    native.library.ready.cache_clear()
     yield
     native.load.cache_clear()
-    native._float32_kernel_ready.cache_clear()
+    native.library.ready.cache_clear()
 
 
 def test_without_a_compiler_float32_generate_uses_xla_dot_with_one_warning(no_compiler, gpt2_model, caplog):
@@ -285,7 +285,7 @@ def test_without_a_compiler_float32_generate_uses_xla_dot_with_one_warning(no_co
     with caplog.at_level(logging.INFO, logger="xlagen.native"):
         np.testing.assert_array_equal(program(ids).numpy(), expected)  # asked at every product traced
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "float32 decoding uses XLA's dot" in warnings[0]
+    assert len(warnings) == 1 and "decoding uses XLA's own ops" in warnings[0]
     assert "C++ compiler" in warnings[0]
     assert native.FLOAT32_TARGET not in program.experimental_get_compiler_ir(ids)(stage="hlo")
 
@@ -300,13 +300,13 @@ def test_without_a_compiler_packed_weights_raise_native_unavailable(no_compiler)
 def test_a_library_that_does_not_load_is_native_unavailable(cache, monkeypatch):
     # A verified file that is no shared object (here the fake compiler's bytes): dlopen's error, as
     # NativeUnavailable, which the float32 path turns into XLA's dot.
-    monkeypatch.setattr(native, "hardware_reason", lambda: None)
+    monkeypatch.setattr(native.library, "hardware_reason", lambda: None)
     native.load.cache_clear()
-    native._float32_kernel_ready.cache_clear()
+    native.library.ready.cache_clear()
     try:
         with pytest.raises(native.NativeUnavailable, match=rf"loading xlagen's native kernels \({cache.library}\)"):
             native.load()
-        assert native._float32_kernel_ready() is False
+        assert native.library.ready() is False
     finally:
         native.load.cache_clear()
-        native._float32_kernel_ready.cache_clear()
+        native.library.ready.cache_clear()

@@ -9,14 +9,15 @@ import pytest
 import tensorflow as tf
 
 from conftest import random_ids, requires_kernels, tiny_family_model
+from xlagen import native
 from xlagen.layers import block as block_lib
 
 
 def _generate(model, inputs: dict, shared: bool, monkeypatch, **options):
     """(generate output with scores, TensorFlow operations traced, graph and function bodies)."""
-    monkeypatch.setattr(block_lib, "SHARE_TRACES", shared)
+    kernels = native.Kernels(share_traces=shared)
     program = tf.function(lambda inputs: model.generate(**inputs, output_scores=True, return_dict_in_generate=True,
-                                                        **options), jit_compile=True)
+                                                        kernels=kernels, **options), jit_compile=True)
     graph = program.get_concrete_function(inputs).graph.as_graph_def()
     operations = len(graph.node) + sum(len(function.node_def) for function in graph.library.function)
     return program(inputs), operations

@@ -150,7 +150,7 @@ def freeze_generate(model, batch_size: int, prompt_length: int, config: Generati
 
     from xlagen import native
 
-    with native.portable():  # the binary does not link xlagen's native kernels
+    with native.tracing(native.Kernels.OFF):  # the binary does not link xlagen's native kernels
         frozen = convert_variables_to_constants_v2(generate.get_concrete_function())
     return frozen.graph.as_graph_def(), [t.name for t in frozen.inputs], frozen.outputs[0].name
 

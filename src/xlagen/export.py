@@ -195,7 +195,7 @@ class _Strategy:
         self.model, self.strategy, self.config, self.export, self.buckets = model, strategy, config, export, buckets
         vocab = model.config.vocab_size
         self.top_k_width = top_k_capacity(config.top_k, vocab) if strategy == "sample" and config.top_k else 0
-        self.plan = make_plan(config, export.max_new_tokens, vocab, always=True)
+        self.plan = make_plan(model, config, export.max_new_tokens, always=True)
         self.defaults = _option_defaults(config, strategy, self.top_k_width)
         self.prepare = prepare
         # The XLA program; it is traced once per prompt bucket (its input shapes), and XLA compiles it
@@ -415,7 +415,7 @@ def export_saved_model(model, export_dir: str | Path, *, tokenizer=None, export:
                 signatures[name] = function
                 described.append(ExportedSignature(name, _describe_inputs(function, strategy.defaults), outputs))
     signatures["serving_default"] = signatures[export.strategies[0]]
-    with native.portable():  # a serving process does not have xlagen's native kernels
+    with native.tracing(native.Kernels.OFF):  # a serving process does not have xlagen's native kernels
         tf.saved_model.save(module, str(export_dir), signatures=signatures)
     _write_description(export_dir, export, buckets, described, strategies)
     logger.info("exported %s to %s", ", ".join(signatures), export_dir)

@@ -15,6 +15,7 @@ from safetensors.numpy import save_file
 
 from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
+from xlagen import whisper_decoding
 from xlagen.hub import resolve_model_dir
 from xlagen.models import gpt2, opt, registry, t5, whisper
 from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes, read_json, write_files
@@ -226,6 +227,37 @@ class TFWhisperForConditionalGeneration(PreTrainedModel, whisper.WhisperLM):
 
     architectures = {"whisper": registry.SPEECH_SEQ2SEQ["whisper"]}
     task = "speech recognition"
+
+    def generation_input(self, inputs):
+        """Float log-mel features `[batch, mel bins, frames]`, as float32, checked finite.
+
+        Raises:
+            ValueError: not float, not of rank 3, or not finite.
+        """
+        import tensorflow as tf
+
+        from xlagen.generation import checks
+
+        features = tf.convert_to_tensor(inputs)
+        if not features.dtype.is_floating:
+            raise ValueError(f"input_features must be float log-mel features, got {features.dtype.name}")
+        features = tf.cast(features, tf.float32)
+        if features.shape.rank != 3:
+            raise ValueError(f"input_features must be [batch, mel bins, frames], got shape {features.shape}")
+        checks.check_features("input_features", features)
+        return features
+
+    def forced_decoder_prompt(self, inputs, config: GenerationConfig):
+        """Whisper's forced prompt: start, language (detected per row when none is given), task and
+        <|notimestamps|> (`xlagen.whisper_decoding.decoder_prompt`)."""
+        return whisper_decoding.decoder_prompt(self, inputs, config)
+
+    def generation_processors(self, config: GenerationConfig) -> tuple:
+        """Whisper's timestamp rules, with `return_timestamps`."""
+        return whisper_decoding.processors(config)
+
+    def program_options(self, config: GenerationConfig) -> tuple:
+        return (config.return_timestamps and config.no_timestamps_token_id, config.max_initial_timestamp_index)
 
 
 _PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel, opt.OPTLM: TFOPTForCausalLM, t5.T5LM: TFT5ForConditionalGeneration,

@@ -26,7 +26,7 @@ from xlagen.audio import DYNAMIC_RANGE, LOG_FLOOR
 from xlagen.export import ExportConfig, ExportedSignature, export_saved_model
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Prompt
-from xlagen.generation.whisper import decoder_prompt
+from xlagen.whisper_decoding import decoder_prompt
 
 def log_mel(audio: tf.Tensor, feature_extractor) -> tf.Tensor:
     """Whisper's log-mel features of 16 kHz audio with TensorFlow ops.

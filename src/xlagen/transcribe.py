@@ -24,7 +24,7 @@ import tensorflow as tf
 from xlagen.audio import WhisperFeatureExtractor, load_audio
 from xlagen.generation.api import resolve_config
 from xlagen.generation.compiled import CompiledGenerator
-from xlagen.generation.whisper import check_options, decoder_prompt
+from xlagen.whisper_decoding import check_options, decoder_prompt
 
 SAMPLING_RATE = 16000
 TIME_PRECISION = 0.02  # seconds per timestamp token

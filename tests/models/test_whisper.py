@@ -291,17 +291,18 @@ def whisper_folded(tmp_path_factory):
     return reference, TFWhisperForConditionalGeneration.from_pretrained(folder), folder
 
 
-def test_folded_cross_attention_matches_transformers(whisper_folded, monkeypatch):
+def test_folded_cross_attention_matches_transformers(whisper_folded):
     """Greedy decoding attends over the encoder output with the key and value projections folded in (no
     projection before the loop); beam search projects the keys and values once its beams share a memory
     row (`EncoderContext.projected`). Both give transformers' tokens."""
     reference, model, _ = whisper_folded
-    monkeypatch.setattr(native, "MEMORY_ATTENTION_MIN_BYTES", 0)  # read while tracing: fold these 2 rows
+    kernels = native.Kernels(memory_attention_min_bytes=0)  # fold these 2 rows
     x = features(2, seed=12)
     checked = kernels_expected()
     for options, folded_calls, attention_calls in ((dict(language="en"), 6, 2),
                                                    (dict(language="de", num_beams=2), 3, 5)):
-        program = tf.function(lambda x: model.generate(x, max_new_tokens=10, **options), jit_compile=True)
+        program = tf.function(lambda x: model.generate(x, max_new_tokens=10, kernels=kernels, **options),
+                              jit_compile=True)
         if checked:
             hlo = program.experimental_get_compiler_ir(tf.constant(x))(stage="optimized_hlo")
             # greedy: the 3 decoder layers' cross-attention folded in the prefill and in the step; beams: in
@@ -311,7 +312,7 @@ def test_folded_cross_attention_matches_transformers(whisper_folded, monkeypatch
         assert_same_tokens(program(tf.constant(x)).numpy(), hf_generate(reference, x, max_new_tokens=10, **options))
 
 
-def test_training_through_the_fused_encoder_attention(whisper_heads_16, monkeypatch):
+def test_training_through_the_fused_encoder_attention(whisper_heads_16):
     """A compiled training step's loss and gradients are the same with the fused encoder attention as
     with XLA's attention ops (the kernel's gradient is the formula's)."""
     _, model, _ = whisper_heads_16
@@ -328,10 +329,10 @@ def test_training_through_the_fused_encoder_attention(whisper_heads_16, monkeypa
     if kernels_expected():
         assert native.ATTENTION_TARGET in fused.experimental_get_compiler_ir(batch)(stage="optimized_hlo")
     loss, gradients = fused(batch)
-    monkeypatch.setattr(native, "ATTENTION_MIN_KEYS", 10**9)  # read while tracing: XLA's ops
     plain = tf.function(step, jit_compile=True)
-    assert native.ATTENTION_TARGET not in plain.experimental_get_compiler_ir(batch)(stage="optimized_hlo")
-    expected_loss, expected = plain(batch)
+    with native.tracing(native.Kernels(attention_min_keys=10**9)):  # XLA's ops
+        assert native.ATTENTION_TARGET not in plain.experimental_get_compiler_ir(batch)(stage="optimized_hlo")
+        expected_loss, expected = plain(batch)
     assert float(loss) == pytest.approx(float(expected_loss), rel=1e-5)
     for got, want in zip(gradients, expected):
         got, want = tf.convert_to_tensor(got).numpy(), tf.convert_to_tensor(want).numpy()

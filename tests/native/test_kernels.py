@@ -25,7 +25,7 @@ _FLOAT = ctypes.POINTER(ctypes.c_float)
 
 
 def _entry(name: str, *argtypes):
-    function = getattr(native._library(), name)
+    function = getattr(native.library.opened(), name)
     function.argtypes, function.restype = list(argtypes), ctypes.c_char_p
     return function
 

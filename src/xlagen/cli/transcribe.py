@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     """Runs `xlagen transcribe`; returns 0, or 1 when a file could not be transcribed."""
     from tqdm import tqdm
 
-    from xlagen.generation.whisper import check_options, language_id
+    from xlagen.whisper_decoding import check_options, language_id
     from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
     from xlagen.processing import WhisperProcessor
     from xlagen.transcribe import Transcriber

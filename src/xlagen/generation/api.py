@@ -11,7 +11,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-from xlagen.generation import checks, whisper
+from xlagen import native
+from xlagen.generation import checks
 from xlagen.generation.beam_search import BeamOptions, beam_search
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Plan, Prompt, decode, repeat_rows
@@ -132,8 +133,8 @@ def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
     if inputs is None:
         raise ValueError(f"generate() needs {main}")
     config = resolve_config(model, generation_config, options)
-    if main == "input_features":
-        return _parse_speech_request(model, inputs, model_inputs, config, seed)
+    if main != "input_ids":
+        return _parse_input_request(model, main, inputs, model_inputs, config, seed)
     input_ids = checks.as_int_tensor("input_ids", inputs)
     checks.check_batch("input_ids", input_ids)
     if input_ids.shape[1] == 0:
@@ -158,31 +159,27 @@ def _request(model, prompt: Prompt, config: GenerationConfig, seed) -> Request:
     return Request(prompt, config, new_tokens, seed)
 
 
-def _parse_speech_request(model, features, model_inputs: dict, config: GenerationConfig, seed) -> Request:
-    """A speech model's request: log-mel features in, the forced decoder prompt built (language detected
-    per row when none is given) unless `decoder_input_ids` are given."""
+def _parse_input_request(model, name: str, inputs, model_inputs: dict, config: GenerationConfig, seed) -> Request:
+    """The request of a model whose input is not token ids (e.g. a speech model's float features): the input
+    checked by the model (`generation_input`), and the decoder prompt given, else the model's own
+    (`forced_decoder_prompt`, else the start token)."""
     unused = sorted(set(model_inputs) - {"decoder_input_ids", "decoder_attention_mask"})
     if unused:
-        raise ValueError(f"{type(model).__name__}.generate takes input_features (and optionally decoder_input_ids), "
+        raise ValueError(f"{type(model).__name__}.generate takes {name} (and optionally decoder_input_ids), "
                          f"not {unused}")
-    features = tf.convert_to_tensor(features)
-    if not features.dtype.is_floating:
-        raise ValueError(f"input_features must be float log-mel features, got {features.dtype.name}")
-    features = tf.cast(features, tf.float32)
-    if features.shape.rank != 3:
-        raise ValueError(f"input_features must be [batch, mel bins, frames], got shape {features.shape}")
-    checks.check_features("input_features", features)
+    inputs = model.generation_input(inputs)
     checks.check_seed(seed)
-    ids, mask = _decoder_inputs(model, model_inputs, features[:, :1, 0], config)
+    ids, mask = _decoder_inputs(model, model_inputs, inputs, config)
     if ids is None:
-        ids = whisper.decoder_prompt(model, features, config)
-    prompt = Prompt(*model.generation_inputs(features, None, config.decoder_start_token_id, ids, mask))
+        ids = model.forced_decoder_prompt(inputs, config)
+    prompt = Prompt(*model.generation_inputs(inputs, None, config.decoder_start_token_id, ids, mask))
     return _request(model, prompt, config, seed)
 
 
-def make_plan(config: GenerationConfig, capacity: int, vocab_size: int, always: bool = False) -> Plan:
+def make_plan(model, config: GenerationConfig, capacity: int, always: bool = False) -> Plan:
     """The static part of a run; `always` keeps runtime-only options in the program (see build_processors)."""
-    return Plan(capacity, build_processors(config, vocab_size, always, whisper.processors(config, vocab_size)),
+    vocab_size = model.config.vocab_size
+    return Plan(capacity, build_processors(config, vocab_size, always, model.generation_processors(config)),
                 select_sample if config.do_sample else select_greedy, config.output_scores)
 
 
@@ -227,14 +224,43 @@ def format_output(sequences, sequence_scores, scores, config: GenerationConfig):
 
 
 class GenerationMixin:
-    """Adds transformers-style `generate()` to a model offering `prefill` / `decode_step`."""
+    """Adds transformers-style `generate()` to a model offering `prefill` / `decode_step`.
+
+    A model changes what generation does for it through these hooks, never by generation knowing the model:
+    `generation_input` (a main input that is not token ids), `forced_decoder_prompt` (a decoder prompt of
+    its own), `generation_processors` (logits processors of its own) and `program_options` (what of the
+    options those read, for `CompiledGenerator`'s program key).
+    """
 
     generation_config: GenerationConfig | None = None
+
+    def generation_input(self, inputs) -> tf.Tensor:
+        """The model's main input, checked, when it is not token ids (`config.main_input_name`).
+
+        Raises:
+            ValueError: this model generates from token ids only.
+        """
+        raise ValueError(f"{type(self).__name__} generates from input_ids")
+
+    def forced_decoder_prompt(self, inputs, config: GenerationConfig):
+        """The decoder prompt `[B, P]` when the caller gives none, or None for the start token alone."""
+        return None
+
+    def generation_processors(self, config: GenerationConfig) -> tuple:
+        """Logits processors of this model (`(logits, Context) -> logits`), run after the generic token
+        suppression and before the sampling warpers."""
+        return ()
+
+    def program_options(self, config: GenerationConfig) -> tuple:
+        """The options that `generation_processors` and `forced_decoder_prompt` read statically (a change of
+        them needs another compiled program)."""
+        return ()
 
     # The loops are explicit tf.while_loops; converting this Python with AutoGraph under
     # `tf.function(model.generate)` would only slow tracing down (about 2x).
     @tf.autograph.experimental.do_not_convert
-    def generate(self, inputs=None, generation_config: GenerationConfig | None = None, seed=None, **kwargs):
+    def generate(self, inputs=None, generation_config: GenerationConfig | None = None, seed=None,
+                 kernels: native.Kernels | None = None, **kwargs):
         """Generates tokens; eagerly, or as one XLA program under `tf.function(jit_compile=True)`.
 
         Args:
@@ -244,6 +270,9 @@ class GenerationMixin:
                 among the options.
             generation_config: Overrides the model's defaults (`generation_config.json`).
             seed: Optional `[2]` ints (or one int), each in the int32 range, for reproducible sampling.
+            kernels: Where xlagen's native kernels run in the program traced (`xlagen.native.Kernels`; None:
+                the policy in force, `xlagen.native.current()`). It matters under XLA only
+                (`tf.function(jit_compile=True)`); an eager call runs TensorFlow's ops.
             **kwargs: `attention_mask` `[B, P]`; for encoder-decoder models `decoder_input_ids` `[B, P']`
                 (a decoder prompt starting with decoder_start_token_id) and `decoder_attention_mask`;
                 and any `GenerationConfig` field (max_new_tokens, num_beams, do_sample, ...).
@@ -262,9 +291,10 @@ class GenerationMixin:
         """
         request = parse_request(self, inputs, generation_config, seed, kwargs)
         config, prompt_length = request.config, request.prompt.ids.shape[1]
-        plan = make_plan(config, request.max_new_tokens, self.config.vocab_size)
+        plan = make_plan(self, config, request.max_new_tokens)
         runtime = make_runtime(config, request.max_new_tokens, prompt_length, seed)
-        return format_output(*run(self, request.prompt, plan, runtime, config), config)
+        with native.tracing(kernels):
+            return format_output(*run(self, request.prompt, plan, runtime, config), config)
 
 
 def seed_tensor(seed, needed: bool) -> tf.Tensor:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from xlagen import native
 from xlagen.generation.loop import Plan, Prompt, batch_size, is_eos, prefill, prompt_buffer, write_column
 from xlagen.generation.sampling import Context, Runtime, apply_processors
 
@@ -130,7 +131,8 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
     def body(state: BeamState):
         decoder_state = model.reorder_state(state.decoder_state, state.parents)
         last = tf.reshape(tf.gather(state.running, state.index - 1, axis=2), [batch * num_beams, 1])
-        logits, decoder_state = model.decode_step(last, state.index - 1, decoder_state)
+        with native.decoding_step():
+            logits, decoder_state = model.decode_step(last, state.index - 1, decoder_state)
         return (choose(state._replace(decoder_state=decoder_state), logits),)
 
     state = choose(state, logits)

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from xlagen import native
 from xlagen.generation import checks
 from xlagen.generation.api import format_output, make_plan, make_runtime, parse_request, run
 from xlagen.generation.config import GenerationConfig
@@ -77,8 +78,9 @@ class ProgramKey(NamedTuple):
     num_eos: int
     top_k_capacity: int
     output_scores: bool
-    # (suppress_tokens, begin_suppress_tokens, timestamps' <|notimestamps|> id or False, max initial timestamp)
-    token_rules: tuple = ()
+    suppressed: tuple = ()  # (suppress_tokens, begin_suppress_tokens)
+    model_options: tuple = ()  # what the model's own processors and prompt read (`model.program_options`)
+    kernels: native.Kernels = native.Kernels.DEFAULT  # the policy the program is traced under
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ class CompiledGenerator:
         buckets: Padding sizes.
         warn_after: Log a warning when more than this many programs were compiled (a workload
             that keeps recompiling should widen its buckets or fix its options).
+        kernels: Where xlagen's native kernels run in its programs (`xlagen.native.Kernels`; None: the
+            policy in force when it is made, `xlagen.native.current()`); part of each program's key.
 
     Example:
         >>> generator = CompiledGenerator(model)
@@ -114,8 +118,12 @@ class CompiledGenerator:
         ...                             max_new_tokens=40, do_sample=True, temperature=0.7)
     """
 
-    def __init__(self, model, buckets: Buckets | None = None, warn_after: int = 8):
+    def __init__(self, model, buckets: Buckets | None = None, warn_after: int = 8,
+                 kernels: native.Kernels | None = None):
+        if kernels is not None and not isinstance(kernels, native.Kernels):
+            raise TypeError(f"kernels must be a xlagen.native.Kernels policy, got {type(kernels).__name__}")
         self.model = model
+        self.kernels = native.current() if kernels is None else kernels
         self.buckets = buckets or Buckets()
         self.warn_after = warn_after
         self.trace_log: list[TraceEvent] = []
@@ -132,11 +140,14 @@ class CompiledGenerator:
     def _program(self, key: ProgramKey, config: GenerationConfig, capacity: int):
         with self._lock:
             if key not in self._programs:
-                plan = make_plan(config, capacity, self.model.config.vocab_size, always=True)
+                plan = make_plan(self.model, config, capacity, always=True)
                 # Only static fields of `config` are read inside the program.
-                self._programs[key] = tf.function(
-                    lambda prompt, runtime: run(self.model, prompt, plan, runtime, config), jit_compile=True,
-                    autograph=False)
+
+                def program(prompt, runtime):
+                    with native.tracing(key.kernels):
+                        return run(self.model, prompt, plan, runtime, config)
+
+                self._programs[key] = tf.function(program, jit_compile=True, autograph=False)
             return self._programs[key]
 
     def _key(self, config: GenerationConfig, batch: int, buckets: tuple[int, int, int]) -> ProgramKey:
@@ -144,9 +155,8 @@ class CompiledGenerator:
         prompt, encoder, new = buckets
         return ProgramKey(batch, prompt, encoder, new, config.do_sample, config.num_beams, config.num_return_sequences,
                           config.early_stopping, config.no_repeat_ngram_size, len(config.eos_token_ids), capacity,
-                          config.output_scores, (config.suppress_tokens, config.begin_suppress_tokens,
-                                                 config.return_timestamps and config.no_timestamps_token_id,
-                                                 config.max_initial_timestamp_index))
+                          config.output_scores, (config.suppress_tokens, config.begin_suppress_tokens),
+                          self.model.program_options(config), self.kernels)
 
     def _buckets_for(self, prompt_length: int, new_tokens: int) -> tuple[int, int]:
         prompt_bucket = _bucket(prompt_length, self.buckets.prompt_lengths, "prompt length")
@@ -239,7 +249,7 @@ class CompiledGenerator:
             reason = _reason(key, [event.key for event in self.trace_log])
             self.trace_log.append(TraceEvent(key, reason, seconds))
             count = len(self.trace_log)
-        logger.info("compiled program %d in %.1f s: %s", count, seconds, reason)
+        logger.info("compiled program %d in %.1f s (%s): %s", count, seconds, key.kernels, reason)
         if count == self.warn_after + 1:
             logger.warning("%d XLA programs compiled so far (latest: %s); widen the buckets or keep options "
                            "such as num_beams fixed to avoid recompiling", count, reason)

@@ -10,6 +10,7 @@ from typing import Callable, NamedTuple
 import tensorflow as tf
 from keras import ops
 
+from xlagen import native
 from xlagen.generation.sampling import Context, Runtime, apply_processors, fold_seed
 
 
@@ -132,7 +133,8 @@ def decode(model, prompt: Prompt, plan: Plan, runtime: Runtime):
 
     def body(state: LoopState):
         last = model_ids(tf.gather(state.tokens, [state.index - 1], axis=1), ~state.done[:, None])  # [B, 1]
-        logits, decoder_state = model.decode_step(last, state.index - 1, state.decoder_state)
+        with native.decoding_step():
+            logits, decoder_state = model.decode_step(last, state.index - 1, state.decoder_state)
         return (choose(state._replace(decoder_state=decoder_state), logits),)
 
     state = choose(state, logits)

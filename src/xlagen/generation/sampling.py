@@ -170,6 +170,36 @@ def top_p(capacity: int | None) -> Processor:
     return apply
 
 
+def token_mask(ids, vocab_size: int) -> tf.Tensor:
+    """bool `[V]`, True at `ids`."""
+    flags = [False] * vocab_size
+    for i in ids:
+        if 0 <= i < vocab_size:
+            flags[i] = True
+    return tf.constant(flags)
+
+
+def suppress(ids, vocab_size: int) -> Processor:
+    """Bans `ids` at every step (transformers' SuppressTokensLogitsProcessor)."""
+    banned = token_mask(ids, vocab_size)
+
+    def apply(logits, ctx: Context):
+        return tf.where(banned[None, :], tf.constant(NEG_INF, logits.dtype), logits)
+
+    return apply
+
+
+def suppress_at_begin(ids, vocab_size: int) -> Processor:
+    """Bans `ids` as the first new token (transformers' SuppressTokensAtBeginLogitsProcessor)."""
+    banned = token_mask(ids, vocab_size)
+
+    def apply(logits, ctx: Context):
+        first = tf.equal(ctx.length, ctx.prompt_length)
+        return tf.where(banned[None, :] & first, tf.constant(NEG_INF, logits.dtype), logits)
+
+    return apply
+
+
 def build_processors(config, vocab_size: int, always: bool = False, bans: tuple = ()) -> tuple[Processor, ...]:
     """The processors transformers applies for `config`, in its order.
 
@@ -179,8 +209,9 @@ def build_processors(config, vocab_size: int, always: bool = False, bans: tuple 
         always: Include every processor whose effect depends only on runtime values, even when the
             current values make it a no-op, so that a later call with other values reuses the
             program (the compiled generator). Results are identical either way.
-        bans: Further processors (token suppression, timestamp rules) that run after the others and
-            before the sampling warpers, where transformers puts them.
+        bans: Further processors of the model (`GenerationMixin.generation_processors`, e.g. Whisper's
+            timestamp rules) that run after the token suppression and before the sampling warpers, where
+            transformers puts them.
     """
     processors: list[Processor] = []
     if always or config.repetition_penalty != 1.0:
@@ -189,6 +220,10 @@ def build_processors(config, vocab_size: int, always: bool = False, bans: tuple 
         processors.append(no_repeat_ngram(config.no_repeat_ngram_size))
     if config.eos_token_ids and (always or config.min_length > 0 or config.min_new_tokens):
         processors.append(suppress_eos_early)
+    if config.begin_suppress_tokens:
+        processors.append(suppress_at_begin(config.begin_suppress_tokens, vocab_size))
+    if config.suppress_tokens:
+        processors.append(suppress(config.suppress_tokens, vocab_size))
     processors.extend(bans)
     if config.do_sample:
         if always or config.temperature != 1.0:

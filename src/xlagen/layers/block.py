@@ -15,6 +15,7 @@ from typing import NamedTuple
 import keras
 
 from xlagen import cache as cache_lib
+from xlagen import native
 from xlagen.layers.attention import Attention, CrossAttention, FoldedMemory
 from xlagen.layers.dense import Dense
 from xlagen.layers.feedforward import FeedForward
@@ -185,13 +186,11 @@ def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, p
     return x, None if caches is None else tuple(new_caches)
 
 
-SHARE_TRACES = True  # tests switch it off to compare with block-by-block tracing
-
-
 def _share_traces(training) -> bool:
+    """Whether to trace identical blocks once: under the policy's `share_traces`, in graphs, not training."""
     import tensorflow as tf
 
-    return SHARE_TRACES and training is False and not tf.executing_eagerly()
+    return native.current().share_traces and training is False and not tf.executing_eagerly()
 
 
 class _SharedTrace:

@@ -28,7 +28,7 @@ constexpr int kStepAttentionMaxD = 256;  // head sizes the step attention takes,
 constexpr int kMaxDefaultThreads = 8;    // worker threads by default, at most (caller included)
 constexpr int kDefaultSpinMicroseconds = 600;
 // Bytes of the next float32 product each idle worker reads ahead, at most: they fill the core's L2 (1 MB
-// here) no more than the gap between two products lets them (XLAGEN_NATIVE_LOOKAHEAD_KB, xlagen_set_lookahead).
+// here) no more than the gap between two products lets them (xlagen_configure_pool, xlagen_set_lookahead).
 constexpr int kDefaultLookaheadKB = 768;
 
 }  // namespace xlagen

@@ -139,10 +139,26 @@ void Pool::Loop(int index) {
   }
 }
 
+namespace {
+// The pool's settings, given by xlagen_configure_pool before the pool is made (negative: the default).
+std::atomic<int> g_threads{-1};
+std::atomic<int> g_spin_us{-1};
+std::atomic<long> g_lookahead_kb{-1};
+std::atomic<bool> g_pool_made{false};
+}  // namespace
+
+bool ConfigurePool(int threads, int spin_us, long lookahead_kb) {
+  if (g_pool_made.load(std::memory_order_acquire)) return false;
+  g_threads.store(threads, std::memory_order_relaxed);
+  g_spin_us.store(spin_us, std::memory_order_relaxed);
+  g_lookahead_kb.store(lookahead_kb, std::memory_order_release);
+  return true;
+}
+
 Pool& GetPool() {
   static Pool* pool = [] {
-    int threads = 0;
-    if (const char* env = std::getenv("XLAGEN_NATIVE_THREADS")) threads = std::atoi(env);
+    g_pool_made.store(true, std::memory_order_release);
+    int threads = g_threads.load(std::memory_order_acquire);
     if (threads < 1) {
       // The products are bound by memory bandwidth, which a few cores saturate; more threads would only
       // spin between products.
@@ -150,13 +166,12 @@ Pool& GetPool() {
       threads = sched_getaffinity(0, sizeof(cpus), &cpus) == 0 ? CPU_COUNT(&cpus) : 1;
       threads = threads > kMaxDefaultThreads ? kMaxDefaultThreads : threads;
     }
-    int spin = kDefaultSpinMicroseconds;
-    if (const char* env = std::getenv("XLAGEN_NATIVE_SPIN_US")) spin = std::atoi(env);
-    long lookahead = kDefaultLookaheadKB;
-    if (const char* env = std::getenv("XLAGEN_NATIVE_LOOKAHEAD_KB")) lookahead = std::atol(env);
+    int spin = g_spin_us.load(std::memory_order_acquire);
+    if (spin < 0) spin = kDefaultSpinMicroseconds;
+    long lookahead = g_lookahead_kb.load(std::memory_order_acquire);
+    if (lookahead < 0) lookahead = kDefaultLookaheadKB;
     // Never destroyed: its workers live as long as the process.
-    return new Pool(threads < 1 ? 1 : threads, std::chrono::microseconds(spin < 0 ? 0 : spin),
-                    lookahead < 0 ? 0 : static_cast<size_t>(lookahead) * 1024);
+    return new Pool(threads, std::chrono::microseconds(spin), static_cast<size_t>(lookahead) * 1024);
   }();
   return *pool;
 }

@@ -62,9 +62,13 @@ class Pool {
   std::atomic_flag busy_ = ATOMIC_FLAG_INIT;
 };
 
-// The process's pool (XLAGEN_NATIVE_THREADS, XLAGEN_NATIVE_SPIN_US and XLAGEN_NATIVE_LOOKAHEAD_KB are read
-// when it is made, at the first kernel call).
+// The process's pool, made at the first kernel call with the settings of ConfigurePool (else the defaults).
 Pool& GetPool();
+
+// Sets the pool's threads (caller included), the microseconds an idle worker spins before it sleeps, and
+// the KiB each idle worker reads ahead; a negative value (threads: below 1) keeps the default. Returns false,
+// changing nothing, once the pool is made.
+bool ConfigurePool(int threads, int spin_us, long lookahead_kb);
 
 // The product that comes next, as far as the last calls tell. A decoding step calls the same products in the
 // same order at every step (the weights of a compiled loop keep their buffers), and between two products XLA

@@ -195,8 +195,13 @@ extern "C" void xlagen_f32_argmax(void* out, const void** in, const char* opaque
         xlagen_argmax(static_cast<const float*>(in[0]), static_cast<int32_t*>(out), rows, n));
 }
 
+// The pool's settings (see ConfigurePool): 1 when taken, 0 when the pool is already running.
+extern "C" int xlagen_configure_pool(int threads, int spin_us, long lookahead_kb) {
+  return xlagen::ConfigurePool(threads, spin_us, lookahead_kb) ? 1 : 0;
+}
+
 // Sets how many KiB of the product expected next each idle worker prefetches (0: none), for the calls from
-// now on; the environment's XLAGEN_NATIVE_LOOKAHEAD_KB (default kDefaultLookaheadKB) until then.
+// now on; xlagen_configure_pool's (default kDefaultLookaheadKB) until then.
 extern "C" void xlagen_set_lookahead(long kib) {
   xlagen::GetPool().set_lookahead(kib < 0 ? 0 : static_cast<size_t>(kib) * 1024);
 }

@@ -1,8 +1,9 @@
 """Speech recognition decoding as Whisper defines it: the forced decoder prompt (start, language, task,
-no-timestamps), language detection, token suppression and the timestamp rules.
+no-timestamps), language detection and the timestamp rules; `TFWhisperForConditionalGeneration` plugs
+them into `generate` through the model hooks of `xlagen.generation.api.GenerationMixin`.
 
 Reference: transformers 4.57's `WhisperGenerationMixin._retrieve_init_tokens` / `detect_language` and
-`SuppressTokensLogitsProcessor`, `SuppressTokensAtBeginLogitsProcessor`, `WhisperTimeStampLogitsProcessor`.
+`WhisperTimeStampLogitsProcessor`.
 Everything here is tensor code that runs eagerly and inside the one XLA program of `generate`: the
 detected language is a tensor per row, and the timestamp rules are masks over the token buffer rather
 than Python loops over rows.
@@ -16,38 +17,8 @@ import tensorflow as tf
 
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import batch_size
-from xlagen.generation.sampling import NEG_INF, Context, Processor
+from xlagen.generation.sampling import NEG_INF, Context, Processor, token_mask
 from xlagen.whisper_tokens import LANGUAGE_CODES, LANGUAGES
-
-
-def _mask(ids, vocab_size: int) -> tf.Tensor:
-    """bool `[V]`, True at `ids`."""
-    flags = [False] * vocab_size
-    for i in ids:
-        if 0 <= i < vocab_size:
-            flags[i] = True
-    return tf.constant(flags)
-
-
-def suppress(ids, vocab_size: int) -> Processor:
-    """Bans `ids` at every step (transformers' SuppressTokensLogitsProcessor)."""
-    banned = _mask(ids, vocab_size)
-
-    def apply(logits, ctx: Context):
-        return tf.where(banned[None, :], tf.constant(NEG_INF, logits.dtype), logits)
-
-    return apply
-
-
-def suppress_at_begin(ids, vocab_size: int) -> Processor:
-    """Bans `ids` as the first new token (transformers' SuppressTokensAtBeginLogitsProcessor)."""
-    banned = _mask(ids, vocab_size)
-
-    def apply(logits, ctx: Context):
-        first = tf.equal(ctx.length, ctx.prompt_length)
-        return tf.where(banned[None, :] & first, tf.constant(NEG_INF, logits.dtype), logits)
-
-    return apply
 
 
 def timestamp_rules(no_timestamps_id: int, eos_id: int, max_initial_index: int | None) -> Processor:
@@ -91,13 +62,10 @@ def timestamp_rules(no_timestamps_id: int, eos_id: int, max_initial_index: int |
     return apply
 
 
-def processors(config: GenerationConfig, vocab_size: int) -> tuple[Processor, ...]:
-    """The suppression and timestamp processors `config` asks for, in transformers' order."""
+def processors(config: GenerationConfig) -> tuple[Processor, ...]:
+    """The timestamp rules, when `config` asks for timestamps (after the generic token suppression, where
+    transformers puts them)."""
     chosen: list[Processor] = []
-    if config.begin_suppress_tokens:
-        chosen.append(suppress_at_begin(config.begin_suppress_tokens, vocab_size))
-    if config.suppress_tokens:
-        chosen.append(suppress(config.suppress_tokens, vocab_size))
     if config.return_timestamps:
         if config.no_timestamps_token_id is None or not config.eos_token_ids:
             raise ValueError("return_timestamps needs no_timestamps_token_id and eos_token_id in the generation "
@@ -148,7 +116,7 @@ def detect_language(model, input_features, config: GenerationConfig) -> tf.Tenso
     """
     start = tf.fill([batch_size(input_features), 1], tf.constant(config.decoder_start_token_id, tf.int32))
     logits, _ = model.prefill(start, tf.ones_like(start), 1, input_features=input_features)
-    languages = _mask(config.lang_to_id.values(), logits.shape[-1])
+    languages = token_mask(config.lang_to_id.values(), logits.shape[-1])
     return tf.argmax(tf.where(languages[None, :], logits, NEG_INF), axis=-1, output_type=tf.int32)
 
 

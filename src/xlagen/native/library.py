@@ -1,0 +1,189 @@
+"""Loading the native kernel library: whether this machine can run it, opening a verified build
+(`build.py`), registering its custom-call targets with XLA, its constants and its thread pool's settings."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import platform
+from pathlib import Path
+
+from xlagen.native import build
+from xlagen.native.build import NO_COMPILER, NativeUnavailable, _compiler
+from xlagen.native.policy import PoolSettings
+
+logger = logging.getLogger("xlagen.native")
+
+
+def hardware_reason() -> str | None:
+    """Why this machine itself cannot run the native kernels (its system, architecture or CPU: nothing that
+    an install would change), or None if it can."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return (f"xlagen's native kernels need Linux on x86-64; this is {platform.system()} on "
+                f"{platform.machine()}")
+    try:
+        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    if "avx512f" not in flags:
+        return "xlagen's native kernels need a CPU with AVX-512 (avx512f); this CPU does not report it"
+    return None
+
+
+def unavailable_reason() -> str | None:
+    """Why the native kernels cannot run here, or None if they can (before trying to build them)."""
+    return hardware_reason() or (NO_COMPILER if _compiler() is None else None)
+
+
+@functools.lru_cache(maxsize=None)
+def opened() -> ctypes.CDLL:
+    """Builds (once) and opens the kernel library, without registering it with XLA; its thread pool takes
+    `PoolSettings.from_env()` unless `configure_pool` was called first.
+
+    Raises:
+        NativeUnavailable: the machine cannot run it (see `unavailable_reason`), the cache folder is unsafe
+            (another user's) or not writable, or the build or the loading failed.
+        ValueError: an environment variable of `PoolSettings.from_env` holds a bad value.
+    """
+    reason = hardware_reason()
+    if reason:
+        raise NativeUnavailable(reason)
+    settings = PoolSettings.from_env()
+    # `build.opened` verifies the cached build (owner, mode, SHA-256) and names its open descriptor, so the
+    # bytes verified are the bytes loaded.
+    with build.opened() as verified:
+        try:
+            library = ctypes.CDLL(verified)
+        except OSError as error:
+            raise NativeUnavailable(f"loading xlagen's native kernels "
+                                    f"({build.cache_folder() / build.library_name()}) failed: {error}") from error
+    _configure(library, settings)
+    return library
+
+
+def _configure(library: ctypes.CDLL, settings: PoolSettings) -> bool:
+    function = library.xlagen_configure_pool
+    function.argtypes, function.restype = [ctypes.c_int, ctypes.c_int, ctypes.c_long], ctypes.c_int
+    unset = -1
+    return bool(function(settings.threads or unset, unset if settings.spin_us is None else settings.spin_us,
+                         unset if settings.lookahead_kib is None else settings.lookahead_kib))
+
+
+def configure_pool(settings: PoolSettings) -> None:
+    """Sets the kernels' thread pool (threads, spin, read-ahead) for this process; call it before the first
+    kernel runs (the pool is made then and keeps its settings).
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+        RuntimeError: a kernel has already run in this process.
+    """
+    if not _configure(opened(), settings):
+        raise RuntimeError("the native kernels' thread pool is already running; configure it before the first "
+                           "generation (or set the XLAGEN_NATIVE_* environment variables)")
+
+
+@functools.lru_cache(maxsize=None)
+def constant(name: str) -> int:
+    """A constant of the kernels (`kernels.h`, e.g. "panel"), as the loaded library has it.
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+        KeyError: the library has no constant of that name.
+    """
+    value = ctypes.c_long()
+    function = opened().xlagen_constant
+    function.argtypes, function.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_long)], ctypes.c_int
+    if not function(name.encode(), ctypes.byref(value)):
+        raise KeyError(f"the native kernels have no constant {name!r}")
+    return value.value
+
+
+@functools.lru_cache(maxsize=None)
+def load() -> ctypes.CDLL:
+    """Builds (once) and loads the kernel library and registers its XLA custom-call targets.
+
+    Raises:
+        NativeUnavailable: the machine cannot run it (see `unavailable_reason`), the cache folder is unsafe
+            (another user's) or not writable, or the build or the loading failed.
+    """
+    library = opened()
+    import tensorflow as tf  # noqa: F401  (loads libtensorflow_cc, whose registry the kernel joins)
+
+    library.xlagen_register.argtypes = [ctypes.c_char_p]
+    code = library.xlagen_register(b"libtensorflow_cc.so.2")
+    if code != 0:
+        raise NativeUnavailable(f"registering xlagen's native kernels with XLA failed (code {code}): this "
+                                "TensorFlow build does not export XLA's custom-call registry")
+    return library
+
+
+@functools.lru_cache(maxsize=None)
+def ready() -> bool:
+    """Whether the kernels load here; if not, XLA's own ops are used, said once: at INFO level on a system or
+    CPU that cannot run them, as a warning when they could run but cannot be built or loaded."""
+    reason = hardware_reason()
+    if reason:
+        logger.info("decoding uses XLA's own ops: %s", reason)
+        return False
+    try:
+        load()
+    except NativeUnavailable as error:
+        logger.warning("decoding uses XLA's own ops: %s", error)
+        return False
+    return True
+
+
+def status_supported() -> bool:
+    """Whether a native custom call that is handed a configuration it cannot run fails with an XLA error (True),
+    or ends the process (False: this TensorFlow's custom-call status differs from the one the kernels know).
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+    """
+    return bool(load().xlagen_status_supported())
+
+
+def set_lookahead(kib: int) -> None:
+    """Sets how many KiB of the next product's float32 weights each idle kernel worker reads ahead while XLA
+    runs the step's other operations (0 turns it off), for the calls from now on. The next product is the
+    one that followed the last product the previous time (a decoding step repeats its products in order).
+    The default is `PoolSettings.lookahead_kib`, else 768.
+
+    Raises:
+        ValueError: kib < 0.
+        NativeUnavailable: the kernels cannot run here.
+    """
+    if kib < 0:
+        raise ValueError(f"kib must be >= 0, got {kib}")
+    library = load()
+    library.xlagen_set_lookahead.argtypes = [ctypes.c_long]
+    library.xlagen_set_lookahead(int(kib))
+
+
+def lookahead_kib() -> int:
+    """How many KiB of the next product each idle kernel worker reads ahead (see `set_lookahead`); 0 when
+    the kernels run on one thread, which has no idle worker.
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+    """
+    library = load()
+    library.xlagen_lookahead.restype = ctypes.c_long
+    return int(library.xlagen_lookahead())
+
+
+def lookahead_counts() -> dict[str, int]:
+    """Counters of the float32 kernel's read-ahead since the process started: `calls` (float32 products),
+    `predicted` (calls that were the product expected after the previous one) and `bytes_read_ahead` (by
+    the idle workers).
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+    """
+    library = load()
+    counts = (ctypes.c_long * 3)()
+    library.xlagen_lookahead_counts.argtypes = [ctypes.c_void_p]
+    library.xlagen_lookahead_counts(counts)
+    return {"calls": counts[0], "predicted": counts[1], "bytes_read_ahead": counts[2]}

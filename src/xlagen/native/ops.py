@@ -1,0 +1,230 @@
+"""The native kernels as XLA custom calls, with the formulas they compute in TensorFlow ops (their gradients,
+and the path without them). Whether to call one is the policy's question (`policy.Kernels.use_*`); these
+emit the call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from xlagen.native.library import constant, load
+from xlagen.native.packing import unpack
+from xlagen.native.policy import ATTENTION_HEAD_DIMS, current
+
+TARGET = "xlagen_bf16_matmul"
+FLOAT32_TARGET = "xlagen_f32_matmul"
+INT8_TARGET = "xlagen_int8_matmul"
+ATTENTION_TARGET = "xlagen_f32_attention"
+STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
+ARGMAX_TARGET = "xlagen_f32_argmax"
+MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
+
+
+def matmul(x, words, n: int):
+    """`x [..., K] @ W` for W packed by `pack_bfloat16` or `pack_int8` (N = n columns), in float32.
+
+    The native kernel's custom call where the policy of the trace says so (`Kernels.use_packed_product`:
+    under XLA, in a decoding step always, elsewhere for at most `packed_max_rows` rows). Otherwise (long
+    prompts, encoders, eager or non-XLA graphs, kernels off) the weights are unpacked to float32 and
+    multiplied by TensorFlow's matmul: faster once the product is compute-bound, but never inside a step,
+    where XLA would unpack every iteration (10x slower than the kernel at 16 rows). Both compute
+    `x @ unpack(W)`.
+
+    Raises:
+        TypeError: x is not float32.
+    """
+    import tensorflow as tf
+
+    x = tf.convert_to_tensor(x)
+    if x.dtype != tf.float32:
+        raise TypeError(f"packed weights multiply float32 activations; got {x.dtype.name}")
+    if x.shape[:-1].num_elements() is None or not current().use_packed_product(x):
+        return tf.tensordot(x, unpack(words, n), 1)
+    load()
+    return _custom_call(INT8_TARGET if words.dtype == tf.int8 else TARGET, x, words, n)
+
+
+def _custom_call(target: str, x, weights, n: int):
+    """The custom call `target` on x `[..., K]` (rows flattened) and the weights -> float32 `[..., n]`."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    k = x.shape[-1]
+    leading = x.shape[:-1]
+    rows = leading.num_elements()
+    (y,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[tf.reshape(x, (rows, k)), weights], call_target_name=target, backend_config=f"{rows},{k},{n}",
+        has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, n])])
+    return tf.reshape(y, [*leading, n])
+
+
+def matmul_float32(x, kernel):
+    """`x [..., K] @ kernel [K, N]`, float32, as the native kernel's custom call (call it under XLA only;
+    see `Kernels.use_float32_product`). Computes the same sums as XLA's dot in another order.
+
+    Raises:
+        TypeError: x or the kernel is not float32 (the kernel would read their bytes as float32).
+    """
+    import tensorflow as tf
+
+    x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
+    if x.dtype != tf.float32 or kernel.dtype != tf.float32:
+        raise TypeError(f"the float32 kernel multiplies float32 by float32; got {x.dtype.name} @ {kernel.dtype.name}")
+    load()
+    return _custom_call(FLOAT32_TARGET, x, kernel, kernel.shape[-1])
+
+
+def _with_reference_gradient(call, reference, *inputs):
+    """`call(*inputs)` (a native custom call) with the gradients of `reference(*inputs)`, the same formula
+    in TensorFlow ops."""
+    import tensorflow as tf
+
+    @tf.custom_gradient
+    def fused(*inputs):
+        def gradient(upstream):
+            with tf.GradientTape() as tape:
+                tape.watch(inputs)
+                expected = reference(*inputs)
+            return tape.gradient(expected, list(inputs), output_gradients=upstream)
+
+        return call(*inputs), gradient
+
+    return fused(*inputs)
+
+
+def _reference_attention(query, key, value, scale: float, key_transposed: bool = False):
+    import tensorflow as tf
+
+    weights = tf.nn.softmax(tf.matmul(query, key, transpose_b=not key_transposed) * scale, axis=-1)
+    return tf.matmul(weights, value)
+
+
+def attention(query, key, value, scale: float, key_transposed: bool = False):
+    """`softmax(scale * query @ key^T) @ value` for float32 `[B, H, T, D]` queries and `[B, H, S, D]`
+    keys and values, as the native kernel's custom call (call it under XLA only; see
+    `Kernels.use_attention`). With `key_transposed` the keys are `[B, H, D, S]` (a decoder's
+    cross-attention memory, `CrossAttention.project_memory`) and are read in place. The scores of 8 query
+    rows at a time stay in the core's cache instead of being written out `[T, S]` and read back twice
+    (Whisper-tiny's encoder, 1500 positions: about 2x XLA's attention; its decoding steps' cross-attention:
+    `benchmarks/ab.py --compare cross-attention`). Gradients are those of the same formula in TensorFlow ops."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    batch, heads, length, head_dim = query.shape
+    keys = key.shape[3] if key_transposed else key.shape[2]
+    config = f"{batch * heads},{length},{keys},{head_dim},{float(np.float32(scale))!r},{int(key_transposed)}"
+
+    def call(query, key, value):
+        (out,) = gen_xla_ops.xla_custom_call_v2(
+            operands=[tf.reshape(t, (batch * heads, -1, t.shape[-1])) for t in (query, key, value)],
+            call_target_name=ATTENTION_TARGET, backend_config=config, has_side_effect=False,
+            result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([batch * heads, length, head_dim])])
+        return tf.reshape(out, (batch, heads, length, head_dim))
+
+    return _with_reference_gradient(call, lambda *inputs: _reference_attention(*inputs, scale, key_transposed),
+                                    query, key, value)
+
+
+def step_attention(query, keys, values, key, value, bias, scale: float, mask_value: float):
+    """One decoding step's self-attention as the native kernel's custom call (call it under XLA only; see
+    `Kernels.use_step_attention`): for each of the K queries `[G, H, K, D]`, softmax over the cache's keys
+    `[G, H, S', D]` and the step's own new key (`key`, `[G, H, K, D]`, query k's), of `scale * q . k +
+    bias`, then the weighted sum of `values` and `value`. `bias` `[G, 1 or H, K, S' + 1]` (float32; the new
+    key last) is -inf where a query may not see a key; such a score is `mask_value` (as
+    `xlagen.layers.attention` masks, with its `MASK_VALUE`). Returns `[G, H, K, D]`.
+
+    The same sums as the two products and the softmax in TensorFlow ops, in one call per layer instead of
+    several XLA operations (two dots and the softmax's fusions), reading the cache in place."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    groups, heads, queries, head_dim = query.shape
+    length = keys.shape[2]
+    most = constant("step_attention_max_head_dim")
+    if head_dim > most or keys.shape[3] != head_dim:
+        raise ValueError(f"step_attention: head size {head_dim} (keys {keys.shape[3]}); the kernel takes equal "
+                         f"sizes up to {most}")
+    if bias.shape[0] != groups or bias.shape[1] not in (1, heads) or tuple(bias.shape[2:]) != (queries, length + 1):
+        raise ValueError(f"step_attention: bias {bias.shape} does not match {groups} groups, {heads} heads, "
+                         f"{queries} queries and {length} + 1 keys")
+    config = (f"{groups},{heads},{queries},{length},{head_dim},{bias.shape[1]},{float(np.float32(scale))!r},"
+              f"{float(np.float32(mask_value))!r}")
+    (out,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[query, keys, values, key, value, tf.cast(bias, tf.float32)], call_target_name=STEP_ATTENTION_TARGET,
+        backend_config=config, has_side_effect=False, result_dtypes=[tf.float32],
+        result_shapes=[tf.TensorShape([groups, heads, queries, head_dim])])
+    return out
+
+
+def argmax(scores):
+    """The index (int32) of each row's largest value of float32 `scores` `[R, N]`, the first on ties, as the
+    native kernel's custom call (call it under XLA only; see `Kernels.use_argmax`). The same result as
+    `tf.argmax(scores, -1)` except on rows holding NaN, which the kernel skips (a row of only NaN or -inf
+    gives 0). XLA's argmax reduces (value, index) pairs one element at a time: over Whisper-tiny's 8 x
+    51,865 logits it took about 0.9 ms of a 12 ms decoding step."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    rows, n = scores.shape
+    (out,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[scores], call_target_name=ARGMAX_TARGET, backend_config=f"{rows},{n}", has_side_effect=False,
+        result_dtypes=[tf.int32], result_shapes=[tf.TensorShape([rows])])
+    return out
+
+
+def reference_memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, heads: int, scale: float):
+    """What `memory_attention` computes, in TensorFlow ops (its gradient, and the path without the kernel):
+    each head's softmax attention of `query` over keys `states @ Wk_h` and values `states @ Wv_h + bv_h`,
+    where `Wk` is `key_kernel_t` transposed and `[Wk, Wv]`, `[bk, bv]` are `kv_kernel`, `kv_bias`."""
+    import tensorflow as tf
+
+    groups, queries, width = tf.shape(query)[0], tf.shape(query)[1], query.shape[-1]
+    head_dim = width // heads
+    embed = states.shape[-1]
+    query = tf.reshape(query, (groups, queries, heads, head_dim))
+    folded = tf.einsum("gqhd,hde->gqhe", query, tf.reshape(key_kernel_t, (heads, head_dim, embed))) * scale
+    weights = tf.nn.softmax(tf.einsum("gqhe,gle->gqhl", folded, states), axis=-1)
+    mixed = tf.einsum("gqhl,gle->gqhe", weights, states)
+    values = tf.reshape(kv_kernel[:, width:], (embed, heads, head_dim))
+    out = tf.einsum("gqhe,ehd->gqhd", mixed, values) + tf.reshape(kv_bias[width:], (heads, head_dim))
+    return tf.reshape(out, (groups, queries, width))
+
+
+def memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, heads: int, scale: float):
+    """Cross-attention of float32 queries `query` `[G, Q, H * D]` (Q query rows per row of the encoder output:
+    the tokens of one step or prompt, times the beams sharing it) over an encoder output `states`
+    `[G, L, E]` whose keys and values are its projections: `kv_kernel` `[E, 2 * H * D]` (keys, then
+    values, as `CrossAttention.key_value` holds them), `kv_bias` `[2 * H * D]` and `key_kernel_t` the key
+    half of `kv_kernel` transposed, `[H * D, E]`. Returns `[G, Q, H * D]`, the heads side by side.
+
+    As the native kernel's custom call (call it under XLA only; see `Kernels.use_memory_attention`), which folds
+    the projections into the query and the output: `softmax(q Wk_h^T states^T) states Wv_h + bv_h`, so
+    each decoder layer reads `states` rather than its own projected keys and values (half the bytes, and
+    no projection before the loop; `benchmarks/ab.py --compare fold`). The key bias moves every score of a row by the
+    same amount, which the softmax ignores. Gradients are those of `reference_memory_attention`."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    groups, queries, width = query.shape
+    _, length, embed = states.shape
+    head_dim = width // heads
+    if head_dim * heads != width or head_dim not in ATTENTION_HEAD_DIMS or embed % 64:
+        raise ValueError(f"memory_attention: {heads} heads of width {width} over states of width {embed}; the "
+                         f"kernel takes head sizes {ATTENTION_HEAD_DIMS} and widths that are multiples of 64")
+    if tuple(key_kernel_t.shape) != (width, embed) or tuple(kv_kernel.shape) != (embed, 2 * width):
+        raise ValueError(f"memory_attention: kernels {key_kernel_t.shape} and {kv_kernel.shape} do not match "
+                         f"{width} query columns over states of width {embed}")
+    config = f"{groups},{queries},{heads},{head_dim},{length},{embed},{float(np.float32(scale))!r}"
+
+    def call(*inputs):
+        (out,) = gen_xla_ops.xla_custom_call_v2(
+            operands=list(inputs), call_target_name=MEMORY_ATTENTION_TARGET, backend_config=config,
+            has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([groups, queries, width])])
+        return out
+
+    return _with_reference_gradient(call, lambda *inputs: reference_memory_attention(*inputs, heads, scale),
+                                    query, states, key_kernel_t, kv_kernel, kv_bias)

@@ -1,0 +1,358 @@
+"""Where xlagen's native kernels replace XLA's own operations: one frozen value, `Kernels`.
+
+Every choice lives in a `Kernels` value: whether the kernels run at all, which products, attentions and
+argmaxes they take and from which sizes. A program is traced under one policy (`tracing`), which
+`generate`, `CompiledGenerator` (part of its programs' key), export and AOT each take or choose; the layers
+ask the policy of the trace in progress (`current`) through the `use_*` functions. The decoding loops mark
+where a step is traced (`decoding_step`): some kernels only pay off there, where the same small products
+repeat at every token.
+
+Environment variables are read here only (`Kernels.from_env`, `PoolSettings.from_env`) and, for the build,
+in `build.py`:
+
+| variable | default | meaning |
+|---|---|---|
+| `XLAGEN_FLOAT32_KERNEL` | `1` | `0`: float32 weights use XLA's dot and attention (`Kernels.float32`) |
+| `XLAGEN_NATIVE_THREADS` | CPUs this process may use, at most 8 | the kernels' threads, caller included |
+| `XLAGEN_NATIVE_SPIN_US` | `600` | microseconds an idle worker spins before it sleeps |
+| `XLAGEN_NATIVE_LOOKAHEAD_KB` | `768` | KiB of the next product each idle worker reads ahead |
+| `XLAGEN_CACHE` | `~/.cache/xlagen` | the cache; the library is built into its `native/` folder |
+| `CXX` | `g++`, else `c++` | the compiler that builds the library once |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the fused attentions have code for
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """When the native kernels run; a program traced under a policy keeps what it was traced with.
+
+    Attributes:
+        enabled: Whether any native kernel runs (False: XLA's own ops only, as a program that leaves the
+            process needs: SavedModel export, `xlagen aot`; packed weights are then unpacked and multiplied
+            by XLA's dot).
+        float32: Whether float32 weights use the kernels (products, attentions, argmax); bfloat16 and int8
+            weights always do while `enabled`.
+        float32_max_rows: A decoding step's float32 product uses the kernel up to this many rows (batch x
+            beams): 16 covers 2 beams over a batch of 8. At 16 rows the product is close to compute-bound;
+            the kernel still made the whole of `generate` 1.12-1.20x faster than XLA's dot there (GPT-2,
+            OPT, T5, Whisper, beam 2 at batch 8; `benchmarks/ab.py --compare kernel --max-rows 16`).
+        float32_min_bytes: Float32 weight matrices smaller than this stay with XLA's dot (0: none do; every
+            product on the kernel measured faster or even, `benchmarks/ab.py --compare rules`).
+        float32_max_columns: If set, one-row float32 products with more columns than this (LM heads) stay
+            with XLA's dot.
+        packed_max_rows: Outside a decoding step, products of packed weights with more rows than this (long
+            prompts, encoders) unpack the weights and use XLA's dot, which is faster once compute-bound;
+            inside a step they always use the kernel (XLA would unpack at every step).
+        attention_min_keys: Unmasked float32 attention over at least this many keys runs as the fused kernel
+            under XLA: Whisper's encoder and its decoder's cross-attention (1500 positions).
+        cross_attention: Whether a decoder's cross-attention over keys projected once and kept transposed
+            also runs as the fused kernel (`benchmarks/ab.py --compare cross-attention`).
+        memory_attention_min_bytes: A generation's cross-attention reads the encoder output itself, the
+            projections folded in, from this many bytes of encoder output: the per-layer keys and values it
+            replaces (twice as many bytes, per layer) no longer stay in the CPU's caches between steps.
+            Whisper-tiny greedy (`benchmarks/ab.py --compare fold`): batch 8 (18 MB) 1.059x, batch 4 (9 MB)
+            1.021x, batch 1 (2.3 MB) 0.96x.
+        step_attention_min_rows: A decoding step's self-attention runs as one native call per layer from
+            this many query rows (batch x beams): at 2 and 8 rows GPT-2-small's `generate` was 1.035x and
+            1.074x faster, at one row 0.98-0.99x (`benchmarks/ab.py --compare step-attention`).
+        argmax: Whether greedy decoding's choice of token runs as the native argmax (XLA's reduces one logit
+            at a time: over Whisper-tiny's 8 x 51,865 logits about 0.9 ms of a 12 ms step).
+        share_traces: Identical blocks of a model are traced once and called once per layer under XLA
+            (`xlagen.layers.block`), which shortens tracing and compiling; False traces block by block.
+    """
+
+    enabled: bool = True
+    float32: bool = True
+    float32_max_rows: int = 16
+    float32_min_bytes: int = 0
+    float32_max_columns: int | None = None
+    packed_max_rows: int = 32
+    attention_min_keys: int = 256
+    cross_attention: bool = True
+    memory_attention_min_bytes: int = 8 * 2**20
+    step_attention_min_rows: int = 2
+    argmax: bool = True
+    share_traces: bool = True
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "bool":
+                if not isinstance(value, (bool, np.bool_)):
+                    raise TypeError(f"Kernels.{field.name} must be a bool, got {value!r}")
+            elif value is not None or field.name != "float32_max_columns":
+                if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                    raise TypeError(f"Kernels.{field.name} must be an int, got {value!r}")
+                if value < 0:
+                    raise ValueError(f"Kernels.{field.name} must be >= 0, got {value}")
+
+    def replace(self, **changes) -> "Kernels":
+        """This policy with some fields changed (checked as the constructor checks them)."""
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Kernels":
+        """The default policy with the environment's choices (`XLAGEN_FLOAT32_KERNEL=0`).
+
+        Raises:
+            ValueError: XLAGEN_FLOAT32_KERNEL is neither 0 nor 1.
+        """
+        environ = os.environ if environ is None else environ
+        value = environ.get("XLAGEN_FLOAT32_KERNEL", "1").strip()
+        if value not in ("0", "1"):
+            raise ValueError(f"XLAGEN_FLOAT32_KERNEL must be 0 or 1, got {value!r}")
+        return cls() if value == "1" else cls(float32=False)
+
+    def __str__(self) -> str:
+        if not self.enabled:
+            return "kernels off"
+        changed = [f"{field.name}={getattr(self, field.name)}" for field in dataclasses.fields(self)
+                   if getattr(self, field.name) != field.default]
+        return f"kernels ({', '.join(changed)})" if changed else "default kernels"
+
+    # What the layers ask while a program is traced under this policy (see `current`).
+
+    def use_float32_product(self, x, kernel) -> bool:
+        """Whether `x @ kernel` (both float32, x with static leading dimensions) should be
+        `ops.matmul_float32`: in a decoding step compiled by XLA, at most `float32_max_rows` rows, a kernel of
+        at least `float32_min_bytes` and, for one row, at most `float32_max_columns` columns (if set), and
+        the kernels loadable."""
+        import tensorflow as tf
+
+        if not self._float32() or x.dtype != tf.float32 or kernel.dtype != tf.float32:
+            return False
+        rows = x.shape[:-1].num_elements()
+        if rows is None or not 0 < rows <= self.float32_max_rows or len(kernel.shape) != 2:
+            return False
+        if kernel.shape[0] * kernel.shape[1] * 4 < self.float32_min_bytes:
+            return False
+        if rows == 1 and self.float32_max_columns is not None and kernel.shape[1] > self.float32_max_columns:
+            return False
+        return in_decoding_step() and under_xla() and _ready()
+
+    def use_packed_product(self, x) -> bool:
+        """Whether `x @ W` for packed (bfloat16 / int8) weights should be the native kernel (else the weights
+        are unpacked and multiplied by XLA's dot): under XLA, with kernels `enabled`, in a decoding step
+        always, elsewhere for at most `packed_max_rows` rows of x."""
+        rows = x.shape[:-1].num_elements()
+        if not self.enabled or not rows or not under_xla():
+            return False
+        return in_decoding_step() or rows <= self.packed_max_rows
+
+    def use_attention(self, query, key, mask=None, bias=None, dropout: bool = False,
+                      key_transposed: bool = False) -> bool:
+        """Whether `softmax(scale * query @ key^T) @ value` should be `ops.attention`: float32 `[B, H, T, D]`
+        queries and `[B, H, S, D]` keys (`[B, H, D, S]` if `key_transposed`) of static shapes, S >=
+        `attention_min_keys`, D in `ATTENTION_HEAD_DIMS`, no score bias, a mask that is None or a constant
+        all True, no dropout, under XLA (in or out of a decoding step), `cross_attention` for transposed
+        keys, and the kernels loadable."""
+        import tensorflow as tf
+
+        if bias is not None or dropout or not self._static_float32(4, query, key):
+            return False
+        if key_transposed and not self.cross_attention:
+            return False
+        keys, key_dim = (key.shape[3], key.shape[2]) if key_transposed else (key.shape[2], key.shape[3])
+        if keys < self.attention_min_keys or query.shape[3] not in ATTENTION_HEAD_DIMS or key_dim != query.shape[3]:
+            return False
+        if mask is not None:
+            constant = tf.get_static_value(mask)
+            if constant is None or not np.all(constant):
+                return False
+        return under_xla() and _ready()
+
+    def use_step_attention(self, query, keys) -> bool:
+        """Whether a decoding step's self-attention (`xlagen.layers.attention.Attention._step`) should be
+        `ops.step_attention`: float32 `[G, H, K, D]` queries and `[G, H, S', D]` cache keys of static shapes,
+        at least `step_attention_min_rows` queries (G x K), D at most the kernel's largest head size, in a
+        decoding step compiled by XLA, and the kernels loadable."""
+        if not self._static_float32(4, query, keys) or keys.shape[3] != query.shape[3]:
+            return False
+        if query.shape[0] * query.shape[2] < self.step_attention_min_rows:
+            return False
+        if not (in_decoding_step() and under_xla() and _ready()):
+            return False
+        from xlagen.native.library import constant
+
+        return query.shape[3] <= constant("step_attention_max_head_dim")
+
+    def use_argmax(self, scores) -> bool:
+        """Whether an argmax over the last axis of `scores` should be `ops.argmax`: float32 `[R, N]` of
+        static shape, `argmax` on, under XLA (in or out of a decoding step), and the kernels loadable."""
+        if not self.argmax or not self._static_float32(2, scores) or scores.shape[1] == 0:
+            return False
+        return under_xla() and _ready()
+
+    def use_memory_attention(self, states, mask, head_dim: int) -> bool:
+        """Whether a generation's cross-attention over the encoder output `states` `[G, L, E]`
+        (`xlagen.models.base.encoder_context`) should be `ops.memory_attention`, the key and value
+        projections folded in: float32 of static shape and at least `memory_attention_min_bytes`, L >=
+        `attention_min_keys`, E a multiple of 64, D in `ATTENTION_HEAD_DIMS`, no mask (every encoder
+        position real), under XLA, and the kernels loadable."""
+        if mask is not None or not self._static_float32(3, states):
+            return False
+        if states.shape[1] < self.attention_min_keys or states.shape[2] % 64 or head_dim not in ATTENTION_HEAD_DIMS:
+            return False
+        if 4 * states.shape.num_elements() < self.memory_attention_min_bytes:
+            return False
+        return under_xla() and _ready()
+
+    def _float32(self) -> bool:
+        return self.enabled and self.float32
+
+    def _static_float32(self, rank: int, *tensors) -> bool:
+        """Whether the float32 kernels may take `tensors` at all: float32 kernels on, every tensor float32
+        with `rank` axes of static sizes."""
+        import tensorflow as tf
+
+        if not self._float32():
+            return False
+        return all(t.dtype == tf.float32 and t.shape.rank == rank and t.shape.is_fully_defined() for t in tensors)
+
+
+Kernels.DEFAULT = Kernels()
+Kernels.OFF = Kernels(enabled=False)
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """The kernels' thread pool, made once per process at the first kernel call (`library.configure_pool`).
+
+    Attributes:
+        threads: Threads, the caller included (None: the CPUs this process may use, at most 8).
+        spin_us: Microseconds an idle worker spins before it sleeps (None: 600).
+        lookahead_kib: KiB of the next float32 product each idle worker reads ahead (None: 768).
+    """
+
+    threads: int | None = None
+    spin_us: int | None = None
+    lookahead_kib: int | None = None
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise TypeError(f"PoolSettings.{field.name} must be an int or None, got {value!r}")
+            if value < (1 if field.name == "threads" else 0):
+                raise ValueError(f"PoolSettings.{field.name} must be >= {1 if field.name == 'threads' else 0}, "
+                                 f"got {value}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "PoolSettings":
+        """XLAGEN_NATIVE_THREADS, XLAGEN_NATIVE_SPIN_US and XLAGEN_NATIVE_LOOKAHEAD_KB (unset: the default).
+
+        Raises:
+            ValueError: a variable that is not a whole number in range, named.
+        """
+        environ = os.environ if environ is None else environ
+        values = {}
+        for name, variable in (("threads", "XLAGEN_NATIVE_THREADS"), ("spin_us", "XLAGEN_NATIVE_SPIN_US"),
+                               ("lookahead_kib", "XLAGEN_NATIVE_LOOKAHEAD_KB")):
+            text = environ.get(variable, "").strip()
+            if not text:
+                continue
+            try:
+                values[name] = int(text)
+                cls(**{name: values[name]})
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"{variable}={text!r} is not valid: {error}") from error
+        return cls(**values)
+
+
+_active: contextvars.ContextVar[Kernels | None] = contextvars.ContextVar("xlagen_kernels", default=None)
+_in_step = contextvars.ContextVar("xlagen_decoding_step", default=False)
+
+
+def current() -> Kernels:
+    """The policy of the program being traced: the innermost `tracing` block's, else `Kernels.from_env()`."""
+    active = _active.get()
+    return Kernels.from_env() if active is None else active
+
+
+@contextlib.contextmanager
+def tracing(kernels: Kernels | None) -> Iterator[Kernels]:
+    """Within this block programs are traced under `kernels` (None: the policy already in force, `current`).
+
+    Raises:
+        TypeError: kernels is not a `Kernels`.
+    """
+    if kernels is None:
+        kernels = current()
+    if not isinstance(kernels, Kernels):
+        raise TypeError(f"kernels must be a xlagen.native.Kernels policy, got {type(kernels).__name__}")
+    token = _active.set(kernels)
+    try:
+        yield kernels
+    finally:
+        _active.reset(token)
+
+
+@contextlib.contextmanager
+def decoding_step() -> Iterator[None]:
+    """Marks what is traced within as one step of a decoding loop (the body of its `tf.while_loop`)."""
+    token = _in_step.set(True)
+    try:
+        yield
+    finally:
+        _in_step.reset(token)
+
+
+def in_decoding_step() -> bool:
+    """Whether the operation being traced is part of a decoding step (`decoding_step`)."""
+    return _in_step.get()
+
+
+def under_xla() -> bool:
+    """Whether the operation being traced is compiled by XLA (`jit_compile=True`); never when eager."""
+    import tensorflow as tf
+    from tensorflow.python.framework import ops as tf_ops
+    from tensorflow.python.ops import control_flow_util
+
+    return not tf.executing_eagerly() and control_flow_util.GraphOrParentsInXlaContext(tf_ops.get_default_graph())
+
+
+def _ready() -> bool:
+    from xlagen.native.library import ready
+
+    return ready()
+
+
+# The layers' questions, asked of the policy of the trace in progress.
+
+def use_float32_kernel(x, kernel) -> bool:
+    """`current().use_float32_product(x, kernel)`."""
+    return current().use_float32_product(x, kernel)
+
+
+def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False, key_transposed: bool = False) -> bool:
+    """`current().use_attention(...)`."""
+    return current().use_attention(query, key, mask, bias, dropout, key_transposed)
+
+
+def use_step_attention(query, keys) -> bool:
+    """`current().use_step_attention(query, keys)`."""
+    return current().use_step_attention(query, keys)
+
+
+def use_argmax(scores) -> bool:
+    """`current().use_argmax(scores)`."""
+    return current().use_argmax(scores)
+
+
+def use_memory_attention(states, mask, head_dim: int) -> bool:
+    """`current().use_memory_attention(states, mask, head_dim)`."""
+    return current().use_memory_attention(states, mask, head_dim)

@@ -1,0 +1,193 @@
+"""The kernel policy (`xlagen.native.Kernels`): one frozen value decides where the native kernels run.
+
+These tests check the decisions themselves, which need no kernel: `native.library.ready` is replaced so
+that the policy answers as on a machine that can run them (the programs are traced, never compiled with a
+custom call). tests/test_native.py checks the compiled programs where the kernels run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import random_ids
+from xlagen import native
+from xlagen.generation.compiled import CompiledGenerator
+
+
+@pytest.fixture
+def kernels_ready(monkeypatch):
+    """The policy's answers as on a machine that runs the kernels (no kernel is built or called)."""
+    monkeypatch.setattr(native.library, "ready", lambda: True)
+    monkeypatch.setattr(native.library, "constant", {"step_attention_max_head_dim": 256}.__getitem__)
+
+
+def _under_xla(function):
+    """What `function()` returns when traced by XLA (`jit_compile=True`), in a decoding step or not."""
+    seen = {}
+
+    def traced():
+        seen["outside a step"] = function()
+        with native.decoding_step():
+            seen["in a step"] = function()
+
+        def undeclared(i):
+            seen["in a loop that is no step"] = function()
+            return (i + 1,)
+
+        tf.while_loop(lambda i: i < 1, undeclared, (tf.constant(0),))
+        return tf.zeros(())
+
+    tf.function(traced, jit_compile=True).get_concrete_function()
+    return seen
+
+
+# ----------------------------------------------------------------------------- the value
+
+def test_a_policy_is_a_checked_frozen_hashable_value():
+    assert native.Kernels() == native.Kernels.DEFAULT and native.Kernels.OFF.enabled is False
+    assert len({native.Kernels(), native.Kernels(), native.Kernels.OFF}) == 2  # usable in a program's key
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        native.Kernels().float32_max_rows = 3
+    with pytest.raises(ValueError, match="Kernels.float32_max_rows must be >= 0, got -1"):
+        native.Kernels(float32_max_rows=-1)
+    with pytest.raises(TypeError, match="Kernels.float32 must be a bool, got 'no'"):
+        native.Kernels(float32="no")
+    with pytest.raises(TypeError, match="Kernels.attention_min_keys must be an int, got 2.5"):
+        native.Kernels(attention_min_keys=2.5)
+    with pytest.raises(TypeError, match="Kernels.packed_max_rows must be an int, got None"):
+        native.Kernels(packed_max_rows=None)
+    assert native.Kernels(float32_max_columns=None).float32_max_columns is None
+    assert native.Kernels().replace(float32_max_rows=8) == native.Kernels(float32_max_rows=8)
+    with pytest.raises(ValueError, match="step_attention_min_rows"):
+        native.Kernels().replace(step_attention_min_rows=-2)
+
+
+def test_a_policy_says_what_differs_from_the_default():
+    assert str(native.Kernels()) == "default kernels"
+    assert str(native.Kernels.OFF) == "kernels off"
+    assert str(native.Kernels(float32=False, float32_max_rows=8)) == "kernels (float32=False, float32_max_rows=8)"
+
+
+def test_the_environment_is_read_by_from_env_only():
+    assert native.Kernels.from_env({}) == native.Kernels()
+    assert native.Kernels.from_env({"XLAGEN_FLOAT32_KERNEL": "0"}) == native.Kernels(float32=False)
+    with pytest.raises(ValueError, match="XLAGEN_FLOAT32_KERNEL must be 0 or 1, got 'off'"):
+        native.Kernels.from_env({"XLAGEN_FLOAT32_KERNEL": "off"})
+    assert native.PoolSettings.from_env({}) == native.PoolSettings()
+    assert native.PoolSettings.from_env({"XLAGEN_NATIVE_THREADS": "3", "XLAGEN_NATIVE_SPIN_US": "0",
+                                         "XLAGEN_NATIVE_LOOKAHEAD_KB": "128"}) == native.PoolSettings(3, 0, 128)
+    for variable, value in (("XLAGEN_NATIVE_THREADS", "four"), ("XLAGEN_NATIVE_THREADS", "0"),
+                            ("XLAGEN_NATIVE_SPIN_US", "-5"), ("XLAGEN_NATIVE_LOOKAHEAD_KB", "1.5")):
+        with pytest.raises(ValueError, match=f"{variable}='{value}' is not valid"):
+            native.PoolSettings.from_env({variable: value})
+
+
+def test_tracing_sets_the_policy_in_force_and_restores_it(monkeypatch):
+    monkeypatch.delenv("XLAGEN_FLOAT32_KERNEL", raising=False)
+    assert native.current() == native.Kernels()
+    with native.tracing(native.Kernels.OFF):
+        assert native.current() == native.Kernels.OFF
+        with native.tracing(None):  # None keeps the policy in force
+            assert native.current() == native.Kernels.OFF
+        with native.tracing(native.Kernels(float32=False)):
+            assert native.current() == native.Kernels(float32=False)
+        assert native.current() == native.Kernels.OFF
+    assert native.current() == native.Kernels()
+    monkeypatch.setenv("XLAGEN_FLOAT32_KERNEL", "0")
+    assert native.current() == native.Kernels(float32=False)
+    with pytest.raises(TypeError, match="kernels must be a xlagen.native.Kernels policy, got str"):
+        with native.tracing("off"):
+            pass
+
+
+# ----------------------------------------------------------------------------- the decisions
+
+def test_float32_products_use_the_kernel_in_compiled_decoding_steps_of_few_rows(kernels_ready):
+    def ask(kernels, rows=2, k=64, n=96):
+        with native.tracing(kernels):
+            return _under_xla(lambda: native.use_float32_kernel(tf.zeros((rows, k)), tf.zeros((k, n))))
+
+    assert ask(native.Kernels()) == {"outside a step": False, "in a step": True, "in a loop that is no step": False}
+    assert not any(ask(native.Kernels.OFF).values())
+    assert not any(ask(native.Kernels(float32=False)).values())
+    assert ask(native.Kernels(), rows=16)["in a step"] and not ask(native.Kernels(), rows=17)["in a step"]
+    assert ask(native.Kernels(float32_max_rows=17), rows=17)["in a step"]
+    assert not ask(native.Kernels(float32_min_bytes=64 * 96 * 4 + 1))["in a step"]
+    assert not ask(native.Kernels(float32_max_columns=95), rows=1)["in a step"]
+    assert ask(native.Kernels(float32_max_columns=95), rows=2)["in a step"]  # one row only
+    with native.decoding_step():
+        assert not native.use_float32_kernel(tf.zeros((2, 64)), tf.zeros((64, 96)))  # eager: no XLA
+
+
+def test_packed_products_use_the_kernel_in_steps_and_for_few_rows(kernels_ready):
+    def ask(kernels, rows):
+        with native.tracing(kernels):
+            return _under_xla(lambda: kernels.use_packed_product(tf.zeros((rows, 64))))
+
+    most = native.Kernels().packed_max_rows
+    assert ask(native.Kernels(), most) == {"outside a step": True, "in a step": True,
+                                           "in a loop that is no step": True}
+    assert ask(native.Kernels(), most + 1) == {"outside a step": False, "in a step": True,
+                                               "in a loop that is no step": False}
+    assert not any(ask(native.Kernels.OFF, 1).values())
+
+
+def test_attention_argmax_and_folded_memory_follow_their_fields(kernels_ready):
+    q, k = tf.zeros((1, 2, 4, 64)), tf.zeros((1, 2, 256, 64))
+    kt = tf.transpose(k, (0, 1, 3, 2))
+    states = tf.zeros((2, 256, 128))  # 256 KiB
+
+    def ask(kernels):
+        with native.tracing(kernels):
+            return _under_xla(lambda: (native.use_attention_kernel(q, k), native.use_attention_kernel(
+                q, kt, key_transposed=True), native.use_argmax(tf.zeros((2, 50))),
+                native.use_memory_attention(states, None, 64), native.use_step_attention(q, k)))["in a step"]
+
+    assert ask(native.Kernels()) == (True, True, True, False, True)
+    assert ask(native.Kernels(memory_attention_min_bytes=256 * 1024)) == (True, True, True, True, True)
+    assert ask(native.Kernels(attention_min_keys=257)) == (False, False, True, False, True)
+    assert ask(native.Kernels(cross_attention=False)) == (True, False, True, False, True)
+    assert ask(native.Kernels(argmax=False)) == (True, True, False, False, True)
+    assert ask(native.Kernels(step_attention_min_rows=5)) == (True, True, True, False, False)
+    assert ask(native.Kernels.OFF) == (False,) * 5
+    assert ask(native.Kernels(float32=False)) == (False,) * 5
+
+
+def test_decoding_loops_declare_their_steps(monkeypatch, gpt2_model):
+    """generate's loops trace `decode_step` inside `native.decoding_step()` and the prefill outside it: the
+    products' questions say where they were asked."""
+    asked = []
+
+    def spy(x, kernel):
+        asked.append((x.shape[:-1].num_elements(), native.policy.in_decoding_step()))
+        return False
+
+    monkeypatch.setattr(native, "use_float32_kernel", spy)
+    ids = tf.constant(random_ids((2, 5), 300, seed=4))
+    for options, step_rows in (({}, 2), ({"num_beams": 3}, 6)):
+        asked.clear()
+        tf.function(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, **options),
+                    jit_compile=True).get_concrete_function(ids)
+        assert {in_step for _, in_step in asked} == {False, True}
+        assert {rows for rows, in_step in asked if in_step} == {step_rows}
+        assert all(rows >= 2 * 5 or rows == 2 for rows, in_step in asked if not in_step)  # the prefill
+
+
+def test_generate_and_compiled_generator_take_a_policy(gpt2_model, caplog):
+    ids = random_ids((1, 5), 300, seed=5)
+    expected = gpt2_model.generate(ids, max_new_tokens=4).numpy()
+    generator = CompiledGenerator(gpt2_model, kernels=native.Kernels.OFF)
+    with caplog.at_level("INFO", logger="xlagen.generation.compiled"):
+        np.testing.assert_array_equal(generator.generate(ids, max_new_tokens=4).numpy(), expected)
+    assert generator.kernels == native.Kernels.OFF and generator.trace_log[0].key.kernels == native.Kernels.OFF
+    assert "(kernels off): first call" in caplog.text  # the trace log names the policy
+    with native.tracing(native.Kernels(float32=False)):  # the policy in force when it is made
+        assert CompiledGenerator(gpt2_model).kernels == native.Kernels(float32=False)
+    with pytest.raises(TypeError, match="kernels must be a xlagen.native.Kernels policy, got str"):
+        CompiledGenerator(gpt2_model, kernels="off")
+    with pytest.raises(TypeError, match="kernels must be a xlagen.native.Kernels policy, got bool"):
+        gpt2_model.generate(ids, max_new_tokens=2, kernels=False)
