@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# Creates the seed system's virtual environment for the peer benchmark (issue 7):
+# Creates the environment of the comparison's reference (benchmarks/peer/compare.py):
 # transformers 4.57.6 TensorFlow models on tensorflow-cpu 2.21.0 with Keras 2 (tf-keras 2.21.0).
 #
-#   bash benchmarks/peer/setup_seed_env.sh [VENV_DIR]     # default: benchmarks/.peer-venv
+#   bash benchmarks/peer/setup_transformers_tf.sh [VENV_DIR]     # default: benchmarks/.peer-venv
 #
 # tf-keras is installed with --no-deps: its requirement on `tensorflow` would pull the full
-# tensorflow wheel over tensorflow-cpu. Run the peer with TF_USE_LEGACY_KERAS=1 (seed_bench.py and
-# `xlagen bench --peer` set it themselves).
+# tensorflow wheel over tensorflow-cpu. The reference runs with TF_USE_LEGACY_KERAS=1 (compare.py sets it).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -23,7 +22,7 @@ fi
 TF_USE_LEGACY_KERAS=1 TF_CPP_MIN_LOG_LEVEL=2 "$VENV/bin/python" - <<'PY'
 import tensorflow as tf, tf_keras, transformers
 from transformers import TFGPT2LMHeadModel  # Fails here if the TF side of transformers is unusable.
-print(f"seed system ready: tensorflow {tf.__version__}, tf-keras {tf_keras.__version__}, "
+print(f"transformers TensorFlow ready: tensorflow {tf.__version__}, tf-keras {tf_keras.__version__}, "
       f"transformers {transformers.__version__}")
 PY
 echo "$VENV"
