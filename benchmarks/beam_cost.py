@@ -3,8 +3,9 @@ model, a compiled `generate` per strategy, timed call by call in alternation.
 
     python benchmarks/beam_cost.py --model gpt2 --strategies greedy beam2 --new-tokens 128 --calls 7
 
-`xlagen bench` runs its scenarios one after another, minutes apart, and this VM's read bandwidth moves
-by up to 2x from minute to minute, so its beam2 / greedy ratio compares different machine states. Here
+`xlagen bench` runs its scenarios one after another, minutes apart, and a shared machine's read
+bandwidth can move by up to 2x from minute to minute, so its beam2 / greedy ratio compares different
+machine states. Here
 each round times every strategy once, back to back (the order alternates), and the ratio is taken per
 round; the median of those ratios is the figure. Random weights of the bench's shapes, 8-token prompts,
 batch --batch-size, TensorFlow on --threads threads.

@@ -110,7 +110,7 @@ def main() -> int:
     from xlagen.cli import bench_timing
 
     bench_timing.configure_threads(args.threads)
-    model = bench_timing.XlagenSystem.models[args.model]("float32")
+    model = bench_timing.XlagenSystem().build(args.model, "float32")
     scenario = bench_timing.Scenario(model=args.model, strategy=args.strategy, batch_size=args.batch_size,
                               new_tokens=args.new_tokens, mode="xla")
     function, inputs, options = bench_timing.prepare(bench_timing.XlagenSystem(), model, scenario)
