@@ -98,7 +98,8 @@ def add_weight_dtype_argument(group) -> None:
 
 
 def default_model_path() -> str | None:
-    """The built-in default model (package data, see src/xlagen/default_model/README.md), or None if
-    this installation lacks it."""
+    """The built-in default model (package data: a small GPT-2 trained on the King James Bible, whose model
+    card is src/xlagen/default_model/README.md in the source repository), or None if this installation
+    lacks it."""
     folder = Path(__file__).resolve().parents[1] / "default_model"
     return str(folder) if (folder / "model.safetensors").is_file() else None
