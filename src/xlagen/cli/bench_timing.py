@@ -338,16 +338,6 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def command_line(args: argparse.Namespace, program: list[str]) -> list[str]:
-    """`program` followed by every scenario and timing option spelled out: a command that repeats the run."""
-    command = list(program)
-    for name in DEFAULTS:
-        value = getattr(args, name)
-        command += [f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
-    command += ["--dtype", *args.dtype, "--threads", str(args.threads)]
-    return command + (["--ttft"] if args.ttft else [])
-
-
 def describe(result: dict) -> str:
     if "error" in result:
         return f"{result['system']}: FAILED {result['error']}"

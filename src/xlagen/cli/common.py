@@ -24,20 +24,21 @@ class UsageError(ValueError):
     exit_code = 2
 
 
+def _int_at_least(value: str, minimum: int) -> int:
+    number = int(value)
+    if number < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
+    return number
+
+
 def positive_int(value: str) -> int:
     """argparse type: an integer >= 1."""
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
+    return _int_at_least(value, 1)
 
 
 def non_negative_int(value: str) -> int:
     """argparse type: an integer >= 0."""
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
-    return number
+    return _int_at_least(value, 0)
 
 
 def non_negative_float(value: str) -> float:
