@@ -306,7 +306,7 @@ def markdown(report: dict) -> str:
 def plot(report: dict, path: Path) -> bool:
     """Tokens/s (log scale, roofline marked, xlagen / reference above xlagen's bars) and first-call seconds."""
     names = list(dict.fromkeys(r["system"] for r in report["results"] if "error" not in r))
-    charts = bench_report.bar_charts(report, names)
+    charts = bench_report.bar_charts(report, names, {REFERENCE: "transformers 4.57 TensorFlow"})
     if charts is None:
         return False
     figure, speed, compile_, centres, labels = charts

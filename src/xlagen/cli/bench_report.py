@@ -98,9 +98,9 @@ def scenario_cells(result: dict) -> list[str]:
             str(result["new_tokens"]), result["mode"]]
 
 
-def bar_charts(report: dict, names: list[str]):
-    """A figure of tokens/s (log scale) and first-call seconds per scenario, one bar per system in `names`;
-    returns (figure, speed axis, first-call axis, bar centres, scenario labels), or None without matplotlib."""
+def bar_charts(report: dict, names: list[str], titles: dict[str, str] | None = None):
+    """A figure of tokens/s (log scale) and first-call seconds per scenario, one bar per system in `names`
+    (labelled by `titles`, default the names); returns (figure, speed axis, first-call axis, bar centres, scenario labels), or None without matplotlib."""
     try:
         import matplotlib
     except ImportError:
@@ -118,8 +118,9 @@ def bar_charts(report: dict, names: list[str]):
                                              gridspec_kw={"width_ratios": [2, 1]})
     for offset, name in enumerate(names):
         mine = [(i + offset * width, by[name, key]) for i, key in enumerate(labels) if (name, key) in by]
-        speed.bar([x for x, _ in mine], [r["tokens_per_s"] for _, r in mine], width, label=name)
-        compile_.bar([x for x, _ in mine], [r["first_call_s"] for _, r in mine], width, label=name)
+        title = (titles or {}).get(name, name)
+        speed.bar([x for x, _ in mine], [r["tokens_per_s"] for _, r in mine], width, label=title)
+        compile_.bar([x for x, _ in mine], [r["first_call_s"] for _, r in mine], width, label=title)
     speed.set_yscale("log")
     speed.set_ylabel("tokens/s (all rows)")
     compile_.set_ylabel("first call s (trace + compile + run)")
