@@ -3,8 +3,9 @@ model, a compiled `generate` per strategy, timed call by call in alternation.
 
     python benchmarks/beam_cost.py --model gpt2 --strategies greedy beam2 --new-tokens 128 --calls 7
 
-`xlagen bench` runs its scenarios one after another, minutes apart, and this VM's read bandwidth moves
-by up to 2x from minute to minute, so its beam2 / greedy ratio compares different machine states. Here
+`xlagen bench` runs its scenarios one after another, minutes apart, and a shared machine's read
+bandwidth can move by up to 2x from minute to minute, so its beam2 / greedy ratio compares different
+machine states. Here
 each round times every strategy once, back to back (the order alternates), and the ratio is taken per
 round; the median of those ratios is the figure. Random weights of the bench's shapes, 8-token prompts,
 batch --batch-size, TensorFlow on --threads threads.
@@ -28,20 +29,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
 
-    from xlagen.cli import bench
+    from xlagen.cli import bench_timing
 
-    bench.configure_threads(args.threads)
-    system = bench.XlagenSystem()
+    bench_timing.configure_threads(args.threads)
+    system = bench_timing.XlagenSystem()
     model = system.build(args.model, "float32")
     programs = {}
     for strategy in args.strategies:
-        scenario = bench.Scenario(args.model, strategy, args.batch_size, args.new_tokens, "xla")
-        programs[strategy] = bench.prepare(system, model, scenario)
-        bench._timed(*programs[strategy], args.new_tokens)  # trace + compile
+        scenario = bench_timing.Scenario(args.model, strategy, args.batch_size, args.new_tokens, "xla")
+        programs[strategy] = bench_timing.prepare(system, model, scenario)
+        bench_timing.timed(*programs[strategy], args.new_tokens)  # trace + compile
     times = {strategy: [] for strategy in programs}
     for index in range(args.calls):
         for strategy in list(programs)[::-1 if index % 2 else 1]:
-            seconds = bench._timed(*programs[strategy], args.new_tokens)
+            seconds = bench_timing.timed(*programs[strategy], args.new_tokens)
             times[strategy].append(1000.0 * seconds / args.new_tokens)
     baseline = args.strategies[0]
     ratios = {strategy: [t / b for t, b in zip(times[strategy], times[baseline])]

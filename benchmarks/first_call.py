@@ -22,20 +22,20 @@ import sys
 CHILD = """
 import json, statistics, time
 from xlagen import native
-from xlagen.cli import bench
-bench.configure_threads({threads})
-system = bench.XlagenSystem()
+from xlagen.cli import bench_timing
+bench_timing.configure_threads({threads})
+system = bench_timing.XlagenSystem()
 model = system.build({model!r}, "float32")
-scenario = bench.Scenario({model!r}, {strategy!r}, {batch_size}, {new_tokens}, "xla")
-function, inputs, options = bench.prepare(system, model, scenario)
+scenario = bench_timing.Scenario({model!r}, {strategy!r}, {batch_size}, {new_tokens}, "xla")
+function, inputs, options = bench_timing.prepare(system, model, scenario)
 model_inputs = {{k: v for k, v in inputs.items() if k != "_prefix"}}
 options = dict(options, max_new_tokens={new_tokens})
 started = time.perf_counter()
 with native.tracing(native.Kernels(share_traces={shared})):
     function.get_concrete_function(**model_inputs, **options)
 trace = time.perf_counter() - started
-first = bench._timed(function, inputs, options, {new_tokens})
-median = statistics.median(bench._timed(function, inputs, options, {new_tokens}) for _ in range(3))
+first = bench_timing.timed(function, inputs, options, {new_tokens})
+median = statistics.median(bench_timing.timed(function, inputs, options, {new_tokens}) for _ in range(3))
 operations = len(function.get_concrete_function(**model_inputs, **options).graph.as_graph_def().node)
 print(json.dumps({{"trace_s": trace, "first_call_after_trace_s": first, "median_call_s": median,
                   "trace_plus_compile_s": trace + first - median, "traced_operations": operations}}))

@@ -107,20 +107,20 @@ def main() -> int:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_xprof_traceme=true").strip()
     import tensorflow as tf
 
-    from xlagen.cli import bench
+    from xlagen.cli import bench_timing
 
-    bench.configure_threads(args.threads)
-    model = bench.XlagenSystem.models[args.model]("float32")
-    scenario = bench.Scenario(model=args.model, strategy=args.strategy, batch_size=args.batch_size,
+    bench_timing.configure_threads(args.threads)
+    model = bench_timing.XlagenSystem().build(args.model, "float32")
+    scenario = bench_timing.Scenario(model=args.model, strategy=args.strategy, batch_size=args.batch_size,
                               new_tokens=args.new_tokens, mode="xla")
-    function, inputs, options = bench.prepare(bench.XlagenSystem(), model, scenario)
+    function, inputs, options = bench_timing.prepare(bench_timing.XlagenSystem(), model, scenario)
     for _ in range(2):  # compile, then one warm call
-        bench._timed(function, inputs, options, args.new_tokens)
-    unprofiled = bench._timed(function, inputs, options, args.new_tokens)
+        bench_timing.timed(function, inputs, options, args.new_tokens)
+    unprofiled = bench_timing.timed(function, inputs, options, args.new_tokens)
     with tempfile.TemporaryDirectory() as logdir:
         tf.profiler.experimental.start(logdir)
         started = time.perf_counter()
-        bench._timed(function, inputs, options, args.new_tokens)
+        bench_timing.timed(function, inputs, options, args.new_tokens)
         profiled = time.perf_counter() - started
         tf.profiler.experimental.stop()
         events = list(_events(logdir))

@@ -131,7 +131,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from xlagen.cli.generate import default_model_path
+    from xlagen.cli.common import default_model_path
 
     model = args.model or default_model_path()
     results = measure(model, args.weight_dtypes, args.new_tokens, args.prompt_words)

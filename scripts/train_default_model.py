@@ -10,8 +10,8 @@ up to TensorFlow's float non-determinism on CPU.
     python scripts/train_default_model.py --output src/xlagen/default_model --report docs/default-model
 
 Writes the Hugging Face checkpoint (config.json, generation_config.json, model.safetensors,
-tokenizer files) and the model card README.md to --output (the package ships that folder), and
-training_log.json and loss_curve.png to --report (the repository's docs).
+tokenizer files) and the model card README.md to --output (the wheel ships the checkpoint's files,
+not the card), and training_log.json and loss_curve.png to --report (the repository's docs).
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
-"""`xlagen bench` on a tiny random GPT-2: the reports are written with their fields (no timing checks)."""
+"""`xlagen bench` on a tiny random GPT-2 and on a tiny checkpoint, and the comparison harness of
+benchmarks/peer/ (driven against stand-in reference workers): the reports are written with their fields
+(no timing checks)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -12,12 +15,12 @@ import textwrap
 import pytest
 
 from conftest import requires_kernels
-from xlagen.cli import bench
-from xlagen.cli.__main__ import build_parser, main
+from xlagen.cli import bench, bench_timing
+from xlagen.cli.__main__ import main
 
+PEER = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "peer"
 RESULT_FIELDS = {"system", "model", "strategy", "num_beams", "batch_size", "new_tokens", "prompt_tokens", "mode",
-                 "dtype", "weight_bytes", "first_call_s", "runs_s", "median_s", "ms_per_token", "tokens_per_s",
-                 "roofline_fraction", "roofline_tokens_per_s_blas", "roofline_fraction_sum", "isolated"}
+                 "dtype", "first_call_s", "runs_s", "median_s", "ms_per_token", "tokens_per_s"}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,24 @@ def tiny_report(tmp_path_factory):
     return folder, json.loads((folder / "tiny.json").read_text())
 
 
-def test_tiny_bench_writes_json_with_machine_versions_bandwidth_and_results(tiny_report):
+@pytest.fixture(scope="module")
+def peer():
+    """The modules of benchmarks/peer/ (compare, bandwidth), imported as the harness imports them."""
+    sys.path.insert(0, str(PEER))
+    try:
+        yield importlib.import_module("compare"), importlib.import_module("bandwidth")
+    finally:
+        sys.path.remove(str(PEER))
+
+
+@pytest.fixture(scope="module")
+def measured_bandwidth(peer):
+    """The harness's bandwidth over a 64 MiB array (and without the OPENBLAS overrides when they are set)."""
+    _, bandwidth = peer
+    return bandwidth.combine([bandwidth.measure_bandwidth(64, 1)], bandwidth.measure_native_bandwidth(64, 1))
+
+
+def test_tiny_bench_writes_json_with_machine_versions_and_results(tiny_report):
     _, report = tiny_report
     assert report["schema"] == bench.SCHEMA
     machine = report["machine"]
@@ -38,9 +58,6 @@ def test_tiny_bench_writes_json_with_machine_versions_bandwidth_and_results(tiny
     xlagen = report["systems"]["xlagen"]
     assert {"tensorflow", "keras", "xlagen", "numpy", "python"} <= set(xlagen["versions"])
     assert {"tf_intra_op", "tf_inter_op", "xla_init_s"} <= set(xlagen["threads"])
-    assert report["bandwidth"]["blas_gbs"] > 0 and report["bandwidth"]["sum_gbs"] > 0
-    if any(name in os.environ for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):  # Measured without them too.
-        assert report["bandwidth"]["blas_native_gbs"] > 0
     assert report["command"][:2] == ["xlagen", "bench"] and "--tiny" not in report["command"]
 
     results = report["results"]
@@ -54,105 +71,169 @@ def test_tiny_bench_writes_json_with_machine_versions_bandwidth_and_results(tiny
         assert ("compile_s" in result) == (result["mode"] == "xla")
         if result["mode"] == "xla":
             assert result["compile_s"] == pytest.approx(result["first_call_s"] - result["median_s"])
-        # Tiny GPT-2: (64 + 64 positions) x 32 embeddings, 2 blocks, final norm; the tied head counted once.
-        assert result["weight_bytes"] == 4 * (64 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
-    assert report["ratios"] == []
 
 
 def test_tiny_bench_writes_markdown_and_plot(tiny_report):
     folder, _ = tiny_report
     text = (folder / "tiny.md").read_text()
-    assert ("| model | dtype | strategy | batch | new | mode | first call s | trace + compile s | ms/token | tokens/s "
-            "| roofline |") in text
-    assert text.count("| tiny-gpt2 |") == 4 and "BLAS matrix-vector" in text
+    assert "| model | dtype | strategy | batch | new | mode | first call s | trace + compile s | ms/token | tokens/s |" in text
+    assert text.count("| tiny-gpt2 |") == 4
     assert "beam2 / greedy ms/token" in text
     assert (folder / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def _stub_seed(tmp_path, body: str) -> list[str]:
-    """`xlagen bench --tiny --peer` arguments whose seed worker is `body` (plain Python, no TensorFlow)."""
-    stub = tmp_path / "seed_stub.py"
+def test_bench_measures_a_checkpoint_folder(tmp_path, gpt2_checkpoint, capsys):
+    # A model that is not one of the architectures is loaded with from_pretrained: the user's own model.
+    folder = gpt2_checkpoint[0]
+    code = main(["bench", "--quiet", "--models", folder, "--strategies", "greedy", "--batch-sizes", "2",
+                 "--new-tokens", "4", "--modes", "xla", "--repeats", "1", "--warmup", "0", "--no-plot",
+                 "--output-dir", str(tmp_path), "--name", "mine"])
+    assert code == 0
+    (result,) = json.loads((tmp_path / "mine.json").read_text())["results"]
+    assert result["model"] == folder and result["tokens_per_s"] > 0 and "error" not in result
+    assert not (tmp_path / "mine.png").exists()
+    assert f"| {folder} | float32 | greedy | 2 | 4 | xla |" in capsys.readouterr().out
+
+
+def test_bench_records_a_failing_scenario_and_exits_1(tmp_path):
+    code = main(["bench", "--quiet", "--models", str(tmp_path / "no-such-model"), "--strategies", "greedy",
+                 "--batch-sizes", "1", "--new-tokens", "4", "--modes", "xla", "--no-plot", "--output-dir",
+                 str(tmp_path), "--name", "failed"])
+    assert code == 1
+    (result,) = json.loads((tmp_path / "failed.json").read_text())["results"]
+    assert "no-such-model" in result["error"]
+    assert "- FAILED xlagen" in (tmp_path / "failed.md").read_text()
+
+
+def test_weight_bytes_count_a_tied_embedding_once(peer):
+    _, bandwidth = peer
+    model = bench_timing.XlagenSystem().build("tiny-gpt2", "float32")
+    # Tiny GPT-2: (64 + 64 positions) x 32 embeddings, 2 blocks, final norm; the tied head counted once.
+    assert bandwidth.weight_bytes(model) == 4 * (64 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
+
+
+def test_bandwidth_is_measured_with_and_without_openblas_overrides(measured_bandwidth):
+    assert measured_bandwidth["blas_gbs"] > 0 and measured_bandwidth["sum_gbs"] > 0
+    if any(name in os.environ for name in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")):  # Measured without them too.
+        assert measured_bandwidth["blas_native_gbs"] > 0
+
+
+def _stub_reference(peer, tmp_path, body: str, *options: str):
+    """The harness's arguments with a reference worker that is `body` (plain Python, no TensorFlow)."""
+    compare, _ = peer
+    stub = tmp_path / "reference_stub.py"
     stub.write_text(textwrap.dedent(body))
-    return ["bench", "--tiny", "--peer", "--peer-python", sys.executable, "--seed-script", str(stub)]
+    return compare.parse_arguments(["--tiny", "--reference-python", sys.executable, "--reference-script", str(stub),
+                                    *options])
 
 
-def test_seed_worker_protocol_alternates_runs_and_pairs_results(tiny_report, tmp_path):
-    """The driver's side of --peer against a stand-in seed worker that answers 2x slower than xlagen did."""
-    _, report = tiny_report
-    xla = next(r for r in report["results"] if r["mode"] == "xla" and r["strategy"] == "greedy")
-    argv = _stub_seed(tmp_path, f"""
+def _stub_header(compare, weight_bytes: int) -> str:
+    return f"""
         import json, sys
-        assert sys.argv[-2] == "--worker" and json.loads(sys.argv[-1])["model"] == "tiny-gpt2"
         def emit(record):
-            print({bench.RESULT_PREFIX!r} + json.dumps(record), flush=True)
-        print("noise that is not a record")
-        emit({{"kind": "system", "system": "seed", "versions": {{}}, "env": {{}},
+            print({compare.RESULT_PREFIX!r} + json.dumps(record), flush=True)
+        emit({{"kind": "system", "system": "transformers-tf", "versions": {{}}, "env": {{}},
               "threads": {{"tf_intra_op": 2, "tf_inter_op": 2}}}})
-        emit({{"kind": "ready", "first_call_s": 10.0, "weight_bytes": {xla["weight_bytes"]}}})
+        emit({{"kind": "ready", "first_call_s": 10.0, "weight_bytes": {weight_bytes}}})
+    """
+
+
+def test_reference_worker_protocol_alternates_runs_and_pairs_results(peer, tiny_report, measured_bandwidth, tmp_path):
+    """The driver's side against a stand-in reference worker that answers 2x slower than xlagen did."""
+    compare, bandwidth = peer
+    _, report = tiny_report
+    xla = dict(next(r for r in report["results"] if r["mode"] == "xla" and r["strategy"] == "greedy"),
+               weight_bytes=1000)
+    args = _stub_reference(peer, tmp_path, f"""
+        import json, sys
+        assert sys.argv[sys.argv.index("--worker") + 1] == "transformers-tf"
+        assert json.loads(sys.argv[sys.argv.index("--scenario") + 1])["model"] == "tiny-gpt2"
+        print("noise that is not a record")
+    """ + _stub_header(compare, 1000) + f"""
         for line in sys.stdin:
             emit({{"kind": "run", "seconds": 2 * {xla["median_s"]} * int(line) / 8}})
-    """)
-    args = bench.resolve_arguments(build_parser().parse_args([*argv, "--repeats", "3"]))
-    scenario = bench.Scenario(**{k: xla[k] for k in bench.Scenario.__dataclass_fields__})
+    """, "--repeats", "3")
+    scenario = bench_timing.Scenario(**{k: xla[k] for k in bench_timing.Scenario.__dataclass_fields__})
     systems = {}
-    (seed,) = bench.run_interleaved(scenario, ["seed"], args, systems)
-    assert systems["seed"]["threads"]["tf_intra_op"] == 2
-    assert seed["first_call_s"] == 10.0 and len(seed["runs_s"]) == 3 and seed["isolated"]
+    (reference,) = compare.run_interleaved(scenario, ["transformers-tf"], args, systems)
+    assert systems["transformers-tf"]["threads"]["tf_intra_op"] == 2
+    assert reference["first_call_s"] == 10.0 and len(reference["runs_s"]) == 3
 
-    paired = dict(report, results=[xla, seed], systems=dict(report["systems"], **systems))
-    bench.add_rooflines(paired)
-    (ratio,) = bench.ratios(paired["results"])
+    paired = dict(report, results=[xla, reference], systems=dict(report["systems"], **systems),
+                  bandwidth=measured_bandwidth)
+    bandwidth.add_rooflines(paired)
+    assert xla["roofline_fraction"] > 0 and {"roofline_tokens_per_s_blas", "roofline_fraction_sum"} <= set(xla)
+    (ratio,) = compare.ratios(paired["results"])
     assert ratio["speed_ratio"] == pytest.approx(2.0) and ratio["mode"] == "xla"
-    text = bench.markdown(paired)
-    assert "seed tokens/s" in text and "| 2.00x |" in text
+    text = compare.markdown(paired)
+    assert "TF 4.57 tokens/s" in text and "| 2.00x |" in text and "| roofline |" in text
+    assert "BLAS matrix-vector" in text and "seed" not in text
 
 
-def test_seed_runs_float32_beside_a_packed_scenario_and_pairs_with_it(tiny_report, tmp_path):
-    """--dtype bfloat16-weights with --peer: the seed system runs float32 beside it, and each xlagen result is
-    paired with the seed run of its own scenario."""
+def test_reference_runs_float32_beside_a_packed_scenario_and_pairs_with_it(peer, tiny_report, tmp_path):
+    """--dtype bfloat16-weights: the reference runs float32 beside it, and each xlagen result is paired with the
+    reference run of its own scenario."""
+    compare, _ = peer
     _, report = tiny_report
     xla = next(r for r in report["results"] if r["mode"] == "xla" and r["strategy"] == "greedy")
-    argv = _stub_seed(tmp_path, f"""
+    args = _stub_reference(peer, tmp_path, """
         import json, sys
-        assert json.loads(sys.argv[-1])["dtype"] == "float32"
-        def emit(record):
-            print({bench.RESULT_PREFIX!r} + json.dumps(record), flush=True)
-        emit({{"kind": "system", "system": "seed", "versions": {{}}, "env": {{}},
-              "threads": {{"tf_intra_op": 2, "tf_inter_op": 2}}}})
-        emit({{"kind": "ready", "first_call_s": 10.0, "weight_bytes": {xla["weight_bytes"]}}})
+        assert json.loads(sys.argv[sys.argv.index("--scenario") + 1])["dtype"] == "float32"
+    """ + _stub_header(compare, 1000) + """
         for line in sys.stdin:
-            emit({{"kind": "run", "seconds": 0.5}})
-    """)
-    args = bench.resolve_arguments(build_parser().parse_args([*argv, "--repeats", "1"]))
-    fields = {k: xla[k] for k in bench.Scenario.__dataclass_fields__}
-    (beside,) = bench.run_interleaved(bench.Scenario(**{**fields, "dtype": bench.PACKED_BF16}), ["seed"], args, {})
-    assert beside["dtype"] == "float32" and beside["paired_dtype"] == bench.PACKED_BF16
+            emit({"kind": "run", "seconds": 0.5})
+    """, "--repeats", "1")
+    fields = {k: xla[k] for k in bench_timing.Scenario.__dataclass_fields__}
+    packed_scenario = bench_timing.Scenario(**{**fields, "dtype": bench_timing.PACKED_BF16})
+    (beside,) = compare.run_interleaved(packed_scenario, ["transformers-tf"], args, {})
+    assert beside["dtype"] == "float32" and beside["paired_dtype"] == bench_timing.PACKED_BF16
 
     full = dict(xla, tokens_per_s=100.0)
-    packed = dict(xla, dtype=bench.PACKED_BF16, tokens_per_s=300.0)
-    seed_full = dict(beside, tokens_per_s=50.0)
-    del seed_full["paired_dtype"]
-    seed_packed = dict(beside, tokens_per_s=60.0)
-    results = [full, seed_full, packed, seed_packed]
-    ratios = {r["dtype"]: r["speed_ratio"] for r in bench.ratios(results)}
-    assert ratios == {"float32": pytest.approx(2.0), bench.PACKED_BF16: pytest.approx(5.0)}
-    text = bench.markdown(dict(report, results=results, ratios=[]))
+    packed = dict(xla, dtype=bench_timing.PACKED_BF16, tokens_per_s=300.0)
+    reference_full = dict(beside, tokens_per_s=50.0)
+    del reference_full["paired_dtype"]
+    reference_packed = dict(beside, tokens_per_s=60.0)
+    results = [full, reference_full, packed, reference_packed]
+    ratios = {r["dtype"]: r["speed_ratio"] for r in compare.ratios(results)}
+    assert ratios == {"float32": pytest.approx(2.0), bench_timing.PACKED_BF16: pytest.approx(5.0)}
+    text = compare.markdown(dict(report, results=results, ratios=[], bandwidth=_bandwidth_of(40.0)))
     assert "| 2.00x |" in text and "| 5.00x |" in text
-    assert f"tokens/s {bench.PACKED_BF16} / float32 = 3.00" in text
+    assert f"tokens/s {bench_timing.PACKED_BF16} / float32 = 3.00" in text
 
 
-def test_failing_seed_worker_is_recorded_not_raised(tmp_path):
-    argv = _stub_seed(tmp_path, "import sys; sys.stderr.write('no transformers here\\n'); sys.exit(3)\n")
-    args = bench.resolve_arguments(build_parser().parse_args(argv))
-    (record,) = bench.run_interleaved(bench.Scenario("tiny-gpt2", "greedy", 1, 8, "xla"), ["seed"], args, {})
-    assert record["system"] == "seed" and "exit 3" in record["error"] and "no transformers" in record["error"]
+def _bandwidth_of(gbs: float) -> dict:
+    return {"bytes": 2**26, "blas_gbs": gbs, "blas_range_gbs": [gbs, gbs], "sum_gbs": gbs, "sum_range_gbs": [gbs, gbs]}
 
 
-def test_missing_peer_environment_is_a_usage_error(tmp_path, capsys):
-    code = main(["bench", "--tiny", "--peer", "--peer-python", str(tmp_path / "nope" / "python"),
-                 "--output-dir", str(tmp_path)])
+def test_failing_reference_worker_is_recorded_not_raised(peer, tmp_path):
+    compare, _ = peer
+    args = _stub_reference(peer, tmp_path, "import sys; sys.stderr.write('no transformers here\\n'); sys.exit(3)\n")
+    scenario = bench_timing.Scenario("tiny-gpt2", "greedy", 1, 8, "xla")
+    (record,) = compare.run_interleaved(scenario, ["transformers-tf"], args, {})
+    assert record["system"] == "transformers-tf" and "exit 3" in record["error"]
+    assert "no transformers" in record["error"]
+
+
+def test_missing_reference_environment_is_a_usage_error(peer, tmp_path, capsys):
+    compare, _ = peer
+    code = compare.main(["--tiny", "--reference-python", str(tmp_path / "nope" / "python"),
+                         "--output-dir", str(tmp_path)])
     assert code == 2
-    assert "setup_seed_env.sh" in capsys.readouterr().err
+    assert "setup_transformers_tf.sh" in capsys.readouterr().err
+
+
+def test_comparison_runs_xlagen_workers_and_writes_reports(tmp_path):
+    # The whole harness with xlagen alone: bandwidth, a worker process per scenario, rooflines, reports.
+    script = PEER / "compare.py"
+    command = [sys.executable, str(script), "--tiny", "--quiet", "--systems", "xlagen", "--modes", "xla",
+               "--strategies", "greedy", "--no-plot", "--output-dir", str(tmp_path), "--name", "alone"]
+    subprocess.run(command, capture_output=True, text=True, check=True)
+    report = json.loads((tmp_path / "alone.json").read_text())
+    (result,) = report["results"]
+    assert result["system"] == "xlagen" and "error" not in result and result["roofline_fraction"] > 0
+    assert result["weight_bytes"] == 4 * (64 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
+    assert report["command"][:2] == ["python", "benchmarks/peer/compare.py"] and report["ratios"] == []
+    assert "| roofline |" in (tmp_path / "alone.md").read_text()
 
 
 def test_profile_step_script_sums_xla_instructions_per_step():

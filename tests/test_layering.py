@@ -13,7 +13,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "xlagen"
 NUMPY_ONLY = ["xlagen.tokenizer", "xlagen.auto_tokenizer", "xlagen.tokenizer_files", "xlagen.hub",
               "xlagen.weights.checkpoint", "xlagen.weights.atomic_save", "xlagen.weights.loader",
               "xlagen.weights.gpt2", "xlagen.weights.opt", "xlagen.weights.t5", "xlagen.weights.whisper",
-              "xlagen.audio", "xlagen.whisper_tokens", "xlagen.processing"]
+              "xlagen.audio", "xlagen.audio.decoding", "xlagen.audio.features", "xlagen.whisper_tokens",
+              "xlagen.processing"]
 # Packages (relative to src/xlagen) allowed to import tensorflow / keras.
 TF_ALLOWED = ("layers", "models", "generation", "cli", "cache.py", "modeling.py", "export.py", "graph_tokenizer.py",
               "speech_export.py", "transcribe.py", "whisper_decoding.py")
@@ -45,6 +46,13 @@ def _imports(path: pathlib.Path, module_level_only: bool = False) -> set[str]:
 @pytest.mark.parametrize("module", NUMPY_ONLY)
 def test_numpy_only_modules_do_not_load_tensorflow(module):
     code = f"import sys, {module}; assert 'tensorflow' not in sys.modules and 'keras' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_bench_measurement_loads_with_the_standard_library_only():
+    # benchmarks/peer/compare.py loads these in the reference's environment, which has no xlagen dependencies.
+    code = ("import sys, xlagen.cli.bench_timing, xlagen.cli.bench_report, xlagen.cli.bench; "
+            "assert not {'tensorflow', 'keras', 'numpy'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

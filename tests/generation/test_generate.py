@@ -73,7 +73,7 @@ def test_processors_match_transformers(gpt2_checkpoint, gpt2_model, prompts, eos
 def test_max_length_default_counts_the_prompt(gpt2_checkpoint, gpt2_model, prompts):
     _, reference = gpt2_checkpoint
     ours = np.asarray(gpt2_model.generate(prompts, eos_token_id=None))
-    # The seed system (transformers 4.x TF): the default max_length=20 includes the 5 prompt tokens.
+    # transformers 4.x TF: the default max_length=20 includes the 5 prompt tokens.
     # (transformers' PyTorch generate adds 20 to the prompt when max_length is left at its default, so
     # the reference is asked for max_length=20 explicitly.)
     assert ours.shape == (3, 20)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from xlagen.cli.generate import UsageError, _positive_int
+from xlagen.cli.common import UsageError, positive_int
 
 
 def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -17,16 +17,16 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
         "build and call the program).")
     parser.add_argument("model", metavar="MODEL", help="Hugging Face checkpoint folder or Hub id")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="output folder")
-    parser.add_argument("--batch-size", type=_positive_int, default=1, help="prompts per run (default 1)")
-    parser.add_argument("--prompt-length", type=_positive_int, default=8,
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="prompts per run (default 1)")
+    parser.add_argument("--prompt-length", type=positive_int, default=8,
                         help="prompt length; shorter prompts are left-padded at run time (default 8)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=32, help="new tokens (default 32)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, help="new tokens (default 32)")
     parser.add_argument("--eos-token-id", type=int, help="override the model's EOS id")
     parser.add_argument("--build", action="store_true", help="also build the example program (make, g++)")
-    parser.add_argument("--jobs", "-j", type=_positive_int, default=2, help="parallel jobs for --build")
+    parser.add_argument("--jobs", "-j", type=positive_int, default=2, help="parallel jobs for --build")
     # Accepted so that asking for them gives a clear error rather than an unknown-option one.
     parser.add_argument("--do-sample", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--num-beams", type=_positive_int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--num-beams", type=positive_int, default=1, help=argparse.SUPPRESS)
     parser.set_defaults(run=run, prepare=prepare)
     return parser
 

@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from xlagen.cli.generate import UsageError, _int_list, _positive_int
+from xlagen.cli.common import UsageError, add_hub_arguments, hub_options, int_list, positive_int
 
 _STRATEGIES = ("greedy", "sample", "beam")
 
@@ -40,17 +40,17 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     parser.add_argument("--strategies", type=_strategies, default=_STRATEGIES, metavar="NAMES",
                         help="comma-separated decoding strategies to export (default: greedy,sample,beam); "
                              "the first is also serving_default")
-    parser.add_argument("--max-new-tokens", type=_positive_int, metavar="N",
+    parser.add_argument("--max-new-tokens", type=positive_int, metavar="N",
                         help="the bound of the max_new_tokens input, and its default (default: 64, or half the "
                              "positions of a model with fewer than 128)")
-    parser.add_argument("--prompt-lengths", type=_int_list, metavar="LENGTHS",
+    parser.add_argument("--prompt-lengths", type=int_list, metavar="LENGTHS",
                         help="prompt length buckets, e.g. 16,32,64 (default: 8, 16, 32, ... up to what fits "
                              "the model's positions, at most 512); longer prompts are rejected")
-    parser.add_argument("--batch-sizes", type=_int_list, default=(1, 2, 4, 8, 16, 32, 64), metavar="SIZES",
+    parser.add_argument("--batch-sizes", type=int_list, default=(1, 2, 4, 8, 16, 32, 64), metavar="SIZES",
                         help="batch buckets; a batch is padded up to the next one (default: 1,2,4,...,64)")
-    parser.add_argument("--num-beams", type=_positive_int, default=4, metavar="K",
+    parser.add_argument("--num-beams", type=positive_int, default=4, metavar="K",
                         help="beams of the beam signature (default: 4)")
-    parser.add_argument("--num-return-sequences", type=_positive_int, default=1, metavar="R",
+    parser.add_argument("--num-return-sequences", type=positive_int, default=1, metavar="R",
                         help="sequences per prompt of the sample and beam signatures (default: 1)")
     text = parser.add_mutually_exclusive_group()
     text.add_argument("--text", dest="text", action="store_true", default=None,
@@ -64,9 +64,7 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     speech.add_argument("--task", choices=("transcribe", "translate"), help="transcribe (default) or translate")
     speech.add_argument("--timestamps", action="store_true", help="predict timestamp tokens")
     model = parser.add_argument_group("model")
-    model.add_argument("--revision", help="Hub branch, tag or commit")
-    model.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
-    model.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
+    add_hub_arguments(model)
     parser.set_defaults(run=run, prepare=prepare)
     return parser
 
@@ -103,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                               text=args.text, output_scores=args.output_scores)
     except ValueError as error:
         raise UsageError(str(error)) from None
-    hub = {"revision": args.revision, "cache_dir": args.cache_dir, "local_files_only": args.local_files_only}
+    hub = hub_options(args)
     if read_json(resolve_model_dir(args.model, **hub), "config.json").get("model_type") == "whisper":
         return _run_speech(args, export, hub)
     if args.language or args.task or args.timestamps:

@@ -16,11 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class UsageError(ValueError):
-    """A problem with the command line or the prompts (exit code 2)."""
-
-    exit_code = 2
+from xlagen.cli.common import UsageError
 
 
 @dataclass(frozen=True)

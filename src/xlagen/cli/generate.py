@@ -33,68 +33,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from xlagen import native  # numpy only: TensorFlow is not loaded by this import
-from xlagen.cli.files import Prompt, UsageError, check_output, open_output, read_prompts
+from xlagen.cli.common import (SEED_MAX, UsageError, add_hub_arguments, add_weight_dtype_argument,
+                               default_model_path, hub_options, int_list, non_negative_float, non_negative_int,
+                               positive_int, random_seed)
+from xlagen.cli.files import Prompt, check_output, open_output, read_prompts
 
 __all__ = ["Prompt", "UsageError", "add_parser", "decoding_options", "default_model_path", "prepare", "run"]
 
 logger = logging.getLogger("xlagen.cli.generate")
-WEIGHT_DTYPES = ("float32", *native.WEIGHT_DTYPES)
-WEIGHT_DTYPE_HELP = ("bfloat16 / int8: the matrix products read their weights rounded to bfloat16 (about twice as "
-                     "fast per token as float32 at batch 1) or quantized to int8 with a scale per output column "
-                     "(2-5x, with a larger change to the logits), computing in float32, on a CPU with AVX-512 "
-                     "(builds a C++ kernel once, on first use); default: float32")
 
 _PAD_TO_MULTIPLE_OF = 8
-_SEED_MAX = 2**31 - 1  # seeds are int32 tensors
 _SEPARATOR = "---"
 _NO_MODEL = ("xlagen generate needs --model PATH_OR_ID (a Hugging Face checkpoint folder or Hub id): "
              "the built-in default model is missing from this installation")
-
-
-def default_model_path() -> str | None:
-    """The built-in default model (package data, see src/xlagen/default_model/README.md), or None if
-    this installation lacks it."""
-    folder = Path(__file__).resolve().parents[1] / "default_model"
-    return str(folder) if (folder / "model.safetensors").is_file() else None
-
-
-def _positive_int(value: str) -> int:
-    """argparse type: an integer >= 1."""
-    number = int(value)
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {number}")
-    return number
-
-
-def _non_negative_int(value: str) -> int:
-    """argparse type: an integer >= 0."""
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {number}")
-    return number
-
-
-def _seed(value: str) -> int:
-    """argparse type: a seed in [0, 2**31 - 1] (larger values would wrap around in int32)."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-    if not 0 <= number <= _SEED_MAX:
-        raise argparse.ArgumentTypeError(f"must be between 0 and {_SEED_MAX}, got {number}")
-    return number
-
-
-def _non_negative_float(value: str) -> float:
-    """argparse type: a finite number >= 0."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if not 0.0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
-    return number
 
 
 def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -121,52 +72,38 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     model.add_argument("--model", "-m", metavar="PATH_OR_ID",
                        help="Hugging Face checkpoint folder or Hub id (default: the built-in model, a small GPT-2 "
                             "trained on the King James Bible, which samples)")
-    model.add_argument("--revision", help="Hub branch, tag or commit")
-    model.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
-    model.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
+    add_hub_arguments(model)
     decoding = parser.add_argument_group("decoding (unset options keep the checkpoint's generation_config)")
-    decoding.add_argument("--max-new-tokens", type=_positive_int, default=50, metavar="N",
+    decoding.add_argument("--max-new-tokens", type=positive_int, default=50, metavar="N",
                           help="tokens to generate per prompt (default: 50)")
-    decoding.add_argument("--min-new-tokens", type=_non_negative_int, metavar="N", help="suppress EOS before N new tokens")
+    decoding.add_argument("--min-new-tokens", type=non_negative_int, metavar="N", help="suppress EOS before N new tokens")
     decoding.add_argument("--greedy", action="store_true",
                           help="greedy decoding (beam search with --num-beams): turns sampling off")
     decoding.add_argument("--do-sample", action=argparse.BooleanOptionalAction, default=None,
                           help="sample instead of greedy/beams (--no-do-sample: don't); default: the checkpoint's "
                                "choice, off with --num-beams K > 1")
-    decoding.add_argument("--temperature", type=_non_negative_float, metavar="T",
+    decoding.add_argument("--temperature", type=non_negative_float, metavar="T",
                           help="sampling temperature (0: greedy decoding)")
-    decoding.add_argument("--top-k", type=_non_negative_int, metavar="K", help="sample among the K likeliest tokens (0: off)")
+    decoding.add_argument("--top-k", type=non_negative_int, metavar="K", help="sample among the K likeliest tokens (0: off)")
     decoding.add_argument("--top-p", type=float, metavar="P", help="nucleus sampling probability mass")
-    decoding.add_argument("--num-beams", type=_positive_int, metavar="K", help="beam search with K beams")
-    decoding.add_argument("--num-return-sequences", type=_positive_int, metavar="R", help="continuations per prompt")
+    decoding.add_argument("--num-beams", type=positive_int, metavar="K", help="beam search with K beams")
+    decoding.add_argument("--num-return-sequences", type=positive_int, metavar="R", help="continuations per prompt")
     decoding.add_argument("--repetition-penalty", type=float, help="penalty of already present tokens (1: off)")
-    decoding.add_argument("--no-repeat-ngram-size", type=_non_negative_int, metavar="N", help="forbid repeated N-grams")
-    decoding.add_argument("--seed", type=_seed, help=f"seed for reproducible sampling (0 to {_SEED_MAX})")
+    decoding.add_argument("--no-repeat-ngram-size", type=non_negative_int, metavar="N", help="forbid repeated N-grams")
+    decoding.add_argument("--seed", type=random_seed, help=f"seed for reproducible sampling (0 to {SEED_MAX})")
     run_options = parser.add_argument_group("execution")
-    run_options.add_argument("--batch-size", type=_positive_int, default=8, metavar="N",
+    run_options.add_argument("--batch-size", type=positive_int, default=8, metavar="N",
                              help="prompts per batch (default: 8)")
     run_options.add_argument("--eager", action="store_true", help="run eagerly instead of compiling with XLA")
-    run_options.add_argument("--warmup", type=_int_list, metavar="LENGTHS",
+    run_options.add_argument("--warmup", type=int_list, metavar="LENGTHS",
                              help="compile for these prompt lengths (comma-separated, e.g. 16,32,64) before "
                                   "generating; lengths are rounded up to the prompt buckets")
-    run_options.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
-                             help=WEIGHT_DTYPE_HELP)
+    add_weight_dtype_argument(run_options)
     run_options.add_argument("--compile-cache", metavar="DIR",
                              help="keep compiled XLA programs in DIR across runs (TensorFlow's persistent "
                                   "compilation cache; sets TF_XLA_FLAGS before TensorFlow starts)")
     parser.set_defaults(run=run, prepare=prepare)
     return parser
-
-
-def _int_list(value: str) -> tuple[int, ...]:
-    """argparse type: comma-separated positive integers."""
-    try:
-        numbers = tuple(int(part) for part in value.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {value!r}") from None
-    if not numbers or min(numbers) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {value!r}")
-    return numbers
 
 
 def use_compile_cache(directory: str) -> None:
@@ -285,7 +222,7 @@ def _load(model_name: str, args: argparse.Namespace):
     from xlagen import AutoTokenizer
     from xlagen.modeling import TFAutoModelForGeneration
 
-    hub = {"revision": args.revision, "cache_dir": args.cache_dir, "local_files_only": args.local_files_only}
+    hub = hub_options(args)
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(model_name, padding_side="left", **hub)
     if tokenizer.pad_token is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from xlagen.cli.generate import UsageError, _positive_int, default_model_path
+from xlagen.cli.common import UsageError, default_model_path, positive_int
 
 STAGES = ("hlo", "optimized_hlo", "optimized_hlo_dot")  # xlagen.generation.introspect's (it imports TensorFlow)
 
@@ -17,13 +17,13 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     parser.add_argument("--model", "-m", metavar="PATH_OR_ID",
                         help="Hugging Face checkpoint folder or Hub id (default: the built-in model)")
     parser.add_argument("--output", "-o", metavar="DIR", required=True, help="folder for generate.<stage>.txt")
-    parser.add_argument("--batch-size", type=_positive_int, default=1, metavar="B",
+    parser.add_argument("--batch-size", type=positive_int, default=1, metavar="B",
                         help="rows of the traced input (default: 1)")
-    parser.add_argument("--prompt-length", type=_positive_int, default=8, metavar="P",
+    parser.add_argument("--prompt-length", type=positive_int, default=8, metavar="P",
                         help="prompt tokens of the traced input (default: 8)")
-    parser.add_argument("--max-new-tokens", type=_positive_int, default=32, metavar="N",
+    parser.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
                         help="new tokens the program generates (default: 32)")
-    parser.add_argument("--num-beams", type=_positive_int, default=1, metavar="K",
+    parser.add_argument("--num-beams", type=positive_int, default=1, metavar="K",
                         help="beam search with K beams (default: 1, greedy or sampling)")
     parser.add_argument("--do-sample", action="store_true", help="the sampling program instead of greedy")
     parser.add_argument("--stages", type=_stages, default=("hlo", "optimized_hlo"), metavar="STAGES",

@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from xlagen.cli.generate import WEIGHT_DTYPE_HELP, WEIGHT_DTYPES, UsageError, _positive_int
+from xlagen.cli.common import UsageError, add_hub_arguments, add_weight_dtype_argument, hub_options, positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -31,9 +31,7 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     parser.add_argument("files", nargs="+", metavar="FILE", help="audio files")
     parser.add_argument("--model", "-m", default=DEFAULT_MODEL, metavar="PATH_OR_ID",
                         help=f"Whisper checkpoint folder or Hub id (default: {DEFAULT_MODEL}, downloaded once)")
-    parser.add_argument("--revision", help="Hub branch, tag or commit")
-    parser.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
-    parser.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
+    add_hub_arguments(parser)
     parser.add_argument("--language", help="language of the audio (code or name, e.g. fr or french); "
                         "default: detected from the first 30 s")
     parser.add_argument("--task", choices=("transcribe", "translate"),
@@ -44,9 +42,9 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     parser.add_argument("--format", "-f", choices=FORMATS, default="txt", help="output format (default: txt)")
     parser.add_argument("--output", "-o", metavar="PATH",
                         help="output file (one input) or folder (one FILE.<format> per input); default: stdout")
-    parser.add_argument("--num-beams", type=_positive_int, metavar="K", help="beam search with K beams")
-    parser.add_argument("--max-new-tokens", type=_positive_int, metavar="N", help="token limit per 30 s window")
-    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32", help=WEIGHT_DTYPE_HELP)
+    parser.add_argument("--num-beams", type=positive_int, metavar="K", help="beam search with K beams")
+    parser.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="token limit per 30 s window")
+    add_weight_dtype_argument(parser)
     parser.set_defaults(run=run, prepare=prepare)
     return parser
 
@@ -111,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     from xlagen.processing import WhisperProcessor
     from xlagen.transcribe import Transcriber
 
-    hub = dict(revision=args.revision, cache_dir=args.cache_dir, local_files_only=args.local_files_only)
+    hub = hub_options(args)
     model = TFAutoModelForSpeechSeq2Seq.from_pretrained(args.model, weight_dtype=args.weight_dtype, **hub)
     processor = WhisperProcessor.from_pretrained(args.model, **hub)
     transcriber = Transcriber(model, processor)

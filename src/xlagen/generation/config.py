@@ -1,6 +1,6 @@
 """`GenerationConfig`: how to decode, separate from the model's architecture.
 
-Defaults are transformers 4.x's, so `max_length=20` counts the (padded) prompt as in the seed system.
+Defaults are transformers 4.x's, so `max_length=20` counts the (padded) prompt as transformers 4.x does.
 """
 
 from __future__ import annotations
