@@ -110,8 +110,8 @@ class GenerationModelHandler(XlagenModelHandler):
                  model_copies: int | None = None, **generation_options):
         self.buckets = buckets or Buckets()
         self.generation_options = self._checked_options(generation_options, GenerationConfig(), "handler")
-        batching = {"min_batch_size": min_batch_size or 1,
-                    "max_batch_size": max_batch_size or self.buckets.batch_sizes[-1],
+        largest = max_batch_size or self.buckets.batch_sizes[-1]
+        batching = {"min_batch_size": min_batch_size or largest, "max_batch_size": largest,
                     "max_batch_duration_secs": max_batch_duration_secs}
         super().__init__(model_name_or_path, length_buckets=lower_inclusive_boundaries(self.buckets.prompt_lengths),
                          batching={k: v for k, v in batching.items() if v is not None}, large_model=large_model,

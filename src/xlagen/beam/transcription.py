@@ -19,6 +19,7 @@ from apache_beam.ml.inference.base import PredictionResult
 
 from xlagen.audio import load_audio
 from xlagen.beam.handler import XlagenModelHandler, describe
+from xlagen.generation.compiled import Buckets
 
 SAMPLING_RATE = 16000
 WINDOW_SAMPLES = 30 * SAMPLING_RATE  # Whisper's window
@@ -75,6 +76,7 @@ class TranscriptionModelHandler(XlagenModelHandler):
         language: Language of every file (code, name or token); None detects each file's.
         task: "transcribe" or "translate"; None: the model's default.
         return_timestamps: Segments at Whisper's timestamps (files over 30 s always have them).
+        buckets: xlagen's padding buckets (batch sizes matter here: the decoder prompt is a few tokens).
         weight_dtype, hub_options, min_batch_size, max_batch_size, max_batch_duration_secs, large_model,
             model_copies: As for `GenerationModelHandler`. A batch holds at most `max_batch_size` 30 s
             windows of audio (default 16); with `max_batch_duration_secs`, recordings of up to 30 s and
@@ -85,16 +87,18 @@ class TranscriptionModelHandler(XlagenModelHandler):
     prepared_type = PreparedAudio
 
     def __init__(self, model_name_or_path: str, *, language: str | None = None, task: str | None = None,
-                 return_timestamps: bool = True, weight_dtype: str = "float32",
+                 return_timestamps: bool = True, buckets: Buckets | None = None, weight_dtype: str = "float32",
                  hub_options: Mapping[str, Any] | None = None, min_batch_size: int | None = None,
                  max_batch_size: int | None = None, max_batch_duration_secs: float | None = None,
                  large_model: bool = False, model_copies: int | None = None, **generate_options):
-        batching = {"min_batch_size": min_batch_size or 1, "max_batch_size": max_batch_size or 16,
+        largest = max_batch_size or 16
+        batching = {"min_batch_size": min_batch_size or largest, "max_batch_size": largest,
                     "max_batch_duration_secs": max_batch_duration_secs}
         super().__init__(model_name_or_path, length_buckets=[WINDOW_SAMPLES + 1],
                          batching={k: v for k, v in batching.items() if v is not None}, large_model=large_model,
                          model_copies=model_copies)
         self.options = dict(generate_options, language=language, task=task, return_timestamps=return_timestamps)
+        self.buckets = buckets
         self.weight_dtype = weight_dtype
         self.hub_options = dict(hub_options or {})
 
@@ -116,6 +120,7 @@ class TranscriptionModelHandler(XlagenModelHandler):
 
     def load_model(self) -> ClipTranscriber:
         """Loads the Whisper model and its processor."""
+        from xlagen.generation.compiled import CompiledGenerator
         from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
         from xlagen.processing import WhisperProcessor
         from xlagen.transcribe import Transcriber
@@ -123,7 +128,7 @@ class TranscriptionModelHandler(XlagenModelHandler):
         model = TFAutoModelForSpeechSeq2Seq.from_pretrained(self.model_name_or_path, weight_dtype=self.weight_dtype,
                                                             **self.hub_options)
         processor = WhisperProcessor.from_pretrained(self.model_name_or_path, **self.hub_options)
-        return ClipTranscriber(Transcriber(model, processor), self.options)
+        return ClipTranscriber(Transcriber(model, processor, CompiledGenerator(model, self.buckets)), self.options)
 
     def run_inference(self, batch: Sequence[Any], model: ClipTranscriber,
                       inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:

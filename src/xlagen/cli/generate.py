@@ -36,7 +36,8 @@ from typing import Any, TextIO
 from xlagen import native  # numpy only: TensorFlow is not loaded by this import
 from xlagen.cli.files import Prompt, UsageError, check_output, open_output, read_prompts
 
-__all__ = ["Prompt", "UsageError", "add_parser", "decoding_options", "default_model_path", "prepare", "run"]
+__all__ = ["Prompt", "UsageError", "add_decoding_arguments", "add_parser", "decoding_options", "default_model_path",
+           "prepare", "run"]
 
 logger = logging.getLogger("xlagen.cli.generate")
 WEIGHT_DTYPES = ("float32", *native.WEIGHT_DTYPES)
@@ -124,6 +125,25 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     model.add_argument("--revision", help="Hub branch, tag or commit")
     model.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
     model.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
+    add_decoding_arguments(parser)
+    run_options = parser.add_argument_group("execution")
+    run_options.add_argument("--batch-size", type=_positive_int, default=8, metavar="N",
+                             help="prompts per batch (default: 8)")
+    run_options.add_argument("--eager", action="store_true", help="run eagerly instead of compiling with XLA")
+    run_options.add_argument("--warmup", type=_int_list, metavar="LENGTHS",
+                             help="compile for these prompt lengths (comma-separated, e.g. 16,32,64) before "
+                                  "generating; lengths are rounded up to the prompt buckets")
+    run_options.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
+                             help=WEIGHT_DTYPE_HELP)
+    run_options.add_argument("--compile-cache", metavar="DIR",
+                             help="keep compiled XLA programs in DIR across runs (TensorFlow's persistent "
+                                  "compilation cache; sets TF_XLA_FLAGS before TensorFlow starts)")
+    parser.set_defaults(run=run, prepare=prepare)
+    return parser
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the decoding options (read back by `decoding_options`) as a group of `parser`."""
     decoding = parser.add_argument_group("decoding (unset options keep the checkpoint's generation_config)")
     decoding.add_argument("--max-new-tokens", type=_positive_int, default=50, metavar="N",
                           help="tokens to generate per prompt (default: 50)")
@@ -142,20 +162,6 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     decoding.add_argument("--repetition-penalty", type=float, help="penalty of already present tokens (1: off)")
     decoding.add_argument("--no-repeat-ngram-size", type=_non_negative_int, metavar="N", help="forbid repeated N-grams")
     decoding.add_argument("--seed", type=_seed, help=f"seed for reproducible sampling (0 to {_SEED_MAX})")
-    run_options = parser.add_argument_group("execution")
-    run_options.add_argument("--batch-size", type=_positive_int, default=8, metavar="N",
-                             help="prompts per batch (default: 8)")
-    run_options.add_argument("--eager", action="store_true", help="run eagerly instead of compiling with XLA")
-    run_options.add_argument("--warmup", type=_int_list, metavar="LENGTHS",
-                             help="compile for these prompt lengths (comma-separated, e.g. 16,32,64) before "
-                                  "generating; lengths are rounded up to the prompt buckets")
-    run_options.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32",
-                             help=WEIGHT_DTYPE_HELP)
-    run_options.add_argument("--compile-cache", metavar="DIR",
-                             help="keep compiled XLA programs in DIR across runs (TensorFlow's persistent "
-                                  "compilation cache; sets TF_XLA_FLAGS before TensorFlow starts)")
-    parser.set_defaults(run=run, prepare=prepare)
-    return parser
 
 
 def _int_list(value: str) -> tuple[int, ...]:
