@@ -9,7 +9,9 @@ buckets), greedy, every prompt generating exactly --new-tokens tokens (`min_new_
 
 - `compiled`: `CompiledGenerator` (through `PromptBatcher`: prompts sorted by length, batches of
   --batch-size) in this process; the first pass compiles, the second is timed ("steady").
-- `beam-1`: `RunInference(GenerationModelHandler)` on Beam's FnApiRunner, one in-process worker.
+- `beam-1`: `RunInference(GenerationModelHandler)` on Beam's FnApiRunner, one in-process worker; Beam
+  batches of --batch-size prompts of one prompt-length bucket (`max_batch_duration_secs`, Beam's
+  length buckets lined up with xlagen's), as the `compiled` scenario's.
 - `beam-2`: two worker processes (`direct_num_workers=2`, `direct_running_mode=multi_processing`), each
   loading the model; with --threads-per-worker 1 each worker's TensorFlow uses one thread.
 - `overhead`: a handler that returns at once, over --overhead-elements elements: Beam's cost per element
@@ -89,7 +91,7 @@ def scenario_beam(args, prompts: list[str], workers: int) -> dict:
 
     from xlagen.beam import GenerationModelHandler
 
-    handler = GenerationModelHandler(args.checkpoint, **options(args))
+    handler = GenerationModelHandler(args.checkpoint, **options(args, beam=True))
     mode = "in_memory" if workers == 1 else "multi_processing"
     pipeline_options = PipelineOptions(direct_num_workers=workers, direct_running_mode=mode)
     out = Path(tempfile.mkdtemp()) / "tokens"
@@ -136,9 +138,10 @@ def scenario_overhead(args) -> dict:
             "pipeline_us_per_element": timings["run_inference"] / len(elements) * 1e6}
 
 
-def options(args) -> dict:
+def options(args, beam: bool = False) -> dict:
+    batching = {"max_batch_duration_secs": args.max_batch_duration} if beam and args.max_batch_duration else {}
     return {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False,
-            "max_batch_size": args.batch_size}
+            "max_batch_size": args.batch_size, **batching}
 
 
 def child(args) -> None:
@@ -159,7 +162,8 @@ def run_scenario(args, scenario: str, cache: str, threads: int | None) -> dict:
         env.update(TF_NUM_INTRAOP_THREADS=str(threads), TF_NUM_INTEROP_THREADS=str(threads))
     command = [sys.executable, __file__, "--child", scenario, "--checkpoint", args.checkpoint,
                "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens), "--batch-size",
-               str(args.batch_size), "--overhead-elements", str(args.overhead_elements)]
+               str(args.batch_size), "--overhead-elements", str(args.overhead_elements),
+               "--max-batch-duration", str(args.max_batch_duration)]
     load = os.getloadavg()[0]
     out = subprocess.run(command, env=env, capture_output=True, text=True)
     if out.returncode:
@@ -180,6 +184,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=64, help="largest batch (Beam's max_batch_size)")
     parser.add_argument("--overhead-elements", type=int, default=20000)
+    parser.add_argument("--max-batch-duration", type=float, default=1.0,
+                        help="Beam's max_batch_duration_secs: batches by prompt-length bucket (0: plain batching, "
+                             "mixed lengths in a batch)")
     parser.add_argument("--scenarios", nargs="+", default=["compiled", "beam-1", "beam-2", "beam-2:1", "overhead"],
                         help="beam-2:1 = two workers with one TensorFlow thread each")
     parser.add_argument("--output", help="JSON file (default: benchmarks/results/beam-scale-<model>.json)")
@@ -198,7 +205,7 @@ def main() -> None:
             name, _, threads = scenario.partition(":")
             records.append(run_scenario(args, name, cache, int(threads) if threads else None))
     report = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
-              "batch_size": args.batch_size, "cores": os.cpu_count(), "python": platform.python_version(),
+              "batch_size": args.batch_size, "max_batch_duration_secs": args.max_batch_duration, "cores": os.cpu_count(), "python": platform.python_version(),
               "records": records}
     output = Path(args.output or ROOT / "benchmarks" / "results" / f"beam-scale-{args.model}.json")
     output.write_text(json.dumps(report, indent=2) + "\n")

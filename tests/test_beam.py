@@ -18,6 +18,7 @@ if not os.environ.get("XLAGEN_CI"):  # CI installs the beam extra (.ci/run): the
     pytest.importorskip("apache_beam")
 
 import apache_beam as beam  # noqa: E402
+from apache_beam.io.localfilesystem import LocalFileSystem  # noqa: E402
 from apache_beam.ml.inference.base import KeyedModelHandler, RunInference  # noqa: E402
 from apache_beam.runners.portability.fn_api_runner import FnApiRunner  # noqa: E402
 
@@ -253,3 +254,34 @@ def test_cli_transcribe(whisper_checkpoint, audio_files, tmp_path, no_network, m
     srt = sorted(tmp_path.glob("tr-*.srt"))
     assert len(srt) == 3 and len(sorted(tmp_path.glob("tr-*.vtt"))) == 3
     assert next(p for p in srt if p.name.endswith("a.wav.srt")).read_text().startswith("1\n00:00:")
+
+
+class _PrefixedLocalFileSystem(LocalFileSystem):
+    """The local disk under the URL scheme `xlagentest://`: a stand-in for gs:// or s3:// in these tests."""
+
+    PREFIX = "xlagentest://"
+
+    @classmethod
+    def scheme(cls):
+        return "xlagentest"
+
+    def match(self, patterns, limits=None):
+        return super().match([p.removeprefix(self.PREFIX) for p in patterns], limits)
+
+    def open(self, path, *args, **kwargs):
+        return super().open(path.removeprefix(self.PREFIX), *args, **kwargs)
+
+
+def test_files_behind_a_url_are_read_through_beam_file_systems(gpt2_checkpoint, audio_files):
+    from xlagen.audio import load_audio
+    from xlagen.beam import local_checkpoint, read_audio
+
+    folder = local_checkpoint(_PrefixedLocalFileSystem.PREFIX + gpt2_checkpoint[0])
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(gpt2_checkpoint[0]))
+    assert local_checkpoint(gpt2_checkpoint[0]) == gpt2_checkpoint[0]  # local folders and Hub ids stay as they are
+    with pytest.raises(FileNotFoundError, match="no checkpoint files under xlagentest://"):
+        local_checkpoint(_PrefixedLocalFileSystem.PREFIX + str(audio_files / "missing"))
+    url = _PrefixedLocalFileSystem.PREFIX + str(audio_files / "b.flac")
+    np.testing.assert_array_equal(read_audio(url), load_audio(str(audio_files / "b.flac")))
+    with pytest.raises(ValueError, match="cannot decode the audio file 'xlagentest://.*corrupt.wav'"):
+        read_audio(_PrefixedLocalFileSystem.PREFIX + str(audio_files / "corrupt.wav"))

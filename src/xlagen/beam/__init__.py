@@ -29,8 +29,8 @@ except ImportError as error:  # pragma: no cover - depends on the installation
     raise ImportError("xlagen.beam needs Apache Beam: pip install 'xlagen[beam]'") from error
 
 from xlagen.beam.generation import GenerationModelHandler, PreparedPrompt, PromptBatcher, result_record
-from xlagen.beam.handler import lower_inclusive_boundaries
+from xlagen.beam.handler import local_checkpoint, lower_inclusive_boundaries
 from xlagen.beam.transcription import ClipTranscriber, PreparedAudio, TranscriptionModelHandler, read_audio
 
 __all__ = ["ClipTranscriber", "GenerationModelHandler", "PreparedAudio", "PreparedPrompt", "PromptBatcher",
-           "TranscriptionModelHandler", "lower_inclusive_boundaries", "read_audio", "result_record"]
+           "TranscriptionModelHandler", "local_checkpoint", "lower_inclusive_boundaries", "read_audio", "result_record"]

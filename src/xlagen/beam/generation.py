@@ -63,13 +63,14 @@ class _Tools:
         from xlagen.hub import resolve_model_dir
 
         hub = handler.hub_options
-        self.tokenizer = AutoTokenizer.from_pretrained(handler.tokenizer_name, padding_side="left", **hub)
+        self.tokenizer = AutoTokenizer.from_pretrained(handler.local(handler.tokenizer_name), padding_side="left",
+                                                       **hub)
         if self.tokenizer.pad_token is None:
             if self.tokenizer.eos_token is None:
                 raise ValueError(f"the tokenizer of {handler.tokenizer_name} has neither a pad nor an EOS token to "
                                  "pad batches with")
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        folder = resolve_model_dir(handler.model_name_or_path, **hub)
+        folder = resolve_model_dir(handler.local(handler.model_name_or_path), **hub)
         self.config = (GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file()
                        else GenerationConfig())
 
@@ -172,8 +173,8 @@ class GenerationModelHandler(XlagenModelHandler):
         """Loads the model and its tokenizer (once per worker process, or per machine in large-model mode)."""
         from xlagen.modeling import TFAutoModelForGeneration
 
-        model = TFAutoModelForGeneration.from_pretrained(self.model_name_or_path, weight_dtype=self.weight_dtype,
-                                                         **self.hub_options)
+        model = TFAutoModelForGeneration.from_pretrained(self.local(self.model_name_or_path),
+                                                         weight_dtype=self.weight_dtype, **self.hub_options)
         return PromptBatcher(model, self._tools().tokenizer, self.buckets)
 
     def run_inference(self, batch: Sequence[Any], model: PromptBatcher,

@@ -9,13 +9,43 @@ the handler therefore holds only settings, and loads its tokenizer (for preparat
 from __future__ import annotations
 
 import bisect
+import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from apache_beam.ml.inference.base import ModelHandler
 
-# Attributes holding loaded state, left out of the pickled handler.
-_LOADED = ("_loaded_tools",)
+_COPY_CHUNK = 16 << 20
+
+
+def local_checkpoint(name_or_path: str) -> str:
+    """A local folder for a checkpoint given as a URL that Beam's `FileSystems` reads (gs://, s3://, ...):
+    the folder's files copied into a new temporary folder. Local folders and Hub ids are returned unchanged.
+
+    Raises:
+        FileNotFoundError: If the URL's folder holds no files.
+        OSError: If a file cannot be read or written (naming it).
+    """
+    if "://" not in name_or_path:
+        return name_or_path
+    from apache_beam.io.filesystem import CompressionTypes
+    from apache_beam.io.filesystems import FileSystems
+
+    files = FileSystems.match([name_or_path.rstrip("/") + "/*"])[0].metadata_list
+    if not files:
+        raise FileNotFoundError(f"no checkpoint files under {name_or_path}")
+    folder = tempfile.mkdtemp(prefix="xlagen-checkpoint-")
+    for file in files:
+        target = os.path.join(folder, file.path.rstrip("/").rsplit("/", 1)[-1])
+        try:
+            with FileSystems.open(file.path, compression_type=CompressionTypes.UNCOMPRESSED) as source, \
+                    open(target, "wb") as destination:
+                shutil.copyfileobj(source, destination, _COPY_CHUNK)
+        except Exception as error:  # noqa: BLE001 - each file system raises its own types; name the file
+            raise OSError(f"cannot copy the checkpoint file {file.path} to {target}: {error}") from error
+    return folder
 
 
 def lower_inclusive_boundaries(buckets: Sequence[int]) -> list[int]:
@@ -54,7 +84,8 @@ class XlagenModelHandler(ModelHandler):
     share of a batch's work) and Beam's `load_model` / `run_inference`.
 
     Args:
-        model_name_or_path: A checkpoint folder or a Hugging Face Hub id, read on each worker.
+        model_name_or_path: A checkpoint folder, a Hugging Face Hub id, or the URL of a folder that Beam's
+            `FileSystems` reads (gs://, s3://, ...: copied to local disk on each worker), read on each worker.
         length_buckets: Beam's lower-inclusive `batch_bucket_boundaries` (used with
             `max_batch_duration_secs`).
         batching: `min_batch_size`, `max_batch_size`, `max_batch_duration_secs` for Beam's BatchElements.
@@ -76,12 +107,18 @@ class XlagenModelHandler(ModelHandler):
                          batch_bucket_boundaries=length_buckets if stateful else None)
         self.model_name_or_path = model_name_or_path
         self._loaded_tools = None
+        self._local_folders: dict[str, str] = {}
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for name in _LOADED:
-            state[name] = None
+        state.update(_loaded_tools=None, _local_folders={})
         return state
+
+    def local(self, name_or_path: str) -> str:
+        """`name_or_path` as `from_pretrained` takes it: a URL's folder is copied to local disk once per process."""
+        if name_or_path not in self._local_folders:
+            self._local_folders[name_or_path] = local_checkpoint(name_or_path)
+        return self._local_folders[name_or_path]
 
     def prepare(self, example: Any) -> Any:
         """Reads and checks one element before batching (see the subclasses)."""

@@ -125,9 +125,9 @@ class TranscriptionModelHandler(XlagenModelHandler):
         from xlagen.processing import WhisperProcessor
         from xlagen.transcribe import Transcriber
 
-        model = TFAutoModelForSpeechSeq2Seq.from_pretrained(self.model_name_or_path, weight_dtype=self.weight_dtype,
-                                                            **self.hub_options)
-        processor = WhisperProcessor.from_pretrained(self.model_name_or_path, **self.hub_options)
+        folder = self.local(self.model_name_or_path)
+        model = TFAutoModelForSpeechSeq2Seq.from_pretrained(folder, weight_dtype=self.weight_dtype, **self.hub_options)
+        processor = WhisperProcessor.from_pretrained(folder, **self.hub_options)
         return ClipTranscriber(Transcriber(model, processor, CompiledGenerator(model, self.buckets)), self.options)
 
     def run_inference(self, batch: Sequence[Any], model: ClipTranscriber,
