@@ -18,9 +18,10 @@ buckets), greedy, every prompt generating exactly --new-tokens tokens (`min_new_
   (Create, BatchElements, RunInference's DoFn, metrics), no model.
 
 The Beam scenarios are timed from pipeline start to end (worker start, model load and the compile or
-load of each program included). All processes share one persistent XLA cache folder, filled by the
-`compiled` scenario, so the Beam workers mostly load programs instead of compiling them (recorded:
-`load_s`, `compiles`). Models: `builtin` is xlagen's built-in model (6 layers, width 256); `gpt2-small`
+load of each program included). All processes share one persistent XLA cache folder: a scenario loads
+the programs an earlier one compiled (Beam's batches have other sizes than `compiled`'s at the end of
+each length bucket, so its first run still compiles some); list a scenario twice to time it with a warm
+cache. `inference_s` is Beam's own sum of batch latencies (all workers), `load_s` its model-load time. Models: `builtin` is xlagen's built-in model (6 layers, width 256); `gpt2-small`
 is GPT-2 small's shapes with random weights and the built-in tokenizer.
 """
 
@@ -190,6 +191,7 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="+", default=["compiled", "beam-1", "beam-2", "beam-2:1", "overhead"],
                         help="beam-2:1 = two workers with one TensorFlow thread each")
     parser.add_argument("--output", help="JSON file (default: benchmarks/results/beam-scale-<model>.json)")
+    parser.add_argument("--cache-dir", help="persistent XLA cache folder (default: a new temporary one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -199,7 +201,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as work:
         args.checkpoint = make_model(args.model, Path(work) / "model")
-        cache = str(Path(work) / "xla-cache")
+        cache = args.cache_dir or str(Path(work) / "xla-cache")
         records = []
         for scenario in args.scenarios:
             name, _, threads = scenario.partition(":")

@@ -218,7 +218,8 @@ def test_cli_generate_offline(gpt2_checkpoint, tmp_path, no_network, capsys):
     prefix = tmp_path / "out" / "gen"
     prefix.parent.mkdir()
     code = main(["pipeline", "generate", "--input", str(tmp_path / "*.*"), "--output", str(prefix), "--model",
-                 gpt2_checkpoint[0], "--max-new-tokens", "4", "--greedy", "-q"])
+                 gpt2_checkpoint[0], "--max-new-tokens", "4", "--greedy", "--seed", "3", "-q", "--",
+                 "--direct_num_workers=1"])
     assert not no_network  # the in-process runner touched no network (no runner download)
     assert code == 1 and "2 input(s) failed" in capsys.readouterr().err
     records = {r["prompt"]: r for r in _records(prefix)}

@@ -201,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
     batching = {"max_batch_size": args.max_batch_size, "weight_dtype": args.weight_dtype, "hub_options": _hub(args)}
     pipeline = beam.Pipeline(runner=runner, options=options)
     if args.pipeline == "generate":
-        handler = GenerationModelHandler(args.model, **batching, **decoding_options(args))
+        seed = {} if args.seed is None else {"seed": args.seed}
+        handler = GenerationModelHandler(args.model, **batching, **decoding_options(args), **seed)
         lines, bad_lines = (pipeline | beam.io.ReadFromTextWithFilename(args.input)
                             | "Parse" >> beam.FlatMap(_parse_line).with_exception_handling())
         results, failed = lines | RunInference(
