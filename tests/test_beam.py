@@ -47,6 +47,16 @@ class RecordingGeneration(GenerationModelHandler):
         return super().run_inference(batch, model, inference_args)
 
 
+class ReusingGeneration(GenerationModelHandler):
+    """`xlagen pipeline generate`'s handler with the test buckets, reusing the engine loaded in `LOADED`."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, buckets=BUCKETS, **kwargs)
+
+    def load_model(self):
+        return LOADED[0]
+
+
 class RecordingTranscription(TranscriptionModelHandler):
     """Keeps the loaded `ClipTranscriber`; one batch bucket (2), so one compiled program."""
 
@@ -211,7 +221,11 @@ def _records(prefix) -> list[dict]:
             for line in path.read_text().splitlines()]
 
 
-def test_cli_generate_offline(gpt2_checkpoint, tmp_path, no_network, capsys):
+def test_cli_generate_offline(generation, gpt2_checkpoint, tmp_path, no_network, monkeypatch, capsys):
+    engine = generation[2]
+    compiled = engine.compile_count
+    LOADED[:] = [engine]  # the same checkpoint's model and programs: this run needs no new program
+    monkeypatch.setattr(xlagen.beam, "GenerationModelHandler", ReusingGeneration)
     (tmp_path / "a.txt").write_text("Hello world\n\nThe quick brown fox\n")
     lines = [{"prompt": "In the beginning", "id": 7}, "not json", {"prompt": "XLA", "options": {"num_beems": 2}}]
     (tmp_path / "b.jsonl").write_text("\n".join(line if isinstance(line, str) else json.dumps(line) for line in lines))
@@ -232,6 +246,7 @@ def test_cli_generate_offline(gpt2_checkpoint, tmp_path, no_network, capsys):
                                      json.dumps([{"source": source}, ["XLA", {"num_beems": 2}]])])
     assert "JSONDecodeError" in failed[json.dumps([source, "not json"])]
     assert "num_beems" in failed[json.dumps([{"source": source}, ["XLA", {"num_beems": 2}]])]
+    assert engine.compile_count == compiled
 
 
 def test_cli_transcribe(whisper_checkpoint, audio_files, tmp_path, no_network, monkeypatch, capsys):
