@@ -2,6 +2,7 @@
 what Beam itself costs per element.
 
     python benchmarks/beam_scale.py --model builtin --prompts 500 --new-tokens 32
+    python benchmarks/beam_scale.py --cache-dir /tmp/xla-cache --scenarios compiled beam-1 beam-1 beam-2:1 overhead
     python benchmarks/beam_scale.py --model gpt2-small --prompts 500 --new-tokens 32
 
 Each scenario runs in a fresh process on the same prompts (mixed lengths, 3..50 words, so 8..64-token
@@ -13,7 +14,8 @@ buckets), greedy, every prompt generating exactly --new-tokens tokens (`min_new_
   batches of --batch-size prompts of one prompt-length bucket (`max_batch_duration_secs`, Beam's
   length buckets lined up with xlagen's), as the `compiled` scenario's.
 - `beam-2`: two worker processes (`direct_num_workers=2`, `direct_running_mode=multi_processing`), each
-  loading the model; with --threads-per-worker 1 each worker's TensorFlow uses one thread.
+  loading the model; `beam-2:1`: the same with one TensorFlow thread per worker (`TF_NUM_INTRAOP_THREADS`,
+  `TF_NUM_INTEROP_THREADS`).
 - `overhead`: a handler that returns at once, over --overhead-elements elements, against the same pipeline
   with a plain Map instead of RunInference: Beam's cost per element (BatchElements, RunInference's DoFn,
   metrics), no model; each pipeline 3 times, alternating, the fastest kept.
@@ -22,7 +24,8 @@ The Beam scenarios are timed from pipeline start to end (worker start, model loa
 load of each program included). All processes share one persistent XLA cache folder: a scenario loads
 the programs an earlier one compiled (Beam's batches have other sizes than `compiled`'s at the end of
 each length bucket, so its first run still compiles some); list a scenario twice to time it with a warm
-cache. `inference_s` is Beam's own sum of batch latencies (all workers), `load_s` its model-load time. Models: `builtin` is xlagen's built-in model (6 layers, width 256); `gpt2-small`
+cache. `inference_s` is Beam's own sum of batch latencies (all workers), `load_s` its model-load time.
+Models: `builtin` is xlagen's built-in model (6 layers, width 256); `gpt2-small`
 is GPT-2 small's shapes with random weights and the built-in tokenizer.
 """
 
@@ -131,7 +134,8 @@ def scenario_overhead(args) -> dict:
     elements = [f"prompt {i}" for i in range(args.overhead_elements)]
     timings: dict[str, float] = {}
     for _ in range(3):  # alternating; the fastest of each, as the machine is shared
-        for name, make in (("create_only", lambda: beam.Map(lambda x: x)), ("run_inference", lambda: RunInference(Echo()))):
+        for name, make in (("create_only", lambda: beam.Map(lambda x: x)),
+                           ("run_inference", lambda: RunInference(Echo()))):
             started = time.perf_counter()
             with beam.Pipeline(runner=FnApiRunner()) as pipeline:
                 _ = pipeline | beam.Create(elements) | make() | beam.combiners.Count.Globally()
@@ -209,7 +213,8 @@ def main() -> None:
             name, _, threads = scenario.partition(":")
             records.append(run_scenario(args, name, cache, int(threads) if threads else None))
     report = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens,
-              "batch_size": args.batch_size, "max_batch_duration_secs": args.max_batch_duration, "cores": os.cpu_count(), "python": platform.python_version(),
+              "batch_size": args.batch_size, "max_batch_duration_secs": args.max_batch_duration,
+              "cores": os.cpu_count(), "python": platform.python_version(),
               "records": records}
     output = Path(args.output or ROOT / "benchmarks" / "results" / f"beam-scale-{args.model}.json")
     output.write_text(json.dumps(report, indent=2) + "\n")

@@ -158,7 +158,8 @@ class GenerationModelHandler(XlagenModelHandler):
                                  f"{self.buckets.prompt_lengths[-1]}")
             new = options.get("max_new_tokens", tools.config.max_new_tokens)
             if new is not None and new > self.buckets.new_tokens[-1]:
-                raise ValueError(f"max_new_tokens {new} exceeds the largest new-token bucket {self.buckets.new_tokens[-1]}")
+                raise ValueError(f"max_new_tokens {new} exceeds the largest new-token bucket "
+                                 f"{self.buckets.new_tokens[-1]}")
         except (TypeError, ValueError) as error:
             raise type(error)(f"element {describe(example)}: {error}") from error
         return PreparedPrompt(example, tuple(ids), tuple(sorted((k, _frozen(v)) for k, v in options.items())))
