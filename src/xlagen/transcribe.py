@@ -198,20 +198,70 @@ class Transcriber:
             frames = min(total - seek, window_size)
             tokens = self.generator.generate(self._window(features, seek), decoder_input_ids=prompt,
                                              **options).numpy()[0]
-            new = self._strip(tokens[prompt.shape[1]:])
-            if timestamps:
-                pieces, advance = split_segments(new, self.timestamp_begin, frames)
-            else:
-                pieces, advance = [(0.0, frames * FRAME_SECONDS, new)], frames
-            offset = seek * FRAME_SECONDS
-            for start, end, piece in pieces:
-                text = self.processor.tokenizer.decode(piece.tolist(), skip_special_tokens=True)
-                segments.append(Segment(offset + float(start), offset + float(end), text, tuple(int(t) for t in piece)))
+            window_segments, advance = self._segments(tokens[prompt.shape[1]:], frames, timestamps, seek)
+            segments.extend(window_segments)
             seek += max(advance, 1)
             if progress:
                 progress(min(seek, total), total)
         text = "".join(segment.text for segment in segments).strip()
         return Transcript(text, tuple(segments), self._language_token(prompt[0]), duration)
+
+    def transcribe_clips(self, clips: list[np.ndarray], *, language: str | None = None, task: str | None = None,
+                         return_timestamps: bool = False, **generate_options) -> list[Transcript]:
+        """Transcribes recordings of at most one window (30 s) together: one `generate` call for all of them,
+        padded to a batch bucket; each result is what `__call__` gives for that recording alone.
+
+        Args:
+            clips: float32 `[n]` arrays of 16 kHz samples, each at most 30 s.
+            language, task, return_timestamps, **generate_options: As for `__call__` (one language for all,
+                or None to detect each clip's).
+
+        Returns:
+            One `Transcript` per clip, in order.
+
+        Raises:
+            ValueError: For a clip longer than one window, empty or non-finite audio, or bad options.
+        """
+        check_options(resolve_config(self.model, None, dict(generate_options, task=task, language=language,
+                                                            decoder_start_token_id=self._start_token())))
+        samples = [load_audio(clip, SAMPLING_RATE) for clip in clips]
+        window_size = self.model.config.input_frames
+        features = {}
+        for index, clip in enumerate(samples):
+            if max(clip.max(), -clip.min()) >= SILENCE_PEAK:  # digital silence is not decoded
+                features[index] = self._features(clip)
+                if features[index].num_frames > window_size:
+                    raise ValueError(f"clip {index} lasts {len(clip) / SAMPLING_RATE:.1f} s, more than one window: "
+                                     "transcribe it alone")
+        transcripts = [Transcript("", (), language, len(clip) / SAMPLING_RATE) for clip in samples]
+        if not features:
+            return transcripts
+        rows = list(features)
+        windows = np.concatenate([self._window(features[i], 0) for i in rows])
+        options = dict(generate_options, task=task, return_timestamps=return_timestamps)
+        config = resolve_config(self.model, None, dict(options, language=language))
+        prompt = decoder_prompt(self.model, tf.constant(windows), config).numpy()
+        tokens = self.generator.generate(windows, decoder_input_ids=prompt, **options).numpy()
+        for row, index in enumerate(rows):
+            frames = min(features[index].num_frames, window_size)
+            segments, _ = self._segments(tokens[row, prompt.shape[1]:], frames, return_timestamps, 0)
+            text = "".join(segment.text for segment in segments).strip()
+            transcripts[index] = Transcript(text, tuple(segments), self._language_token(prompt[row]),
+                                            transcripts[index].duration)
+        return transcripts
+
+    def _segments(self, tokens: np.ndarray, frames: int, timestamps: bool, seek: int) -> tuple[list[Segment], int]:
+        """The segments of one window's generated tokens (starting at frame `seek`), and how far to advance."""
+        new = self._strip(tokens)
+        if timestamps:
+            pieces, advance = split_segments(new, self.timestamp_begin, frames)
+        else:
+            pieces, advance = [(0.0, frames * FRAME_SECONDS, new)], frames
+        offset = seek * FRAME_SECONDS
+        segments = [Segment(offset + float(start), offset + float(end),
+                            self.processor.tokenizer.decode(piece.tolist(), skip_special_tokens=True),
+                            tuple(int(t) for t in piece)) for start, end, piece in pieces]
+        return segments, advance
 
     def _window(self, features: LongFormFeatures, seek: int) -> np.ndarray:
         """The 30 s window `[1, M, frames]` of features starting at frame `seek`, padded with zeros."""

@@ -38,7 +38,8 @@ from xlagen.cli.common import (SEED_MAX, UsageError, add_hub_arguments, add_weig
                                positive_int, random_seed)
 from xlagen.cli.files import Prompt, check_output, open_output, read_prompts
 
-__all__ = ["Prompt", "UsageError", "add_parser", "decoding_options", "default_model_path", "prepare", "run"]
+__all__ = ["Prompt", "UsageError", "add_decoding_arguments", "add_parser", "decoding_options", "default_model_path",
+           "prepare", "run"]
 
 logger = logging.getLogger("xlagen.cli.generate")
 
@@ -73,6 +74,24 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                        help="Hugging Face checkpoint folder or Hub id (default: the built-in model, a small GPT-2 "
                             "trained on the King James Bible, which samples)")
     add_hub_arguments(model)
+    add_decoding_arguments(parser)
+    run_options = parser.add_argument_group("execution")
+    run_options.add_argument("--batch-size", type=positive_int, default=8, metavar="N",
+                             help="prompts per batch (default: 8)")
+    run_options.add_argument("--eager", action="store_true", help="run eagerly instead of compiling with XLA")
+    run_options.add_argument("--warmup", type=int_list, metavar="LENGTHS",
+                             help="compile for these prompt lengths (comma-separated, e.g. 16,32,64) before "
+                                  "generating; lengths are rounded up to the prompt buckets")
+    add_weight_dtype_argument(run_options)
+    run_options.add_argument("--compile-cache", metavar="DIR",
+                             help="keep compiled XLA programs in DIR across runs (TensorFlow's persistent "
+                                  "compilation cache; sets TF_XLA_FLAGS before TensorFlow starts)")
+    parser.set_defaults(run=run, prepare=prepare)
+    return parser
+
+
+def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the decoding options (read back by `decoding_options`) as a group of `parser`."""
     decoding = parser.add_argument_group("decoding (unset options keep the checkpoint's generation_config)")
     decoding.add_argument("--max-new-tokens", type=positive_int, default=50, metavar="N",
                           help="tokens to generate per prompt (default: 50)")
@@ -91,19 +110,6 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     decoding.add_argument("--repetition-penalty", type=float, help="penalty of already present tokens (1: off)")
     decoding.add_argument("--no-repeat-ngram-size", type=non_negative_int, metavar="N", help="forbid repeated N-grams")
     decoding.add_argument("--seed", type=random_seed, help=f"seed for reproducible sampling (0 to {SEED_MAX})")
-    run_options = parser.add_argument_group("execution")
-    run_options.add_argument("--batch-size", type=positive_int, default=8, metavar="N",
-                             help="prompts per batch (default: 8)")
-    run_options.add_argument("--eager", action="store_true", help="run eagerly instead of compiling with XLA")
-    run_options.add_argument("--warmup", type=int_list, metavar="LENGTHS",
-                             help="compile for these prompt lengths (comma-separated, e.g. 16,32,64) before "
-                                  "generating; lengths are rounded up to the prompt buckets")
-    add_weight_dtype_argument(run_options)
-    run_options.add_argument("--compile-cache", metavar="DIR",
-                             help="keep compiled XLA programs in DIR across runs (TensorFlow's persistent "
-                                  "compilation cache; sets TF_XLA_FLAGS before TensorFlow starts)")
-    parser.set_defaults(run=run, prepare=prepare)
-    return parser
 
 
 def use_compile_cache(directory: str) -> None:
