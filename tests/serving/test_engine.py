@@ -244,3 +244,24 @@ def test_other_families_equal_generate(tmp_path, gpt2_checkpoint, tokenizer, fam
         engine.close()
     expected = references(model, prompts, news, left_pad=family != "t5")
     assert [list(completion.token_ids) for completion in completions] == expected
+
+
+def test_whisper_equals_generate(tmp_path, tokenizer):
+    """Speech: the encoder runs once per request in its prefill (with language detection), the decoder
+    prompt is forced, and the generation config's suppressed tokens stay banned on the slots."""
+    from models.test_whisper import features
+
+    model, _ = tiny_family_model(str(tmp_path), "whisper")
+    audio = features(3)
+    engine = Engine(model, tokenizer, slots=2, max_length=24, prompt_buckets=(8,))
+    engine.start()
+    try:
+        completions = run(engine, *((rows, dict(max_new_tokens=n)) for rows, n in zip(audio, (10, 6, 12))))
+    finally:
+        engine.close()
+    tokens = model.generate(audio, max_new_tokens=12).numpy()
+    stops = set(model.generation_config.eos_token_ids)
+    for row, new, completion in zip(tokens, (10, 6, 12), completions):
+        expected = row[-12:][:new].tolist()
+        ends = [n for n, token in enumerate(expected) if token in stops]
+        assert list(completion.token_ids) == (expected[:ends[0] + 1] if ends else expected)

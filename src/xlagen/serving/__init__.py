@@ -10,9 +10,10 @@ import importlib
 _EXPORTS = {
     "RequestOptions": "xlagen.serving.options",
     "Engine": "xlagen.serving.engine",
-    "TokenEvent": "xlagen.serving.engine",
-    "Completion": "xlagen.serving.engine",
-    "QueueFull": "xlagen.serving.engine",
+    "TokenEvent": "xlagen.serving.events",
+    "Completion": "xlagen.serving.events",
+    "QueueFull": "xlagen.serving.events",
+    "EngineClosed": "xlagen.serving.events",
 }
 
 __all__ = sorted(_EXPORTS)
