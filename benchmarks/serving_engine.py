@@ -1,14 +1,17 @@
 """The slot engine's aggregate tokens/s at 1, 4 and 16 concurrent requests, against the same requests one at
-a time through `CompiledGenerator` and in static batches of 8; and one step of several tokens per call
-against single steps.
+a time through `CompiledGenerator` and in static batches of 8; and one step of 4 tokens per call against
+single steps.
 
     python benchmarks/serving_engine.py --out benchmarks/results/serving-engine-gpt2-small.json
 
 Random weights of GPT-2 small's shapes (float32), TensorFlow on --threads threads. Every request has a
-random prompt of 8-32 tokens and asks for 32-96 new tokens (mixed, fixed by --seed); generation never stops
+random prompt of 8-32 tokens and asks for 16-48 new tokens (mixed, fixed by --seed); generation never stops
 early (no EOS), so every system produces the same number of tokens. Times are wall clock from the first
-submission to the last token, after a warm-up that compiled every program; the text is decoded (the
-built-in model's tokenizer, as a server would). Not a test: no assertion on speed.
+submission to the last token, after a warm-up that compiled every program; the engine decodes the text (the
+built-in model's tokenizer, as a server would). Each concurrency level runs the engine and then
+`CompiledGenerator` on the same requests, back to back (this machine's load moves from minute to minute).
+The step-chunk comparison times `SlotDecoder.step` at 1 and 4 tokens per call, in alternation. Not a test:
+no assertion on speed.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import numpy as np
 
 def _workload(count: int, seed: int, vocab: int):
     rng = np.random.default_rng(seed)
-    return [(rng.integers(0, vocab, int(rng.integers(8, 33))).tolist(), int(rng.integers(32, 97)))
+    return [(rng.integers(0, vocab, int(rng.integers(8, 33))).tolist(), int(rng.integers(16, 49)))
             for _ in range(count)]
 
 
@@ -72,12 +75,36 @@ def _generator_run(generator, requests, batch: int) -> dict:
     return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1)}
 
 
+def _chunk_comparison(model, slots: int, max_length: int, rounds: int) -> dict:
+    """ms per token of `SlotDecoder.step` advancing every slot by 1 token per call against 4 per call, timed
+    in alternation (16 tokens each way per round)."""
+    from xlagen.generation.row_sampling import RowOptions
+    from xlagen.generation.slots import SlotDecoder
+
+    options = RowOptions(np.zeros(slots, bool), np.ones(slots, np.float32), np.zeros(slots, np.int32),
+                         np.ones(slots, np.float32), np.ones(slots, np.float32), np.zeros((slots, 2), np.int32),
+                         np.zeros(slots, np.int32))
+    decoders = {steps: SlotDecoder(model, slots, max_length, steps) for steps in (1, 4)}
+    for decoder in decoders.values():
+        decoder.step(32, options)  # compile
+    times = {steps: [] for steps in decoders}
+    for round_ in range(rounds):
+        for steps in (1, 4) if round_ % 2 == 0 else (4, 1):
+            started = time.perf_counter()
+            for call in range(16 // steps):
+                decoders[steps].step(32 + call * steps, options)
+            times[steps].append(1000 * (time.perf_counter() - started) / 16)
+    return {f"steps_per_call={steps}": {"ms_per_token_median": round(statistics.median(values), 2),
+                                        "ms_per_token_runs": [round(v, 2) for v in values]}
+            for steps, values in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--max-length", type=int, default=160, help="columns per request (prompt + new tokens)")
+    parser.add_argument("--max-length", type=int, default=128, help="columns per request (prompt + new tokens)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--steps-per-call", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--chunk-rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON here too")
@@ -95,31 +122,28 @@ def main() -> None:
     vocab = model.config.vocab_size
     record = {"model": "gpt2 (GPT-2 small shapes, random weights)", "dtype": "float32", "slots": args.slots,
               "max_length": args.max_length, "threads": threads, "machine": bench.machine_info(),
-              "load_average_1min_start": bench._load_average(), "engine": {}, "compiled_generator": {}}
+              "load_average_1min_start": bench._load_average(), "runs": {}}
 
-    generator = CompiledGenerator(model, Buckets(batch_sizes=(1, 8), prompt_lengths=(32,), new_tokens=(96,)))
+    generator = CompiledGenerator(model, Buckets(batch_sizes=(1, 8), prompt_lengths=(32,), new_tokens=(48,)))
     for batch in (1, 8):  # compile
         _generator_run(generator, _workload(batch, 99, vocab), batch)
-    for steps in args.steps_per_call:
-        engine = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length, prompt_buckets=(32,),
-                        steps_per_call=steps)
-        warmup = engine.warmup()
-        engine.start()
-        _engine_run(engine, _workload(2, 98, vocab))
-        runs = {}
-        for count in args.concurrency:
-            runs[str(count)] = _engine_run(engine, _workload(count, args.seed + count, vocab))
-            print(f"engine steps_per_call={steps} concurrency={count}: {runs[str(count)]}", flush=True)
-        engine.close()
-        record["engine"][f"steps_per_call={steps}"] = {"warmup_s": round(warmup, 1), "runs": runs,
-                                                       "stats": engine.stats()}
-    for count in args.concurrency:
+    engine = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length, prompt_buckets=(32,))
+    record["engine_warmup_s"] = round(engine.warmup(), 1)
+    engine.start()
+    _engine_run(engine, _workload(2, 98, vocab))
+    for count in args.concurrency:  # each system right after the other on the same requests
         requests = _workload(count, args.seed + count, vocab)
-        one = _generator_run(generator, requests, 1)
-        record["compiled_generator"][str(count)] = {"one_at_a_time": one}
+        run = {"engine": _engine_run(engine, requests),
+               "compiled_generator_one_at_a_time": _generator_run(generator, requests, 1)}
         if count >= 8:
-            record["compiled_generator"][str(count)]["static_batches_of_8"] = _generator_run(generator, requests, 8)
-        print(f"CompiledGenerator concurrency={count}: {record['compiled_generator'][str(count)]}", flush=True)
+            run["compiled_generator_static_batches_of_8"] = _generator_run(generator, requests, 8)
+        run["engine_over_one_at_a_time"] = round(
+            run["engine"]["tokens_per_s"] / run["compiled_generator_one_at_a_time"]["tokens_per_s"], 2)
+        record["runs"][str(count)] = run
+        print(f"concurrency {count}: {json.dumps(run)}", flush=True)
+    engine.close()
+    record["engine_stats"] = engine.stats()
+    record["step_chunks"] = _chunk_comparison(model, args.slots, args.max_length, args.chunk_rounds)
     record["load_average_1min_end"] = bench._load_average()
     text = json.dumps(record, indent=1)
     print(text)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from xlagen import AutoTokenizer
-from xlagen.serving.text import IncrementalDecoder, StopStrings
+from xlagen.serving.text import IncrementalDecoder, StopStrings, TokenText
 
 
 @pytest.fixture(scope="module")
@@ -51,3 +51,17 @@ def test_held_text_is_released_when_it_cannot_start_a_stop_string():
     assert stops.feed("\n") == ("", False)
     assert stops.flush() == "\n"
     assert StopStrings().feed("anything") == ("anything", False)
+
+
+def test_token_text_stop_ids_and_strings(tokenizer):
+    ids = tokenizer.encode("hello world, hello")
+    text = TokenText(tokenizer, stop_ids=[ids[2]])
+    pieces = [text.add(i) for i in ids[:3]]
+    assert pieces[-1][1] and not any(stopped for _, stopped in pieces[:-1])
+    assert "".join(piece for piece, _ in pieces) == tokenizer.decode(ids[:2])  # the stop id adds no text
+
+    text = TokenText(tokenizer, stops=[", h"])
+    released, stopped = zip(*(text.add(i) for i in ids))
+    assert any(stopped) and "".join(released) == "hello world"
+    text = TokenText(tokenizer, stops=["xyz"])
+    assert "".join(text.add(i)[0] for i in ids) + text.finish() == "hello world, hello"

@@ -125,7 +125,8 @@ class SlotDecoder:
     def _prefill_program(self, ids, mask, extra, options: RowOptions):
         self._traced()
         logits, state = prefill(self.model, Prompt(ids, mask, extra), ids.shape[1])
-        token, logprob = self._choose(logits, presence(ids, mask > 0, self.vocab_size), options, self._banned_first)
+        token, logprob = self._choose(logits, lambda: presence(ids, mask > 0, self.vocab_size), options,
+                                      self._banned_first)
         context = state.context
         if isinstance(context, EncoderContext):
             context = self._padded_context(context.projected(self.model.decoder_blocks))
@@ -219,7 +220,10 @@ class SlotDecoder:
         def body(i, last, cache, history, tokens, logprobs):
             column = index + i
             history = write_column(history, last, column)
-            present = presence(history, (mask > 0) & (columns <= column)[None, :], self.vocab_size)
+
+            def present():
+                return presence(history, (mask > 0) & (columns <= column)[None, :], self.vocab_size)
+
             logits, state = self.model.decode_step(last[:, None], column, DecoderState(cache, mask, context))
             ids, logprob = self._choose(logits, present, options._replace(step=options.step + i), self._banned)
             return (i + 1, ids, state.cache, history, write_column(tokens, ids, i),

@@ -10,10 +10,10 @@ import importlib
 _EXPORTS = {
     "RequestOptions": "xlagen.serving.options",
     "Engine": "xlagen.serving.engine",
-    "TokenEvent": "xlagen.serving.events",
-    "Completion": "xlagen.serving.events",
-    "QueueFull": "xlagen.serving.events",
-    "EngineClosed": "xlagen.serving.events",
+    "TokenEvent": "xlagen.serving.streams",
+    "Completion": "xlagen.serving.streams",
+    "QueueFull": "xlagen.serving.streams",
+    "EngineClosed": "xlagen.serving.streams",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -22,10 +22,10 @@ import numpy as np
 from xlagen.generation.row_sampling import RowOptions
 from xlagen.generation.slots import SlotDecoder
 from xlagen.models.base import EncoderDecoderLM
-from xlagen.serving.events import Completion, EngineClosed, EventStream, QueueFull, TokenEvent
+from xlagen.serving.streams import Completion, EngineClosed, EventStream, QueueFull, TokenEvent
 from xlagen.serving.options import RequestOptions
 from xlagen.serving.prompts import Prepared, Prompts
-from xlagen.serving.text import IncrementalDecoder, StopStrings
+from xlagen.serving.text import TokenText
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +39,9 @@ class _Request:
     prepared: Prepared
     options: RequestOptions
     seed: np.ndarray  # int32 [2]
-    stop_ids: frozenset
     budget: int  # new tokens at most
     deliver: Any  # event -> None, from the engine thread
-    detokenizer: IncrementalDecoder
-    stops: StopStrings
+    text: TokenText
     submitted: float
     deadline_at: float | None
     cancelled: bool = False
@@ -262,10 +260,9 @@ class Engine:
                              f"max_length {self.max_length}")
         seed = options.seed if options.seed is not None else int(self._rng.integers(0, 2**63 - 1))
         now = time.monotonic()
-        request = _Request(prepared, options, _seed_words(seed), self._eos_ids | set(options.stop_token_ids),
-                           min(options.max_new_tokens, room), deliver,
-                           IncrementalDecoder(self.tokenizer, prepared.context), StopStrings(options.stop), now,
-                           None if options.deadline is None else now + options.deadline)
+        text = TokenText(self.tokenizer, prepared.context, self._eos_ids | set(options.stop_token_ids), options.stop)
+        request = _Request(prepared, options, _seed_words(seed), min(options.max_new_tokens, room), deliver, text,
+                           now, None if options.deadline is None else now + options.deadline)
         with self._lock:
             if self._closing:
                 raise EngineClosed("the engine is closed and takes no new requests")
@@ -377,24 +374,13 @@ class Engine:
         self._options.step[request.slot] += 1
         with self._lock:
             self._counters["tokens"] += 1
-        finish = None
-        if token in request.stop_ids:
-            text, finish = "", "stop"
-        else:
-            text, found = request.stops.feed(request.detokenizer.add(token))
-            finish = "stop" if found else None
-        if finish is None and len(request.token_ids) >= request.budget:
-            finish = "length"
-        if finish == "length" or token in request.stop_ids:  # (after a stop string, nothing more is released)
-            text += self._flush_text(request)
+        text, stopped = request.text.add(token)
+        finish = "stop" if stopped else "length" if len(request.token_ids) >= request.budget else None
+        if finish == "length":
+            text += request.text.finish()
         self._deliver(request, TokenEvent(token, text, logprob if request.options.logprobs else None, finish))
         if finish is not None:
             self._finish(request, finish, event=False)
-
-    def _flush_text(self, request: _Request) -> str:
-        """The text still held back by the detokenizer and the stop-string matcher, at the end of a request."""
-        text, found = request.stops.feed(request.detokenizer.flush())
-        return text if found else text + request.stops.flush()
 
     def _deliver(self, request: _Request, event: TokenEvent) -> None:
         if event.text:
@@ -414,7 +400,7 @@ class Engine:
         if request.finished:
             return
         if event:
-            text = self._flush_text(request) if reason == "deadline" else ""
+            text = request.text.finish() if reason == "deadline" else ""
             self._deliver(request, TokenEvent(None, text, None, reason))
         request.finished = True
         if request.slot is not None and self._active.get(request.slot) is request:
