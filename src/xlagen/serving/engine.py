@@ -73,6 +73,9 @@ class Engine:
             powers of two from 16 below `max_length`.
         max_queue: Requests that may wait for a slot; a further one raises `QueueFull`.
         steps_per_call: Tokens every slot advances per compiled step call (1 reacts to new requests fastest).
+        step_widths: How many slots a step may advance (each width compiles one step program): a step runs
+            on the first W slots for the smallest W that holds every active request, so a lone request does
+            not pay for 16 rows. Default: 1, 4 and `slots`.
 
     Raises:
         ValueError: for sizes < 1, or a `max_length` beyond the model's positions.
@@ -86,7 +89,8 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, *, slots: int = 8, max_length: int | None = None,
-                 prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 1):
+                 prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 1,
+                 step_widths: Sequence[int] | None = None):
         positions = getattr(model.config, "max_positions", None)
         if max_length is None:
             max_length = min(positions or 1024, 1024)
@@ -110,6 +114,10 @@ class Engine:
                                     suppress=tuple(getattr(generation, "suppress_tokens", None) or ()),
                                     begin_suppress=tuple(getattr(generation, "begin_suppress_tokens", None) or ()))
         self.slots = slots
+        widths = sorted({w for w in (1, 4) if w < slots} | {slots}) if step_widths is None else step_widths
+        self.step_widths = tuple(sorted(set(int(w) for w in widths)))
+        if self.step_widths[0] < 1 or self.step_widths[-1] != slots:
+            raise ValueError(f"step_widths must be >= 1 and end with slots={slots}, got {tuple(widths)}")
         self._prompts = Prompts(model, tokenizer, buckets)
         # Every slot's prompt ends at the write column, so it never starts left of the longest prompt.
         self._start_column = DECODER_PROMPT_ROOM if self.encoder_decoder else buckets[-1]
@@ -178,7 +186,8 @@ class Engine:
                 prefilled, _ = self._decoder.prefill(prepared.ids, prepared.mask, prepared.extra,
                                                      self._row_options(RequestOptions(), _seed_words(0), 0))
                 self._decoder.insert(prefilled, prepared.ids, prepared.mask, 0, self._index)
-            self._decoder.step(self._index, self._options)
+            for width in self.step_widths:
+                self._decoder.step(self._index, self._width_options(width), width)
             self._decoder.shift(1, self._index)
         self._warm = True
         return time.perf_counter() - started
@@ -358,7 +367,8 @@ class Engine:
             for request in self._active.values():
                 request.start -= amount
             self._counters["shifts"] += 1
-        tokens, logprobs = decoder.step(self._index, self._options)
+        width = next(w for w in self.step_widths if w > max(self._active))
+        tokens, logprobs = decoder.step(self._index, self._width_options(width), width)
         self._index += steps
         self._counters["steps"] += 1
         for slot, request in list(self._active.items()):
@@ -416,6 +426,9 @@ class Engine:
             self._finish(request, reason)
 
     # -- per-slot options -----------------------------------------------------------------------------
+
+    def _width_options(self, width: int) -> RowOptions:
+        return RowOptions(*(column[:width] for column in self._options))
 
     def _idle_options(self) -> RowOptions:
         n = self.slots
