@@ -304,6 +304,8 @@ class Engine:
                     self._iterate()
         except Exception:  # a failing program must not leave consumers waiting forever
             logger.exception("the serving engine stopped on an error")
+            with self._lock:
+                self._closing = True  # later submissions raise EngineClosed
             raise
         finally:
             self._finish_all("cancelled")
