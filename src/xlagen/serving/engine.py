@@ -1,0 +1,457 @@
+"""`Engine`: continuous batching on decode slots, with an asyncio API.
+
+One engine thread owns the model's `SlotDecoder` (`xlagen.generation.slots`) and runs the loop: expire and
+cancel, admit waiting requests into free slots (prefill, insert, first token), then advance every active slot
+by one step. A request joins at the next step and leaves as soon as it ends, so no request waits for
+another to finish (iteration-level batching, Orca, OSDI 2022). Tokens reach each consumer's event loop
+through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from xlagen.generation.row_sampling import RowOptions
+from xlagen.generation.slots import SlotDecoder
+from xlagen.models.base import EncoderDecoderLM
+from xlagen.serving.streams import Completion, EngineClosed, EventStream, QueueFull, TokenEvent
+from xlagen.serving.options import RequestOptions
+from xlagen.serving.prompts import Prepared, Prompts
+from xlagen.serving.text import TokenText
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "cancelled", "deadline")
+DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
+DECODER_PROMPT_ROOM = 8  # columns for an encoder-decoder model's decoder prompt (T5: 1, Whisper: up to 4)
+
+
+@dataclass
+class _Request:
+    prepared: Prepared
+    options: RequestOptions
+    seed: np.ndarray  # int32 [2]
+    budget: int  # new tokens at most
+    deliver: Any  # event -> None, from the engine thread
+    text: TokenText
+    submitted: float
+    deadline_at: float | None
+    cancelled: bool = False
+    finished: bool = False
+    slot: int | None = None
+    start: int = 0  # first cache column of the request's real tokens
+    token_ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    pieces: list = field(default_factory=list)
+    completion: Completion | None = None
+
+
+def _seed_words(seed: int) -> np.ndarray:
+    """An int64-range seed as the int32 `[2]` of the sampling hash."""
+    return np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32).view(np.int32)
+
+
+class Engine:
+    """Continuous batching of generation requests on `slots` decode slots of one model.
+
+    Args:
+        model: A text model loaded by xlagen (GPT-2, OPT, T5, ...).
+        tokenizer: Its tokenizer (`encode`, `decode`).
+        slots: Requests decoded together (each slot holds one request's KV cache in variables).
+        max_length: Columns one request may use: its prompt's real tokens plus its new tokens (default: the
+            model's positions, at most 1024). A request ends with "length" when it reaches them.
+        prompt_buckets: Lengths (decoder prompts of decoder-only models, encoder inputs of encoder-decoder
+            models) are padded up to these; each compiles one prefill and one insert program. Default: the
+            powers of two from 16 below `max_length`.
+        max_queue: Requests that may wait for a slot; a further one raises `QueueFull`.
+        steps_per_call: Tokens every slot advances per compiled step call (1 reacts to new requests fastest).
+        step_widths: How many slots a step may advance (each width compiles one step program): a step runs
+            on the first W slots for the smallest W that holds every active request, so a lone request does
+            not pay for 16 rows. Default: 1, 4 and `slots`.
+        kernels: Where xlagen's native kernels run in the engine's programs (`xlagen.native.Kernels`; None:
+            the policy in force when it is made).
+
+    Raises:
+        ValueError: for sizes < 1, or a `max_length` beyond the model's positions.
+        TypeError: kernels is not a `xlagen.native.Kernels`.
+
+    Example:
+        >>> engine = Engine(model, tokenizer, slots=8)
+        >>> engine.warmup(); engine.start()
+        >>> async for event in engine.stream("Hello", max_new_tokens=20):
+        ...     print(event.text, end="")
+        >>> engine.close()
+    """
+
+    def __init__(self, model, tokenizer, *, slots: int = 8, max_length: int | None = None,
+                 prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 1,
+                 step_widths: Sequence[int] | None = None, kernels=None):
+        positions = getattr(model.config, "max_positions", None)
+        if max_length is None:
+            max_length = min(positions or 1024, 1024)
+        if positions is not None and max_length > positions:
+            raise ValueError(f"max_length {max_length} exceeds the model's {positions} positions")
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.model, self.tokenizer = model, tokenizer
+        self.encoder_decoder = isinstance(model, EncoderDecoderLM)
+        if prompt_buckets is None:
+            prompt_buckets = tuple(b for b in DEFAULT_PROMPT_BUCKETS if b < max_length) or (max_length // 2,)
+        buckets = tuple(sorted(set(int(b) for b in prompt_buckets)))
+        if not buckets or buckets[0] < 1 or (not self.encoder_decoder and buckets[-1] >= max_length):
+            raise ValueError(f"prompt_buckets must be >= 1 and (decoder-only models) < max_length {max_length}, "
+                             f"got {tuple(prompt_buckets)}")
+        self.prompt_buckets, self.max_length, self.max_queue = buckets, max_length, max_queue
+        generation = getattr(model, "generation_config", None)
+        self._eos_ids = frozenset(generation.eos_token_ids) if generation is not None else frozenset()
+        self._decoder = SlotDecoder(model, slots, max_length, steps_per_call,
+                                    encoder_length=buckets[-1] if self.encoder_decoder else 0,
+                                    suppress=tuple(getattr(generation, "suppress_tokens", None) or ()),
+                                    begin_suppress=tuple(getattr(generation, "begin_suppress_tokens", None) or ()),
+                                    kernels=kernels)
+        self.slots = slots
+        widths = sorted({w for w in (1, 4) if w < slots} | {slots}) if step_widths is None else step_widths
+        self.step_widths = tuple(sorted(set(int(w) for w in widths)))
+        if self.step_widths[0] < 1 or self.step_widths[-1] != slots:
+            raise ValueError(f"step_widths must be >= 1 and end with slots={slots}, got {tuple(widths)}")
+        self._prompts = Prompts(model, tokenizer, buckets)
+        # Every slot's prompt ends at the write column, so it never starts left of the longest prompt.
+        self._start_column = DECODER_PROMPT_ROOM if self.encoder_decoder else buckets[-1]
+        self._index = self._start_column
+        self._rng = np.random.default_rng()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._active: dict[int, _Request] = {}
+        self._options = self._idle_options()
+        self._lock = threading.Condition()  # guards _waiting, _closing; wakes the engine thread
+        self._device = threading.Lock()  # one user of the slots at a time (the engine thread, warmup)
+        self._thread: threading.Thread | None = None
+        self._closing = self._drain = False
+        self._counters = collections.Counter()
+        self._warm = False
+
+    # -- public API -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts the engine thread (requests submitted before wait in the queue).
+
+        Raises:
+            RuntimeError: if it was started already or closed.
+        """
+        with self._lock:
+            if self._thread is not None or self._closing:
+                raise RuntimeError("Engine.start: the engine was started already (or closed)")
+            self._thread = threading.Thread(target=self._run, name="xlagen-engine", daemon=True)
+            self._thread.start()
+
+    def close(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stops taking requests and stops the engine thread.
+
+        Args:
+            drain: Finish the running and waiting requests first; else end them with "cancelled".
+            timeout: Seconds to wait for the thread (None: as long as it takes).
+        """
+        with self._lock:
+            self._closing, self._drain = True, drain
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        else:
+            self._finish_all("cancelled")
+
+    def warmup(self, prompts: Sequence | None = None) -> float:
+        """Compiles the prefill and insert programs of every prompt bucket, the step and the shift, so that
+        no request waits for a compile.
+
+        Args:
+            prompts: Example prompts whose prefill programs to compile (default: one of each bucket's length;
+                a speech model needs an example of its features).
+
+        Returns:
+            The seconds it took.
+
+        Raises:
+            RuntimeError: while requests are running or waiting.
+        """
+        started = time.perf_counter()
+        examples = prompts if prompts is not None else [[0] * bucket for bucket in self.prompt_buckets]
+        with self._device:
+            if self._active or self._waiting:
+                raise RuntimeError("Engine.warmup runs before requests arrive (requests are running or waiting)")
+            for prompt in examples:
+                prepared = self._prompts.prepare(prompt)
+                prefilled, _ = self._decoder.prefill(prepared.ids, prepared.mask, prepared.extra,
+                                                     self._row_options(RequestOptions(), _seed_words(0), 0))
+                self._decoder.insert(prefilled, prepared.ids, prepared.mask, 0, self._index)
+            for width in self.step_widths:
+                self._decoder.step(self._index, self._width_options(width), width)
+            self._decoder.shift(1, self._index)
+        self._warm = True
+        return time.perf_counter() - started
+
+    def stream(self, prompt, **options) -> EventStream:
+        """Submits a request; iterate the result with `async for` (call from a running event loop).
+
+        Args:
+            prompt: Text, or token ids (for an encoder-decoder model: the encoder's input).
+            **options: `RequestOptions` fields (max_new_tokens, do_sample, temperature, top_p, top_k, seed,
+                repetition_penalty, stop_token_ids, stop, logprobs, deadline).
+
+        Returns:
+            An async iterator of `TokenEvent`s; the last has a finish reason. After it, `.completion()`
+            gives the `Completion`. Closing it early (or cancelling the task iterating it) cancels the request,
+            and its slot is freed at the next step.
+
+        Raises:
+            TypeError, ValueError: for a bad option (named) or prompt, or `num_beams` > 1 (beam search
+                is not decoded on slots: use `CompiledGenerator`).
+            QueueFull: when `max_queue` requests are waiting.
+            EngineClosed: after `close`.
+        """
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def deliver(event: TokenEvent) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+        return EventStream(self, self._submit(prompt, RequestOptions.from_kwargs(**options), deliver), queue)
+
+    async def generate(self, prompt, **options) -> Completion:
+        """Runs a request to its end (see `stream` for the arguments and errors).
+
+        Returns:
+            The `Completion`.
+        """
+        events = self.stream(prompt, **options)
+        async for _ in events:
+            pass
+        return events.completion()
+
+    def stats(self) -> dict:
+        """Counters for monitoring (Prometheus gauges and counters).
+
+        Returns:
+            A dict: `queue_depth`, `active_slots`, `slots`, `tokens_generated`, `requests_submitted`,
+            `requests_finished` (a dict by finish reason), `prefills`, `steps`, `shifts`, `compiles` (programs
+            traced and compiled so far), `warm` (whether `warmup` ran), `running` (the engine thread is
+            alive).
+        """
+        with self._lock:
+            counters = dict(self._counters)
+            return {"queue_depth": len(self._waiting), "active_slots": len(self._active), "slots": self.slots,
+                    "tokens_generated": counters.get("tokens", 0),
+                    "requests_submitted": counters.get("submitted", 0),
+                    "requests_finished": {reason: counters.get(reason, 0) for reason in FINISH_REASONS},
+                    "prefills": counters.get("prefills", 0), "steps": counters.get("steps", 0),
+                    "shifts": counters.get("shifts", 0), "compiles": self._decoder.compiles,
+                    "warm": self._warm, "running": self._thread is not None and self._thread.is_alive()}
+
+    # -- requests -------------------------------------------------------------------------------------
+
+    def _submit(self, prompt, options: RequestOptions, deliver) -> _Request:
+        if options.num_beams > 1:
+            raise ValueError(f"num_beams={options.num_beams}: the slot engine decodes one beam per request; "
+                             "run beam search with xlagen.CompiledGenerator")
+        vocab = self.model.config.vocab_size
+        for token_id in options.stop_token_ids:
+            if token_id >= vocab:
+                raise ValueError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {vocab})")
+        prepared = self._prompts.prepare(prompt)
+        if prepared.ids.shape[1] > self._start_column:
+            raise ValueError(f"a decoder prompt of {prepared.ids.shape[1]} tokens is longer than the "
+                             f"{self._start_column} the slots leave for it")
+        room = self.max_length - prepared.real_length
+        if room < 1:
+            raise ValueError(f"prompt of {prepared.real_length} tokens leaves no room for new tokens within "
+                             f"max_length {self.max_length}")
+        seed = options.seed if options.seed is not None else int(self._rng.integers(0, 2**63 - 1))
+        now = time.monotonic()
+        text = TokenText(self.tokenizer, prepared.context, self._eos_ids | set(options.stop_token_ids), options.stop)
+        request = _Request(prepared, options, _seed_words(seed), min(options.max_new_tokens, room), deliver, text,
+                           now, None if options.deadline is None else now + options.deadline)
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("the engine is closed and takes no new requests")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting (max_queue={self.max_queue}); "
+                                "retry later")
+            self._waiting.append(request)
+            self._counters["submitted"] += 1
+            self._lock.notify_all()
+        return request
+
+    def _cancel(self, request: _Request) -> None:
+        """Marks `request` cancelled (any thread); the engine thread ends it at its next iteration."""
+        if not request.finished:
+            request.cancelled = True
+            with self._lock:
+                self._lock.notify_all()
+
+    # -- the engine thread ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not (self._waiting or self._active or self._closing):
+                        self._lock.wait()
+                    if self._closing and not (self._drain and (self._waiting or self._active)):
+                        break
+                with self._device:
+                    self._iterate()
+        except Exception:  # a failing program must not leave consumers waiting forever
+            logger.exception("the serving engine stopped on an error")
+            with self._lock:
+                self._closing = True  # later submissions raise EngineClosed
+            raise
+        finally:
+            self._finish_all("cancelled")
+
+    def _iterate(self) -> None:
+        now = time.monotonic()
+        for request in list(self._active.values()):
+            if request.cancelled:
+                self._finish(request, "cancelled")
+            elif request.deadline_at is not None and now >= request.deadline_at:
+                self._finish(request, "deadline")
+        self._admit(now)
+        if self._active:
+            self._step()
+        else:
+            self._index = self._start_column
+
+    def _take_waiting(self, now: float) -> _Request | None:
+        """The next waiting request that is still wanted (the others end here)."""
+        while True:
+            with self._lock:
+                if not self._waiting:
+                    return None
+                request = self._waiting.popleft()
+            if request.cancelled:
+                self._finish(request, "cancelled")
+            elif request.deadline_at is not None and now >= request.deadline_at:
+                self._finish(request, "deadline")
+            else:
+                return request
+
+    def _admit(self, now: float) -> None:
+        free = [slot for slot in range(self.slots) if slot not in self._active]
+        while free:
+            request = self._take_waiting(now)
+            if request is None:
+                break
+            prepared = request.prepared
+            prefilled, (token, logprob) = self._decoder.prefill(
+                prepared.ids, prepared.mask, prepared.extra, self._row_options(request.options, request.seed, 0))
+            slot = free.pop(0)
+            self._decoder.insert(prefilled, prepared.ids, prepared.mask, slot, self._index)
+            request.slot, request.start = slot, self._index - prepared.real_length
+            self._active[slot] = request
+            self._set_options(slot, request)
+            self._counters["prefills"] += 1
+            self._emit(request, token, logprob)
+        with self._lock:  # expire what still waits
+            expired = [r for r in self._waiting if r.cancelled or (r.deadline_at is not None and now >= r.deadline_at)]
+            for request in expired:
+                self._waiting.remove(request)
+        for request in expired:
+            self._finish(request, "cancelled" if request.cancelled else "deadline")
+
+    def _step(self) -> None:
+        decoder, steps = self._decoder, self._decoder.steps_per_call
+        if self._index + steps > decoder.length:
+            amount = min(min(r.start for r in self._active.values()), self._index - self._start_column)
+            decoder.shift(amount, self._index)
+            self._index -= amount
+            for request in self._active.values():
+                request.start -= amount
+            self._counters["shifts"] += 1
+        width = next(w for w in self.step_widths if w > max(self._active))
+        tokens, logprobs = decoder.step(self._index, self._width_options(width), width)
+        self._index += steps
+        self._counters["steps"] += 1
+        for slot, request in list(self._active.items()):
+            for token, logprob in zip(tokens[slot], logprobs[slot]):
+                self._emit(request, int(token), float(logprob))
+                if request.finished:
+                    break
+
+    def _emit(self, request: _Request, token: int, logprob: float) -> None:
+        """Hands one new token to the request's consumer; ends the request when it is done."""
+        request.token_ids.append(token)
+        request.logprobs.append(logprob)
+        self._options.step[request.slot] += 1
+        with self._lock:
+            self._counters["tokens"] += 1
+        text, stopped = request.text.add(token)
+        finish = "stop" if stopped else "length" if len(request.token_ids) >= request.budget else None
+        if finish == "length":
+            text += request.text.finish()
+        self._deliver(request, TokenEvent(token, text, logprob if request.options.logprobs else None, finish))
+        if finish is not None:
+            self._finish(request, finish, event=False)
+
+    def _deliver(self, request: _Request, event: TokenEvent) -> None:
+        if event.text:
+            request.pieces.append(event.text)
+        if event.finish_reason is not None:
+            logprobs = tuple(request.logprobs) if request.options.logprobs else None
+            request.completion = Completion("".join(request.pieces), tuple(request.token_ids), event.finish_reason,
+                                            request.prepared.prompt_tokens, len(request.token_ids), logprobs)
+        try:
+            request.deliver(event)
+        except RuntimeError:  # the consumer's event loop is closed
+            request.cancelled = True
+
+    def _finish(self, request: _Request, reason: str, event: bool = True) -> None:
+        """Ends `request` with `reason`: a last event without a token (unless one was just sent), and
+        its slot freed."""
+        if request.finished:
+            return
+        if event:
+            text = request.text.finish() if reason == "deadline" else ""
+            self._deliver(request, TokenEvent(None, text, None, reason))
+        request.finished = True
+        if request.slot is not None and self._active.get(request.slot) is request:
+            del self._active[request.slot]
+            self._reset_options(request.slot)
+        with self._lock:
+            self._counters[reason] += 1
+
+    def _finish_all(self, reason: str) -> None:
+        with self._lock:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for request in list(self._active.values()) + waiting:
+            self._finish(request, reason)
+
+    # -- per-slot options -----------------------------------------------------------------------------
+
+    def _width_options(self, width: int) -> RowOptions:
+        return RowOptions(*(column[:width] for column in self._options))
+
+    def _idle_options(self) -> RowOptions:
+        n = self.slots
+        return RowOptions(np.zeros(n, bool), np.ones(n, np.float32), np.zeros(n, np.int32), np.ones(n, np.float32),
+                          np.ones(n, np.float32), np.zeros((n, 2), np.int32), np.zeros(n, np.int32))
+
+    @staticmethod
+    def _row_options(options: RequestOptions, seed: np.ndarray, steps: int) -> RowOptions:
+        return RowOptions(np.array([options.do_sample]), np.array([options.temperature], np.float32),
+                          np.array([options.top_k], np.int32), np.array([options.top_p], np.float32),
+                          np.array([options.repetition_penalty], np.float32), seed[None],
+                          np.array([steps], np.int32))
+
+    def _set_options(self, slot: int, request: _Request) -> None:
+        for column, value in zip(self._options, self._row_options(request.options, request.seed, 0)):
+            column[slot] = value[0]
+
+    def _reset_options(self, slot: int) -> None:
+        for column, value in zip(self._options, self._idle_options()):
+            column[slot] = value[slot]
