@@ -157,13 +157,18 @@ def test_cancelling_frees_the_slot(engine):
         events = engine.stream(TEXTS[4], max_new_tokens=30, stop_token_ids=[])
         first = await events.__anext__()
         await events.aclose()
+        submitted = engine.stats()["requests_submitted"]
         task = asyncio.ensure_future(engine.generate(TEXTS[3], max_new_tokens=30))
-        await asyncio.sleep(0.01)
+        for _ in range(3000):  # until the engine has the request (a loaded machine may take seconds)
+            await asyncio.sleep(0.01)
+            if engine.stats()["requests_submitted"] > submitted:
+                break
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if engine.stats()["active_slots"] == 0:
+        for _ in range(3000):
+            stats = engine.stats()
+            if stats["active_slots"] == 0 and stats["requests_finished"]["cancelled"] == cancelled + 2:
                 break
             await asyncio.sleep(0.01)
         return first
