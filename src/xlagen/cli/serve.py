@@ -47,9 +47,9 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                      help="a request's deadline (default: 600)")
     net.add_argument("--max-n", type=_positive_int, default=8, help="largest n accepted (default: 8)")
     engine = parser.add_argument_group("decoding")
-    engine.add_argument("--backend", choices=("slots", "batcher"), default="slots",
-                        help="slots: the continuous-batching engine (default); batcher: whole-generation batches "
-                             "of concurrent requests (CompiledGenerator)")
+    engine.add_argument("--backend", choices=("slots", "batcher"),
+                        help="slots: the continuous-batching engine (default when installed); batcher: "
+                             "whole-generation batches of concurrent requests (CompiledGenerator)")
     engine.add_argument("--slots", type=_positive_int, default=8, help="decode slots of the engine (default: 8)")
     engine.add_argument("--max-length", type=_positive_int, metavar="TOKENS",
                         help="prompt + new tokens per slot (default: the model's positions, at most 1024)")
@@ -85,6 +85,8 @@ def prepare(args: argparse.Namespace) -> None:
         raise UsageError(f"--port must be in [0, 65535], got {args.port}")
     if not args.request_timeout > 0:
         raise UsageError(f"--request-timeout must be > 0, got {args.request_timeout}")
+    if args.backend is None:
+        args.backend = "slots" if importlib.util.find_spec("xlagen.serving.engine") is not None else "batcher"
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_VARIABLE) or None
     if args.compile_cache:

@@ -183,7 +183,6 @@ def _form_field(form, name: str) -> str | None:
 
 def add_transcription_route(app, state, batcher: TranscriptionBatcher, path="/v1/audio/transcriptions") -> None:
     """Adds OpenAI's transcription route to the server `app` (`state` is the server's state)."""
-    from fastapi import Request
     from fastapi.responses import JSONResponse, Response
 
     from xlagen.serving.server import _until_disconnected
@@ -191,7 +190,7 @@ def add_transcription_route(app, state, batcher: TranscriptionBatcher, path="/v1
     known = {"file", "model", "language", "prompt", "response_format", "temperature", "timestamp_granularities[]",
              "timestamp_granularities", "task"}
 
-    async def transcriptions(request: Request):
+    async def transcriptions(request):  # a Starlette endpoint: the request as is, no FastAPI injection
         form = await request.form()
         unknown = sorted(set(form.keys()) - known)
         if unknown:
@@ -242,4 +241,4 @@ def add_transcription_route(app, state, batcher: TranscriptionBatcher, path="/v1
             return JSONResponse(body)
         return Response(body, media_type=media_type)
 
-    app.add_api_route(path, transcriptions, methods=["POST"])
+    app.router.add_route(path, transcriptions, methods=["POST"])
