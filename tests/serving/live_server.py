@@ -1,25 +1,11 @@
-"""A real uvicorn server on a free loopback port, in a thread of the test process; and the rule for the
-`serve` extra's packages (skipped when missing, except in CI where XLAGEN_CI=1 makes a missing one fail)."""
+"""A real uvicorn server on a free loopback port, in a thread of the test process."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
-import os
 import socket
 import threading
 import time
-
-import pytest
-
-
-def require(*modules: str) -> None:
-    """Imports the `serve` extra's modules: a missing one skips the tests, or fails them in CI."""
-    for module in modules:
-        if os.environ.get("XLAGEN_CI"):
-            importlib.import_module(module)
-        else:
-            pytest.importorskip(module)
 
 
 @contextlib.contextmanager

@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from serving.live_server import require, running
+from conftest import require_extra
+from serving.live_server import running
 
-require("fastapi", "uvicorn", "prometheus_client", "httpx", "multipart")
+require_extra("fastapi", "uvicorn", "prometheus_client", "httpx", "multipart", "jinja2")
 
 import httpx  # noqa: E402
 
@@ -100,31 +101,63 @@ def test_streaming_chunks_concatenate_to_the_completion(text_server):
 
 def test_n_stop_and_logprobs(text_server, gpt2_model, tokenizer):
     url, _ = text_server
-    full, _ = greedy_text(gpt2_model, tokenizer, "Hello world", 12)
+    full, ids = greedy_text(gpt2_model, tokenizer, "Hello world", 12)
     stop = full[3:5]
     assert stop and stop in full
     body = httpx.post(url + "/v1/completions", timeout=60, json={
-        "prompt": "Hello world", "max_tokens": 12, "temperature": 0, "n": 2, "stop": [stop], "logprobs": 0}).json()
+        "prompt": "Hello world", "max_tokens": 12, "temperature": 0, "n": 2, "stop": [stop]}).json()
     assert [c["index"] for c in body["choices"]] == [0, 1]
     for choice in body["choices"]:
         assert choice["text"] == full[:full.index(stop)] and choice["finish_reason"] == "stop"
-        logprobs = choice["logprobs"]
-        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["text_offset"])
-        assert all(lp <= 0 for lp in logprobs["token_logprobs"])
-    sampled = httpx.post(url + "/v1/completions", timeout=60, json={
-        "prompt": "Hello world", "max_tokens": 8, "temperature": 0.7, "seed": 5, "n": 2}).json()
-    again = httpx.post(url + "/v1/completions", timeout=60, json={
-        "prompt": "Hello world", "max_tokens": 8, "temperature": 0.7, "seed": 5, "n": 2}).json()
-    assert [c["text"] for c in sampled["choices"]] == [c["text"] for c in again["choices"]]
+    choice = httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": "Hello world", "max_tokens": 12, "temperature": 0, "logprobs": 0}).json()["choices"][0]
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == [tokenizer.convert_ids_to_tokens(i) for i in ids]
+    assert len(logprobs["token_logprobs"]) == len(ids) and all(lp <= 0 for lp in logprobs["token_logprobs"])
+    sampled = [httpx.post(url + "/v1/completions", timeout=60, json={
+        "prompt": "Hello world", "max_tokens": 8, "temperature": 0.7, "seed": 5}).json() for _ in range(2)]
+    assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def test_chat_completions(text_server, gpt2_checkpoint, gpt2_model, tmp_path):
+    from xlagen import AutoTokenizer
+    from xlagen.serving.batcher import RequestBatcher
+    from xlagen.serving.server import Backends, ServerSettings, create_app
+
+    folder = tmp_path / "chat"
+    AutoTokenizer.from_pretrained(gpt2_checkpoint[0]).save_pretrained(folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    chat_tokenizer = AutoTokenizer.from_pretrained(folder)
+    batcher = RequestBatcher(gpt2_model, chat_tokenizer, generator=text_server[1].generator)
+    messages = [{"role": "user", "content": "Hello"}]
+    expected, _ = greedy_text(gpt2_model, chat_tokenizer, "user: Hello\nassistant:", 8)
+    with running(create_app(Backends(chat_tokenizer, text=batcher), ServerSettings("chat"))) as (url, _):
+        request = {"messages": messages, "max_tokens": 8, "temperature": 0}
+        body = httpx.post(url + "/v1/chat/completions", json=request, timeout=60).json()
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": expected}
+        with httpx.stream("POST", url + "/v1/chat/completions", json={**request, "stream": True}, timeout=60) as r:
+            chunks = sse_payloads(r)
+        bad_role = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "robot", "content": "x"}]})
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == expected
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] is not None
+    assert bad_role.status_code == 400 and bad_role.json()["error"]["param"] == "messages[0]"
 
 
 def test_beam_search_route(text_server, gpt2_model, tokenizer):
     url, _ = text_server
     ids = np.array([tokenizer.encode("Hello world")], np.int32)
-    out = gpt2_model.generate(ids, max_new_tokens=6, num_beams=2, do_sample=False).numpy()[0, ids.shape[1]:]
+    out = gpt2_model.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False).numpy()[0, ids.shape[1]:]
     out = out.tolist()[:out.tolist().index(0) + 1] if 0 in out.tolist() else out.tolist()
     body = httpx.post(url + "/v1/completions", timeout=120, json={
-        "prompt": "Hello world", "max_tokens": 6, "num_beams": 2}).json()
+        "prompt": "Hello world", "max_tokens": 4, "num_beams": 2}).json()
     assert body["choices"][0]["text"] == tokenizer.decode(out, skip_special_tokens=True)
 
 
@@ -167,13 +200,13 @@ def test_models_health_and_metrics(text_server):
 
 
 @pytest.fixture(scope="module")
-def guarded_server(gpt2_model, tokenizer):
+def guarded_server(gpt2_model, tokenizer, text_server):
     """A server with an API key, a 2 KB body limit, a queue of one request and a 1.5 s deadline; no warm-up, so
     that the first request of a shape compiles for seconds while others wait."""
     from xlagen.serving.batcher import RequestBatcher
     from xlagen.serving.server import Backends, ServerSettings, create_app
 
-    batcher = RequestBatcher(gpt2_model, tokenizer, max_batch=1, max_queue=1)
+    batcher = RequestBatcher(gpt2_model, tokenizer, generator=text_server[1].generator, max_batch=1, max_queue=1)
     settings = ServerSettings("tiny-gpt2", api_key="sesame", max_body_bytes=2048, request_timeout=1.5, retry_after=3)
     with running(create_app(Backends(tokenizer, text=batcher), settings)) as (url, _):
         yield url, batcher
@@ -245,7 +278,7 @@ def test_serve_command_drains_on_sigterm(gpt2_checkpoint, tmp_path):
         port = probe.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": SRC, "XLAGEN_API_KEY": "k"}
     process = subprocess.Popen([sys.executable, "-m", "xlagen.cli", "serve", gpt2_checkpoint[0], "--backend", "batcher",
-                                "--port", str(port), "--prompt-buckets", "8", "--max-batch", "1",
+                                "--port", str(port), "--no-warmup",
                                 "--compile-cache", str(tmp_path / "cache")], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -261,7 +294,7 @@ def test_serve_command_drains_on_sigterm(gpt2_checkpoint, tmp_path):
             time.sleep(0.2)
         result = {}
 
-        def long_request():  # a new prompt bucket: compiles, so it is still running at SIGTERM
+        def long_request():  # the first request compiles (no warm-up), so it is still running at SIGTERM
             with httpx.stream("POST", url + "/v1/completions", headers={"Authorization": "Bearer k"}, timeout=120,
                               json={"prompt": "x " * 20, "max_tokens": 16, "temperature": 0, "stream": True}) as r:
                 result["status"], result["lines"] = r.status_code, [line for line in r.iter_lines() if line]

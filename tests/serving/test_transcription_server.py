@@ -9,9 +9,10 @@ import io
 import pytest
 import soundfile
 
-from serving.live_server import require, running
+from conftest import require_extra
+from serving.live_server import running
 
-require("fastapi", "uvicorn", "prometheus_client", "httpx", "multipart")
+require_extra("fastapi", "uvicorn", "prometheus_client", "httpx", "multipart", "jinja2")
 
 import httpx  # noqa: E402
 

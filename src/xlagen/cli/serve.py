@@ -63,6 +63,8 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                         help="batcher: max_new_tokens buckets to compile at start (default: 16)")
     engine.add_argument("--warmup-beams", type=_int_list, default=(), metavar="BEAMS",
                         help="num_beams values to compile for beam search at start (default: none)")
+    engine.add_argument("--no-warmup", action="store_true",
+                        help="answer /health with 200 at once; the first request of each shape compiles")
     engine.add_argument("--compile-cache", metavar="DIR",
                         help="keep compiled XLA programs in DIR across restarts (TensorFlow's persistent cache)")
     parser.set_defaults(run=run, prepare=prepare)
@@ -125,7 +127,7 @@ def build_backends(args: argparse.Namespace, tokenizer, model, speech: bool):
 
         batcher = TranscriptionBatcher(model, tokenizer, generator=generator, max_batch=args.max_batch,
                                        max_queue=args.max_queue)
-        return Backends(tokenizer.tokenizer, speech=batcher, warmup=batcher.warmup)
+        return Backends(tokenizer.tokenizer, speech=batcher, warmup=None if args.no_warmup else batcher.warmup)
     beams = RequestBatcher(model, tokenizer, generator=generator, max_batch=args.max_batch, max_queue=args.max_queue)
     if args.backend == "slots":
         from xlagen.serving import Engine
@@ -145,7 +147,7 @@ def build_backends(args: argparse.Namespace, tokenizer, model, speech: bool):
             beams.warmup(batch_sizes=(1,), prompt_lengths=args.prompt_buckets,
                          max_new_tokens=args.warmup_new_tokens, num_beams=num_beams)
 
-    return Backends(tokenizer, text=text, beams=beams, warmup=warmup)
+    return Backends(tokenizer, text=text, beams=beams, warmup=None if args.no_warmup else warmup)
 
 
 def run(args: argparse.Namespace) -> int:
