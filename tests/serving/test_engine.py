@@ -1,0 +1,246 @@
+"""The slot engine: greedy tokens identical to `model.generate` alone and among other requests, reproducible
+sampling, stop ids / stop strings / lengths, cancellation, the queue bound and deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import CORPUS, random_ids, tiny_family_model
+
+TEXTS = [text[:24] for text in CORPUS[:5]]  # prompts within the 16-token bucket
+from xlagen import AutoTokenizer
+from xlagen.serving import Completion, Engine, QueueFull, RequestOptions, TokenEvent
+from xlagen.serving.engine import EngineClosed
+
+# 16 requests of different prompt lengths and token counts (more requests than slots, so some wait).
+LENGTHS = [3, 7, 5, 8, 12, 2, 9, 4, 14, 6, 1, 10, 16, 11, 13, 15]
+NEW_TOKENS = [5, 24, 12, 7, 20, 25, 3, 16, 9, 1, 18, 11, 6, 22, 14, 2]
+
+
+def references(model, prompts, new_tokens, left_pad=True):
+    """`model.generate`'s greedy new tokens for each prompt (one padded batch), each cut at its own count
+    and after its first EOS."""
+    width = max(len(p) for p in prompts)
+    ids, mask = np.zeros((len(prompts), width), np.int32), np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        columns = slice(width - len(prompt), width) if left_pad else slice(0, len(prompt))
+        ids[row, columns], mask[row, columns] = prompt, 1
+    tokens = model.generate(ids, attention_mask=mask, max_new_tokens=max(new_tokens), pad_token_id=0).numpy()
+    stops = set(model.generation_config.eos_token_ids)
+    result = []
+    for row, new in zip(tokens, new_tokens):
+        row = row[-max(new_tokens):][:new].tolist()
+        ends = [n for n, token in enumerate(row) if token in stops]
+        result.append(row[:ends[0] + 1] if ends else row)
+    return result
+
+
+def run(engine, *requests):
+    """Runs `(prompt, options)` requests concurrently; returns their `Completion`s."""
+    async def main():
+        return await asyncio.gather(*(engine.generate(prompt, **options) for prompt, options in requests))
+
+    return asyncio.run(main())
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gpt2_checkpoint):
+    return AutoTokenizer.from_pretrained(gpt2_checkpoint[0])
+
+
+@pytest.fixture(scope="module")
+def engine(gpt2_model, tokenizer):
+    # max_length 40 with 16 columns of prompt bucket: the 16 requests below make the slots shift.
+    engine = Engine(gpt2_model, tokenizer, slots=4, max_length=40, prompt_buckets=(8, 16), max_queue=32)
+    engine.warmup()
+    engine.start()
+    yield engine
+    engine.close()
+
+
+def test_greedy_alone_equals_generate(engine, gpt2_model):
+    prompt = random_ids((5,), 300, seed=1).tolist()
+    (completion,) = run(engine, (prompt, dict(max_new_tokens=20)))
+    assert [list(completion.token_ids)] == references(gpt2_model, [prompt], [20])
+    assert completion.prompt_tokens == 5 and completion.completion_tokens == len(completion.token_ids)
+
+
+def test_greedy_among_15_others_equals_generate(engine, gpt2_model):
+    shifts = engine.stats()["shifts"]
+    prompts = [random_ids((n,), 300, seed=20 + i).tolist() for i, n in enumerate(LENGTHS)]
+    completions = run(engine, *((p, dict(max_new_tokens=n)) for p, n in zip(prompts, NEW_TOKENS)))
+    for new, completion, expected in zip(NEW_TOKENS, completions, references(gpt2_model, prompts, NEW_TOKENS)):
+        assert list(completion.token_ids) == expected
+        assert completion.finish_reason == ("stop" if expected[-1] == 0 and len(expected) <= new else "length")
+    stats = engine.stats()
+    assert stats["shifts"] > shifts, "the test should make the slots shift"
+    assert stats["active_slots"] == 0 and stats["queue_depth"] == 0
+
+
+def test_text_is_the_decoded_tokens(engine, tokenizer):
+    completions = run(engine, *((text, dict(max_new_tokens=12)) for text in TEXTS[:3]))
+    for completion in completions:
+        assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+
+
+def test_stream_events(engine):
+    async def main():
+        events = [event async for event in engine.stream(TEXTS[1], max_new_tokens=6, logprobs=True)]
+        return events
+
+    events = asyncio.run(main())
+    assert all(isinstance(e, TokenEvent) for e in events)
+    assert [e.finish_reason for e in events[:-1]] == [None] * (len(events) - 1)
+    assert events[-1].finish_reason in ("stop", "length")
+    assert all(e.logprob is not None and e.logprob <= 0.0 for e in events)
+
+
+def test_greedy_logprobs_are_the_log_softmax_of_the_logits(engine, gpt2_model):
+    prompt = random_ids((6,), 300, seed=3).tolist()
+    (completion,) = run(engine, (prompt, dict(max_new_tokens=4, logprobs=True)))
+    output = gpt2_model.generate(np.array([prompt], np.int32), max_new_tokens=4, output_scores=True,
+                                 return_dict_in_generate=True, pad_token_id=0)
+    expected = [float(tf.nn.log_softmax(scores[0])[token]) for scores, token in zip(output.scores,
+                                                                                    completion.token_ids)]
+    np.testing.assert_allclose(completion.logprobs, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_sampling_with_a_seed_is_reproducible(engine):
+    options = dict(max_new_tokens=12, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=1234,
+                   repetition_penalty=1.3, stop_token_ids=[])
+    prompt = TEXTS[2]
+    (alone,) = run(engine, (prompt, options))
+    others = [(TEXTS[i % 4], dict(max_new_tokens=8 + i, do_sample=True, seed=i)) for i in range(5)]
+    crowded = run(engine, *others[:2], (prompt, options), *others[2:])[2]
+    assert crowded.token_ids == alone.token_ids
+    reseeded = run(engine, *((prompt, {**options, "seed": seed}) for seed in range(4)))
+    assert len({c.token_ids for c in reseeded} | {alone.token_ids}) > 1
+
+
+def test_top_k_1_sampling_is_greedy(engine):
+    prompt = TEXTS[3]
+    greedy, sampled = run(engine, (prompt, dict(max_new_tokens=10)),
+                          (prompt, dict(max_new_tokens=10, do_sample=True, top_k=1, seed=5)))
+    assert sampled.token_ids == greedy.token_ids
+
+
+def test_stop_token_ids_and_max_new_tokens(engine):
+    prompt = random_ids((4,), 300, seed=7).tolist()
+    (full,) = run(engine, (prompt, dict(max_new_tokens=10)))
+    assert full.finish_reason == "length" and len(full.token_ids) == 10
+    stop = full.token_ids[3]
+    (stopped,) = run(engine, (prompt, dict(max_new_tokens=10, stop_token_ids=[stop])))
+    end = full.token_ids.index(stop) + 1
+    assert stopped.token_ids == full.token_ids[:end] and stopped.finish_reason == "stop"
+
+
+def test_stop_strings_are_trimmed(engine):
+    (full,) = run(engine, (TEXTS[0], dict(max_new_tokens=16)))
+    stop = full.text[5:8]
+    (stopped,) = run(engine, (TEXTS[0], dict(max_new_tokens=16, stop=[stop, "never seen"])))
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == full.text[:full.text.index(stop)]
+
+
+def test_length_is_capped_by_max_length(engine):
+    prompt = random_ids((16,), 300, seed=8).tolist()
+    (completion,) = run(engine, (prompt, dict(max_new_tokens=100)))
+    assert completion.finish_reason in ("length", "stop") and len(completion.token_ids) <= 40 - 16
+
+
+def test_cancelling_frees_the_slot(engine):
+    async def main():
+        events = engine.stream(TEXTS[4], max_new_tokens=30, stop_token_ids=[])
+        first = await events.__anext__()
+        await events.aclose()
+        task = asyncio.ensure_future(engine.generate(TEXTS[3], max_new_tokens=30))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if engine.stats()["active_slots"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return first
+
+    cancelled = engine.stats()["requests_finished"]["cancelled"]
+    first = asyncio.run(main())
+    assert first.finish_reason is None
+    stats = engine.stats()
+    assert stats["active_slots"] == 0 and stats["requests_finished"]["cancelled"] == cancelled + 2
+
+
+def test_bad_requests_are_refused(engine):
+    async def submit(prompt, **options):
+        engine.stream(prompt, **options)
+
+    with pytest.raises(ValueError, match="num_beams=2"):
+        asyncio.run(submit("hi", num_beams=2))
+    with pytest.raises(TypeError, match="unknown request option"):
+        asyncio.run(submit("hi", max_tokens=2))
+    with pytest.raises(ValueError, match="longer than the largest prompt bucket 16"):
+        asyncio.run(submit(list(range(2, 19))))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        asyncio.run(submit([5, 100000]))
+    with pytest.raises(ValueError, match="stop_token_ids holds 999"):
+        asyncio.run(submit("hi", stop_token_ids=[999]))
+
+
+def test_queue_bound_deadline_and_close(gpt2_model, tokenizer):
+    """On an engine that is not started: nothing compiles, the requests wait."""
+    engine = Engine(gpt2_model, tokenizer, slots=1, max_length=40, prompt_buckets=(8,), max_queue=2)
+
+    async def main():
+        late = engine.stream("hello", deadline=0.01)
+        waiting = engine.stream("hello")
+        with pytest.raises(QueueFull, match="max_queue=2"):
+            engine.stream("hello")
+        assert engine.stats()["queue_depth"] == 2
+        await asyncio.sleep(0.05)
+        engine.close(drain=False)
+        with pytest.raises(EngineClosed):
+            engine.stream("hello")
+        return [event async for event in late], await waiting.__anext__()
+
+    late, waiting = asyncio.run(main())
+    assert late == [TokenEvent(None, "", None, "cancelled")]  # closed before its deadline was checked
+    assert waiting.finish_reason == "cancelled"
+
+
+def test_deadline_ends_a_waiting_request(engine):
+    async def main():
+        blockers = [asyncio.ensure_future(engine.generate(TEXTS[0], max_new_tokens=24, stop_token_ids=[]))
+                    for _ in range(4)]
+        await asyncio.sleep(0)
+        late = await engine.generate(TEXTS[1], max_new_tokens=24, deadline=0.001)
+        await asyncio.gather(*blockers)
+        return late
+
+    late = asyncio.run(main())
+    assert late.finish_reason == "deadline"
+
+
+def test_options_object_fields_are_the_stream_options():
+    assert set(RequestOptions.field_names()) >= {"max_new_tokens", "stop", "logprobs", "deadline"}
+    assert Completion._fields == ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
+                                  "logprobs")
+
+
+@pytest.mark.parametrize("family", ["opt", "t5"])
+def test_other_families_equal_generate(tmp_path, gpt2_checkpoint, tokenizer, family):
+    model, _ = tiny_family_model(str(tmp_path), family)
+    engine = Engine(model, tokenizer, slots=4, max_length=32, prompt_buckets=(16,))
+    engine.start()
+    try:
+        prompts = [random_ids((n,), 50, seed=40 + i).tolist() for i, n in enumerate(LENGTHS)]
+        news = [min(n, 15) for n in NEW_TOKENS]
+        completions = run(engine, *((p, dict(max_new_tokens=n)) for p, n in zip(prompts, news)))
+    finally:
+        engine.close()
+    expected = references(model, prompts, news, left_pad=family != "t5")
+    assert [list(completion.token_ids) for completion in completions] == expected
