@@ -133,7 +133,7 @@ def build_backends(args: argparse.Namespace, tokenizer, model, speech: bool):
         from xlagen.serving import Engine
 
         text = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length,
-                      prompt_buckets=tuple(args.prompt_buckets))
+                      prompt_buckets=tuple(args.prompt_buckets), max_queue=args.max_queue)
     else:
         text = beams
 

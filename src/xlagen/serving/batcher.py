@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from xlagen.serving.events import Completion, QueueFull, TokenEvent, completion_of, token_events
+from xlagen.serving.engine import Completion, EngineClosed, QueueFull, TokenEvent
+from xlagen.serving.events import completion_of, token_events
 from xlagen.serving.options import RequestOptions
 
 logger = logging.getLogger(__name__)
@@ -69,8 +70,8 @@ class WorkQueue:
 
     @property
     def depth(self) -> int:
-        """Requests waiting for a group."""
-        return len(self._pending)
+        """Requests waiting for a group (not those cancelled meanwhile, which the worker drops)."""
+        return sum(not request.future.cancelled() for request in self._pending)
 
     def start(self) -> None:
         """Starts the worker thread (once)."""
@@ -82,16 +83,16 @@ class WorkQueue:
 
         Raises:
             QueueFull: If `max_queue` requests are waiting.
-            RuntimeError: If the queue is closed or not started.
+            EngineClosed: If the queue is closed or not started.
         """
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         expires = None if deadline is None else time.monotonic() + deadline
         with self._condition:
             if self._closing or not self._thread.is_alive():
-                raise RuntimeError("the batcher is not running (not started, or closing): no new requests")
-            if len(self._pending) >= self.max_queue:
-                raise QueueFull(f"{len(self._pending)} requests are waiting (max_queue={self.max_queue}); retry later")
+                raise EngineClosed("the batcher is not running (not started, or closing): no new requests")
+            if self.depth >= self.max_queue:
+                raise QueueFull(f"{self.depth} requests are waiting (max_queue={self.max_queue}); retry later")
             self._pending.append(Pending(key, payload, future, loop, expires))
             self._condition.notify()
         return future
@@ -331,7 +332,7 @@ class RequestBatcher:
         for row, request in enumerate(requests):
             tokens = new[row, :request.options.max_new_tokens].tolist()
             row_logprobs = None if logprobs is None else logprobs[row, :len(tokens)].tolist()
-            events = token_events(self.tokenizer, tokens, row_logprobs, request.options, self.eos_ids)
+            events = token_events(self.tokenizer, request.ids, tokens, row_logprobs, request.options, self.eos_ids)
             self._tokens += len(events)
             results.append((events, completion_of(events, len(request.ids), request.options.logprobs)))
         return results

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from xlagen.serving import protocol
-from xlagen.serving.events import QueueFull
+from xlagen.serving.engine import EngineClosed, QueueFull
 from xlagen.serving.metrics import CONTENT_TYPE, ServingMetrics
 from xlagen.serving.protocol import RequestError
 
@@ -280,9 +280,9 @@ class _App:
         work = asyncio.ensure_future(asyncio.gather(*(job.backend.generate(job.prompt, **job.options)
                                                       for job in jobs)))
         completions = await _until_disconnected(request, work)
-        if any(c.finish_reason == "deadline" for c in completions):
-            raise RequestError(f"the request did not finish within {self.settings.request_timeout} s", status=504,
-                               error_type="timeout_error", code="deadline_exceeded")
+        for completion in completions:
+            if completion.finish_reason in ("deadline", "cancelled"):
+                raise self._ended(completion.finish_reason)
         self.metrics.time_to_first_token.observe(time.perf_counter() - arrived)
         choices = [self._choice(kind, job.index, c) for job, c in zip(jobs, completions)]
         prompt_tokens = sum(c.prompt_tokens for job, c in zip(jobs, completions) if job.index % sampling.n == 0)
@@ -290,6 +290,14 @@ class _App:
                                      self.settings.model_name, choices)
         response["usage"] = protocol.usage(prompt_tokens, sum(c.completion_tokens for c in completions))
         return JSONResponse(response)
+
+    def _ended(self, reason: str) -> RequestError:
+        """The error of a request the backend ended before it finished."""
+        if reason == "deadline":
+            return RequestError(f"the request did not finish within {self.settings.request_timeout} s", status=504,
+                                error_type="timeout_error", code="deadline_exceeded")
+        return RequestError("the request was cancelled: the server is shutting down", status=503,
+                            error_type="server_error", code="shutting_down")
 
     def _choice(self, kind: str, index: int, completion) -> dict:
         reason = completion.finish_reason
@@ -352,9 +360,8 @@ class _App:
                 number, event = await queue.get()
                 job = jobs[number]
                 usage["completion"] += event.token_id is not None
-                if event.finish_reason == "deadline":
-                    yield _sse_data(RequestError(f"the request did not finish within {self.settings.request_timeout}"
-                                                 " s", error_type="timeout_error", code="deadline_exceeded").body())
+                if event.finish_reason in ("deadline", "cancelled"):
+                    yield _sse_data(self._ended(event.finish_reason).body())
                     break
                 if event.text or event.logprob is not None:
                     yield self._sse(kind, response_id, created, job.index, event.text, event, None)
@@ -460,6 +467,11 @@ def create_app(backends: Backends, settings: ServerSettings) -> FastAPI:
         return _error(RequestError(f"the server is busy: {error}", status=429, error_type="rate_limit_error",
                                    code="queue_full"), headers={"Retry-After": str(settings.retry_after)})
 
+    @app.exception_handler(EngineClosed)
+    async def closed(request: Request, error: EngineClosed):
+        return _error(RequestError(f"the server is shutting down: {error}", status=503, error_type="server_error",
+                                   code="shutting_down"))
+
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, error: ValueError):  # the engine's checks of a request (prompt too long)
         return _error(RequestError(str(error)))
@@ -477,6 +489,10 @@ def create_app(backends: Backends, settings: ServerSettings) -> FastAPI:
         from xlagen.serving.speech import add_transcription_route
 
         add_transcription_route(app, state, backends.speech)
-    app.add_middleware(_Guard, settings=settings,
-                       on_response=lambda path, status: state.metrics.requests.labels(path, str(status)).inc())
+    routes = {route.path for route in app.routes}
+
+    def count(path: str, status: int) -> None:  # unknown paths share one label: no label per probe of a scanner
+        state.metrics.requests.labels(path if path in routes else "other", str(status)).inc()
+
+    app.add_middleware(_Guard, settings=settings, on_response=count)
     return app
