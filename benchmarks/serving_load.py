@@ -81,7 +81,7 @@ def start_server(folder: Path, args, port: int, cache: Path) -> tuple[subprocess
     command = [sys.executable, "-m", "xlagen.cli", "serve", str(folder), "--port", str(port), "--backend",
                args.backend, "--prompt-buckets", "16,32,64", "--warmup-new-tokens", "16,32,64", "--max-batch",
                str(args.max_batch), "--max-queue", str(args.max_queue), "--slots", str(args.slots),
-               "--compile-cache", str(cache)]
+               "--max-length", str(args.max_length), "--compile-cache", str(cache)]
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     started = time.perf_counter()
     process = subprocess.Popen(command, env=env)
@@ -215,6 +215,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
     parser.add_argument("--level-seconds", type=float, default=300.0, help="time bound of one level")
     parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--max-length", type=int, default=256, help="the engine's columns per slot")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=32)
     parser.add_argument("--out", required=True)
@@ -237,7 +238,7 @@ def main() -> None:
                 print(json.dumps(levels[-1]), flush=True)
         finally:
             stop_server(process)
-        result = {"what": "xlagen serve under concurrent streaming clients vs CompiledGenerator", "backend": args.backend,
+        result = {"what": "xlagen serve under concurrent streaming clients vs CompiledGenerator", "backend": args.backend, "slots": args.slots, "max_length": args.max_length,
                   "model": {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": vocab},
                   "workload": {"prompt_lengths": PROMPT_LENGTHS, "max_tokens": MAX_TOKENS, "requests": len(jobs),
                                "greedy": True},
