@@ -55,7 +55,7 @@ def tokenizer(gpt2_checkpoint):
 @pytest.fixture(scope="module")
 def engine(gpt2_model, tokenizer):
     # max_length 40 with 16 columns of prompt bucket: the 16 requests below make the slots shift.
-    engine = Engine(gpt2_model, tokenizer, slots=4, max_length=40, prompt_buckets=(8, 16), max_queue=32)
+    engine = Engine(gpt2_model, tokenizer, slots=4, max_length=40, prompt_buckets=(16,), max_queue=32)
     engine.warmup()
     engine.start()
     yield engine
@@ -185,6 +185,8 @@ def test_bad_requests_are_refused(engine):
         asyncio.run(submit("hi", max_tokens=2))
     with pytest.raises(ValueError, match="longer than the largest prompt bucket 16"):
         asyncio.run(submit(list(range(2, 19))))
+    with pytest.raises(TypeError, match="flat sequence of int token ids"):
+        asyncio.run(submit([1.5, 2.0]))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         asyncio.run(submit([5, 100000]))
     with pytest.raises(ValueError, match="stop_token_ids holds 999"):
@@ -232,15 +234,36 @@ def test_options_object_fields_are_the_stream_options():
 
 
 @pytest.mark.parametrize("family", ["opt", "t5"])
-def test_other_families_equal_generate(tmp_path, gpt2_checkpoint, tokenizer, family):
+def test_other_families_equal_generate(tmp_path, tokenizer, family):
     model, _ = tiny_family_model(str(tmp_path), family)
-    engine = Engine(model, tokenizer, slots=4, max_length=32, prompt_buckets=(16,))
+    engine = Engine(model, tokenizer, slots=4, max_length=48, prompt_buckets=(16,), step_widths=(4,))
     engine.start()
-    try:
-        prompts = [random_ids((n,), 50, seed=40 + i).tolist() for i, n in enumerate(LENGTHS)]
-        news = [min(n, 15) for n in NEW_TOKENS]
+    try:  # 8 requests on 4 slots
+        prompts = [random_ids((n,), 50, seed=40 + i).tolist() for i, n in enumerate(LENGTHS[:8])]
+        news = [min(n, 8) for n in NEW_TOKENS[:8]]
         completions = run(engine, *((p, dict(max_new_tokens=n)) for p, n in zip(prompts, news)))
     finally:
         engine.close()
     expected = references(model, prompts, news, left_pad=family != "t5")
     assert [list(completion.token_ids) for completion in completions] == expected
+
+
+def test_whisper_equals_generate(tmp_path, tokenizer):
+    """Speech: the encoder runs once per request in its prefill (with language detection), the decoder
+    prompt is forced, and the generation config's suppressed tokens stay banned on the slots."""
+    from models.test_whisper import features
+
+    model, _ = tiny_family_model(str(tmp_path), "whisper")
+    audio = features(3)
+    engine = Engine(model, tokenizer, slots=2, max_length=24, prompt_buckets=(8,), step_widths=(2,))
+    engine.start()
+    try:
+        completions = run(engine, *((rows, dict(max_new_tokens=n)) for rows, n in zip(audio, (6, 4, 8))))
+    finally:
+        engine.close()
+    tokens = model.generate(audio, max_new_tokens=8).numpy()
+    stops = set(model.generation_config.eos_token_ids)
+    for row, new, completion in zip(tokens, (6, 4, 8), completions):
+        expected = row[-8:][:new].tolist()
+        ends = [n for n, token in enumerate(expected) if token in stops]
+        assert list(completion.token_ids) == (expected[:ends[0] + 1] if ends else expected)

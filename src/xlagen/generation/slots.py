@@ -49,14 +49,18 @@ class SlotDecoder:
         slots: N, how many requests decode together.
         max_length: The most columns one request may use (its real prompt tokens and its new tokens).
         steps_per_call: k, tokens each slot advances per `step` call.
-        encoder_length: For encoder-decoder models, the encoder output length the slots' cross-attention
-            memory is padded to (the largest encoder input bucket, after the encoder's own striding).
+        encoder_length: For encoder-decoder models whose encoder output has a mask (T5), the length the
+            slots' cross-attention memory is padded to (the largest encoder input bucket); an output without
+            a mask (Whisper's, always its 1500 positions) is kept as it is.
+        suppress: Ids never generated (Whisper's `suppress_tokens`).
+        begin_suppress: Ids not generated as the first new token (Whisper's `begin_suppress_tokens`).
 
     Raises:
         ValueError: for sizes < 1.
     """
 
-    def __init__(self, model, slots: int, max_length: int, steps_per_call: int = 1, encoder_length: int = 0):
+    def __init__(self, model, slots: int, max_length: int, steps_per_call: int = 1, encoder_length: int = 0,
+                 suppress: tuple[int, ...] = (), begin_suppress: tuple[int, ...] = ()):
         for name, value in (("slots", slots), ("max_length", max_length), ("steps_per_call", steps_per_call)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -67,6 +71,8 @@ class SlotDecoder:
         self.encoder_length = encoder_length
         self.vocab_size = model.config.vocab_size
         self.compiles = 0
+        self._banned = self._ban_mask(suppress)
+        self._banned_first = self._ban_mask(tuple(suppress) + tuple(begin_suppress))
         self._cache = tuple(LayerCache(tf.Variable(k, trainable=False), tf.Variable(v, trainable=False))
                             for k, v in model.init_cache(slots, self.length))
         self._mask = tf.Variable(tf.zeros([slots, self.length], tf.int32), trainable=False)
@@ -77,6 +83,20 @@ class SlotDecoder:
         self._insert = tf.function(self._insert_program, jit_compile=True, autograph=False)
         self._step = tf.function(self._step_program, jit_compile=True, autograph=False)
         self._shift = tf.function(self._shift_program, jit_compile=True, autograph=False)
+
+    def _ban_mask(self, ids) -> np.ndarray | None:
+        """bool `[V]`, True at `ids` (None without any)."""
+        if not ids:
+            return None
+        mask = np.zeros(self.vocab_size, bool)
+        mask[[i for i in ids if 0 <= i < self.vocab_size]] = True
+        return mask
+
+    def _choose(self, logits, present, options: RowOptions, banned):
+        """`row_sampling.choose` with the `banned` ids (a `_ban_mask`) at -inf."""
+        if banned is not None:
+            logits = tf.where(tf.constant(banned)[None, :], float("-inf"), logits)
+        return choose(logits, present, options)
 
     def _traced(self):
         """Counts a trace (each one compiles a program at its first call)."""
@@ -105,7 +125,8 @@ class SlotDecoder:
     def _prefill_program(self, ids, mask, extra, options: RowOptions):
         self._traced()
         logits, state = prefill(self.model, Prompt(ids, mask, extra), ids.shape[1])
-        token, logprob = choose(logits, presence(ids, mask > 0, self.vocab_size), options)
+        token, logprob = self._choose(logits, lambda: presence(ids, mask > 0, self.vocab_size), options,
+                                      self._banned_first)
         context = state.context
         if isinstance(context, EncoderContext):
             context = self._padded_context(context.projected(self.model.decoder_blocks))
@@ -113,7 +134,9 @@ class SlotDecoder:
 
     def _padded_context(self, context: EncoderContext) -> EncoderContext:
         """The projected encoder memory (keys `[1, H, D, L]`, values `[1, H, L, D]`, mask `[1, L]`) padded to
-        the slots' `encoder_length` (masked columns)."""
+        the slots' `encoder_length` (masked columns); without a mask, as it is."""
+        if isinstance(context.mask, tuple):
+            return context
         length = context.memory[0].value.shape[2]
         pad = self.encoder_length - length
         if pad < 0:
@@ -121,9 +144,6 @@ class SlotDecoder:
                              f"encoder_length {self.encoder_length}")
         if pad == 0:
             return context
-        if isinstance(context.mask, tuple):
-            raise ValueError("an encoder output without a mask cannot be padded: give encoder_length equal to "
-                             f"its length {length}")
         memory = tuple(LayerCache(tf.pad(key, [[0, 0], [0, 0], [0, 0], [0, pad]]),
                                   tf.pad(value, [[0, 0], [0, 0], [0, pad], [0, 0]])) for key, value in context.memory)
         return EncoderContext(memory, tf.pad(context.mask, [[0, 0], [0, pad]]))
@@ -174,50 +194,69 @@ class SlotDecoder:
 
     # -- generate step --------------------------------------------------------------------------------
 
-    def step(self, index: int, options: RowOptions):
-        """Advances every slot by `steps_per_call` tokens, from column `index` (needs `index + k <= S`).
+    def step(self, index: int, options: RowOptions, width: int | None = None):
+        """Advances the first `width` slots by `steps_per_call` tokens, from column `index` (needs
+        `index + k <= S`).
 
         Args:
             index: The write column of the slots' pending tokens.
-            options: Every slot's options, `[N]` each (`step` counts the tokens each generated so far).
+            options: The slots' options, `[width]` each (`step` counts the tokens each generated so far).
+            width: W, how many slots (the first ones) to advance: each width is its own program; fewer rows
+                cost less (a step of 16 GPT-2-small rows takes several times one of 1 row on a CPU), and the
+                others keep their state. Default: all N.
 
         Returns:
-            `(tokens int32 [N, k], logprobs float32 [N, k])` as numpy arrays; rows of free slots are noise.
+            `(tokens int32 [W, k], logprobs float32 [W, k])` as numpy arrays; rows of free slots are noise.
         """
+        width = self.slots if width is None else width
+        if not 1 <= width <= self.slots:
+            raise ValueError(f"width must be in [1, {self.slots}], got {width}")
         if index + self.steps_per_call > self.length:
             raise ValueError(f"step at column {index} needs {self.steps_per_call} free columns of "
                              f"{self.length}: shift first")
-        tokens, logprobs = self._step(tf.constant(index, tf.int32), RowOptions(*(tf.constant(v) for v in options)))
+        tokens, logprobs = self._step(tf.constant(index, tf.int32), RowOptions(*(tf.constant(v) for v in options)),
+                                      width)
         return tokens.numpy(), logprobs.numpy()
 
-    def _step_program(self, index, options: RowOptions):
+    def _step_program(self, index, options: RowOptions, width: int):
         self._traced()
-        mask = tf.convert_to_tensor(self._mask)
-        context = keras.tree.map_structure(tf.convert_to_tensor, self._context)
+        everything = width == self.slots
+
+        def rows(variable):  # the first `width` rows (a copy of them unless all are taken)
+            return tf.convert_to_tensor(variable) if everything else tf.convert_to_tensor(variable)[:width]
+
+        def write(variable, new):
+            zero = tf.zeros((), tf.int32)
+            variable.assign(new if everything else ops.slice_update(variable, [zero] * len(new.shape), new))
+
+        mask = rows(self._mask)
+        context = keras.tree.map_structure(rows, self._context)
         columns = tf.range(self.length)
         steps = self.steps_per_call
 
         def body(i, last, cache, history, tokens, logprobs):
             column = index + i
             history = write_column(history, last, column)
-            present = presence(history, (mask > 0) & (columns <= column)[None, :], self.vocab_size)
+
+            def present():
+                return presence(history, (mask > 0) & (columns <= column)[None, :], self.vocab_size)
+
             logits, state = self.model.decode_step(last[:, None], column, DecoderState(cache, mask, context))
-            ids, logprob = choose(logits, present, options._replace(step=options.step + i))
+            ids, logprob = self._choose(logits, present, options._replace(step=options.step + i), self._banned)
             return (i + 1, ids, state.cache, history, write_column(tokens, ids, i),
                     write_column(logprobs, logprob, i))
 
-        cache = keras.tree.map_structure(tf.convert_to_tensor, self._cache)
-        loop = (tf.constant(0), tf.convert_to_tensor(self._last), cache, tf.convert_to_tensor(self._history),
-                tf.zeros([self.slots, steps], tf.int32), tf.zeros([self.slots, steps], tf.float32))
+        loop = (tf.constant(0), rows(self._last), keras.tree.map_structure(rows, self._cache), rows(self._history),
+                tf.zeros([width, steps], tf.int32), tf.zeros([width, steps], tf.float32))
         if steps == 1:
             loop = body(*loop)
         else:
             loop = tf.while_loop(lambda i, *_: i < steps, body, loop, maximum_iterations=steps)
         _, last, cache, history, tokens, logprobs = loop
         for variable, new in zip(keras.tree.flatten(self._cache), keras.tree.flatten(cache)):
-            variable.assign(new)
-        self._history.assign(history)
-        self._last.assign(last)
+            write(variable, new)
+        write(self._history, history)
+        write(self._last, last)
         return tokens, logprobs
 
     # -- shift ----------------------------------------------------------------------------------------

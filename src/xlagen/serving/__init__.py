@@ -10,9 +10,10 @@ import importlib
 _EXPORTS = {
     "RequestOptions": "xlagen.serving.options",
     "Engine": "xlagen.serving.engine",
-    "TokenEvent": "xlagen.serving.engine",
-    "Completion": "xlagen.serving.engine",
-    "QueueFull": "xlagen.serving.engine",
+    "TokenEvent": "xlagen.serving.streams",
+    "Completion": "xlagen.serving.streams",
+    "QueueFull": "xlagen.serving.streams",
+    "EngineClosed": "xlagen.serving.streams",
 }
 
 __all__ = sorted(_EXPORTS)

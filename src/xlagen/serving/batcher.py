@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from xlagen.serving.engine import Completion, EngineClosed, QueueFull, TokenEvent
+from xlagen.serving.streams import Completion, EngineClosed, QueueFull, TokenEvent
 from xlagen.serving.events import completion_of, token_events
 from xlagen.serving.options import RequestOptions
 

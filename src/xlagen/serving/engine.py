@@ -10,97 +10,38 @@ through `loop.call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import collections
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from xlagen.generation.row_sampling import RowOptions
 from xlagen.generation.slots import SlotDecoder
 from xlagen.models.base import EncoderDecoderLM
+from xlagen.serving.streams import Completion, EngineClosed, EventStream, QueueFull, TokenEvent
 from xlagen.serving.options import RequestOptions
-from xlagen.serving.text import IncrementalDecoder, StopStrings
+from xlagen.serving.prompts import Prepared, Prompts
+from xlagen.serving.text import TokenText
 
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline")
 DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
-
-
-class QueueFull(RuntimeError):
-    """The engine's queue of waiting requests holds `max_queue` requests: retry later (HTTP 429)."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed (or is draining) and takes no new requests (HTTP 503)."""
-
-
-class TokenEvent(NamedTuple):
-    """One step of a request's stream.
-
-    Attributes:
-        token_id: The generated id, or None for a last event that ends the request between tokens
-            (finish reason "cancelled" or "deadline").
-        text: The text this token adds: '' while it completes no character, and never text of a stop token
-            or from a stop string on; decoded without special tokens.
-        logprob: The token's log-probability when the request asked for `logprobs`, else None.
-        finish_reason: None, or on the last event: "stop" (EOS, a stop id or a stop string), "length"
-            (`max_new_tokens` or the engine's `max_length`), "cancelled" or "deadline".
-    """
-
-    token_id: int | None
-    text: str
-    logprob: float | None
-    finish_reason: str | None
-
-
-class Completion(NamedTuple):
-    """A finished request.
-
-    Attributes:
-        text: The generated text (stop strings and what follows them left out).
-        token_ids: The generated ids, the stop token included.
-        finish_reason: As `TokenEvent.finish_reason`.
-        prompt_tokens: Tokens of the prompt (of the encoder input for an encoder-decoder model).
-        completion_tokens: `len(token_ids)`.
-        logprobs: One per token with `logprobs=True`, else None.
-    """
-
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    logprobs: tuple[float, ...] | None
-
-
-@dataclass
-class _Prepared:
-    """A prompt as the slots take it: the (decoder) prompt left-padded, and the model's other inputs."""
-
-    ids: np.ndarray  # int32 [1, Pb]
-    mask: np.ndarray  # int32 [1, Pb]
-    extra: dict
-    real_length: int  # real tokens of the decoder prompt: the columns a slot uses before new tokens
-    prompt_tokens: int
-    context: tuple  # prompt ids whose text precedes the output (incremental decoding)
+DECODER_PROMPT_ROOM = 8  # columns for an encoder-decoder model's decoder prompt (T5: 1, Whisper: up to 4)
 
 
 @dataclass
 class _Request:
-    prepared: _Prepared
+    prepared: Prepared
     options: RequestOptions
     seed: np.ndarray  # int32 [2]
-    stop_ids: frozenset
     budget: int  # new tokens at most
     deliver: Any  # event -> None, from the engine thread
-    detokenizer: IncrementalDecoder
-    stops: StopStrings
+    text: TokenText
     submitted: float
     deadline_at: float | None
     cancelled: bool = False
@@ -113,66 +54,9 @@ class _Request:
     completion: Completion | None = None
 
 
-def _bucket(length: int, buckets: tuple[int, ...]) -> int:
-    index = bisect.bisect_left(buckets, length)
-    if index == len(buckets):
-        raise ValueError(f"prompt of {length} tokens is longer than the largest prompt bucket {buckets[-1]} "
-                         f"(prompt_buckets={buckets}); shorten it or build the Engine with larger buckets")
-    return buckets[index]
-
-
 def _seed_words(seed: int) -> np.ndarray:
     """An int64-range seed as the int32 `[2]` of the sampling hash."""
     return np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32).view(np.int32)
-
-
-class _EventStream:
-    """The async iterator of one request's `TokenEvent`s (`Engine.stream`). Closing it (`aclose`, leaving
-    an `async with`, dropping it, or cancelling the task that awaits it) cancels the request."""
-
-    def __init__(self, engine: "Engine", request: _Request, queue: asyncio.Queue):
-        self._engine, self._request, self._queue = engine, request, queue
-        self._done = False
-
-    def __aiter__(self):
-        return self
-
-    def __await__(self):  # `await engine.stream(...)` gives the stream too
-        yield from ()
-        return self
-
-    async def __anext__(self) -> TokenEvent:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            event = await self._queue.get()
-        except BaseException:
-            self._close()
-            raise
-        if event.finish_reason is not None:
-            self._done = True
-        return event
-
-    def completion(self) -> Completion | None:
-        """The finished request (None before its last event)."""
-        return self._request.completion
-
-    def _close(self):
-        if not self._done:
-            self._done = True
-            self._engine._cancel(self._request)
-
-    async def aclose(self):
-        self._close()
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        self._close()
-
-    def __del__(self):
-        self._close()
 
 
 class Engine:
@@ -189,6 +73,9 @@ class Engine:
             powers of two from 16 below `max_length`.
         max_queue: Requests that may wait for a slot; a further one raises `QueueFull`.
         steps_per_call: Tokens every slot advances per compiled step call (1 reacts to new requests fastest).
+        step_widths: How many slots a step may advance (each width compiles one step program): a step runs
+            on the first W slots for the smallest W that holds every active request, so a lone request does
+            not pay for 16 rows. Default: 1, 4 and `slots`.
 
     Raises:
         ValueError: for sizes < 1, or a `max_length` beyond the model's positions.
@@ -202,7 +89,8 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, *, slots: int = 8, max_length: int | None = None,
-                 prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 1):
+                 prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 1,
+                 step_widths: Sequence[int] | None = None):
         positions = getattr(model.config, "max_positions", None)
         if max_length is None:
             max_length = min(positions or 1024, 1024)
@@ -219,12 +107,20 @@ class Engine:
             raise ValueError(f"prompt_buckets must be >= 1 and (decoder-only models) < max_length {max_length}, "
                              f"got {tuple(prompt_buckets)}")
         self.prompt_buckets, self.max_length, self.max_queue = buckets, max_length, max_queue
-        self._decoder = SlotDecoder(model, slots, max_length, steps_per_call,
-                                    encoder_length=buckets[-1] if self.encoder_decoder else 0)
-        self.slots = slots
         generation = getattr(model, "generation_config", None)
         self._eos_ids = frozenset(generation.eos_token_ids) if generation is not None else frozenset()
-        self._start_column = buckets[-1] if not self.encoder_decoder else self._decoder_prompt_length()
+        self._decoder = SlotDecoder(model, slots, max_length, steps_per_call,
+                                    encoder_length=buckets[-1] if self.encoder_decoder else 0,
+                                    suppress=tuple(getattr(generation, "suppress_tokens", None) or ()),
+                                    begin_suppress=tuple(getattr(generation, "begin_suppress_tokens", None) or ()))
+        self.slots = slots
+        widths = sorted({w for w in (1, 4) if w < slots} | {slots}) if step_widths is None else step_widths
+        self.step_widths = tuple(sorted(set(int(w) for w in widths)))
+        if self.step_widths[0] < 1 or self.step_widths[-1] != slots:
+            raise ValueError(f"step_widths must be >= 1 and end with slots={slots}, got {tuple(widths)}")
+        self._prompts = Prompts(model, tokenizer, buckets)
+        # Every slot's prompt ends at the write column, so it never starts left of the longest prompt.
+        self._start_column = DECODER_PROMPT_ROOM if self.encoder_decoder else buckets[-1]
         self._index = self._start_column
         self._rng = np.random.default_rng()
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -266,9 +162,13 @@ class Engine:
         else:
             self._finish_all("cancelled")
 
-    def warmup(self) -> float:
-        """Compiles the programs of every prompt bucket and the step (before serving, so that no request
-        waits for a compile).
+    def warmup(self, prompts: Sequence | None = None) -> float:
+        """Compiles the prefill and insert programs of every prompt bucket, the step and the shift, so that
+        no request waits for a compile.
+
+        Args:
+            prompts: Example prompts whose prefill programs to compile (default: one of each bucket's length;
+                a speech model needs an example of its features).
 
         Returns:
             The seconds it took.
@@ -277,20 +177,22 @@ class Engine:
             RuntimeError: while requests are running or waiting.
         """
         started = time.perf_counter()
+        examples = prompts if prompts is not None else [[0] * bucket for bucket in self.prompt_buckets]
         with self._device:
             if self._active or self._waiting:
                 raise RuntimeError("Engine.warmup runs before requests arrive (requests are running or waiting)")
-            for bucket in self.prompt_buckets:
-                prepared = self._prepare([0] * bucket)
+            for prompt in examples:
+                prepared = self._prompts.prepare(prompt)
                 prefilled, _ = self._decoder.prefill(prepared.ids, prepared.mask, prepared.extra,
                                                      self._row_options(RequestOptions(), _seed_words(0), 0))
                 self._decoder.insert(prefilled, prepared.ids, prepared.mask, 0, self._index)
-            self._decoder.step(self._index, self._options)
+            for width in self.step_widths:
+                self._decoder.step(self._index, self._width_options(width), width)
             self._decoder.shift(1, self._index)
         self._warm = True
         return time.perf_counter() - started
 
-    def stream(self, prompt, **options) -> _EventStream:
+    def stream(self, prompt, **options) -> EventStream:
         """Submits a request; iterate the result with `async for` (call from a running event loop).
 
         Args:
@@ -315,7 +217,7 @@ class Engine:
         def deliver(event: TokenEvent) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, event)
 
-        return _EventStream(self, self._submit(prompt, RequestOptions.from_kwargs(**options), deliver), queue)
+        return EventStream(self, self._submit(prompt, RequestOptions.from_kwargs(**options), deliver), queue)
 
     async def generate(self, prompt, **options) -> Completion:
         """Runs a request to its end (see `stream` for the arguments and errors).
@@ -349,51 +251,6 @@ class Engine:
 
     # -- requests -------------------------------------------------------------------------------------
 
-    def _decoder_prompt_length(self) -> int:
-        ids, _, _ = self._generation_inputs([0] * self.prompt_buckets[0])
-        return ids.shape[1]
-
-    def _generation_inputs(self, ids: list[int]):
-        """The model's decoder prompt and other inputs for prompt `ids` (an encoder's input is right-padded
-        to its bucket): numpy `ids [1, P']`, `mask [1, P']`, dict `extra`."""
-        length = len(ids)
-        bucket = _bucket(length, self.prompt_buckets)
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :length] = ids
-        mask = (np.arange(bucket) < length).astype(np.int32)[None]
-        decoder_ids, decoder_mask, extra = self.model.generation_inputs(padded, mask)
-        return (np.asarray(decoder_ids, np.int32), np.asarray(decoder_mask, np.int32),
-                {name: np.asarray(value) for name, value in extra.items()})
-
-    def _token_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            ids = list(self.tokenizer.encode(prompt))
-        elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids = [int(i) for i in np.asarray(prompt).reshape(-1)] if len(prompt) else []
-            if isinstance(prompt, np.ndarray) and not np.issubdtype(prompt.dtype, np.integer):
-                raise TypeError(f"prompt ids must be integers, got an array of {prompt.dtype}")
-            if any(isinstance(i, (bool, float)) for i in (prompt if not isinstance(prompt, np.ndarray) else ())):
-                raise TypeError("prompt ids must be integers")
-        else:
-            raise TypeError(f"prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
-        vocab = self.model.config.vocab_size
-        bad = [i for i in ids if not 0 <= i < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        if not ids:
-            raise ValueError("prompt is empty: give at least one token")
-        return ids
-
-    def _prepare(self, prompt) -> _Prepared:
-        ids = self._token_ids(prompt)
-        if self.encoder_decoder:
-            decoder_ids, decoder_mask, extra = self._generation_inputs(ids)
-            return _Prepared(decoder_ids, decoder_mask, extra, int(decoder_mask.sum()), len(ids), ())
-        bucket = _bucket(len(ids), self.prompt_buckets)
-        padded, mask = np.zeros((1, bucket), np.int32), np.zeros((1, bucket), np.int32)
-        padded[0, bucket - len(ids):], mask[0, bucket - len(ids):] = ids, 1
-        return _Prepared(padded, mask, {}, len(ids), len(ids), tuple(ids))
-
     def _submit(self, prompt, options: RequestOptions, deliver) -> _Request:
         if options.num_beams > 1:
             raise ValueError(f"num_beams={options.num_beams}: the slot engine decodes one beam per request; "
@@ -402,17 +259,19 @@ class Engine:
         for token_id in options.stop_token_ids:
             if token_id >= vocab:
                 raise ValueError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {vocab})")
-        prepared = self._prepare(prompt)
+        prepared = self._prompts.prepare(prompt)
+        if prepared.ids.shape[1] > self._start_column:
+            raise ValueError(f"a decoder prompt of {prepared.ids.shape[1]} tokens is longer than the "
+                             f"{self._start_column} the slots leave for it")
         room = self.max_length - prepared.real_length
         if room < 1:
             raise ValueError(f"prompt of {prepared.real_length} tokens leaves no room for new tokens within "
                              f"max_length {self.max_length}")
         seed = options.seed if options.seed is not None else int(self._rng.integers(0, 2**63 - 1))
         now = time.monotonic()
-        request = _Request(prepared, options, _seed_words(seed), self._eos_ids | set(options.stop_token_ids),
-                           min(options.max_new_tokens, room), deliver,
-                           IncrementalDecoder(self.tokenizer, prepared.context), StopStrings(options.stop), now,
-                           None if options.deadline is None else now + options.deadline)
+        text = TokenText(self.tokenizer, prepared.context, self._eos_ids | set(options.stop_token_ids), options.stop)
+        request = _Request(prepared, options, _seed_words(seed), min(options.max_new_tokens, room), deliver, text,
+                           now, None if options.deadline is None else now + options.deadline)
         with self._lock:
             if self._closing:
                 raise EngineClosed("the engine is closed and takes no new requests")
@@ -445,6 +304,8 @@ class Engine:
                     self._iterate()
         except Exception:  # a failing program must not leave consumers waiting forever
             logger.exception("the serving engine stopped on an error")
+            with self._lock:
+                self._closing = True  # later submissions raise EngineClosed
             raise
         finally:
             self._finish_all("cancelled")
@@ -508,7 +369,8 @@ class Engine:
             for request in self._active.values():
                 request.start -= amount
             self._counters["shifts"] += 1
-        tokens, logprobs = decoder.step(self._index, self._options)
+        width = next(w for w in self.step_widths if w > max(self._active))
+        tokens, logprobs = decoder.step(self._index, self._width_options(width), width)
         self._index += steps
         self._counters["steps"] += 1
         for slot, request in list(self._active.items()):
@@ -524,24 +386,13 @@ class Engine:
         self._options.step[request.slot] += 1
         with self._lock:
             self._counters["tokens"] += 1
-        finish = None
-        if token in request.stop_ids:
-            text, finish = "", "stop"
-        else:
-            text, found = request.stops.feed(request.detokenizer.add(token))
-            finish = "stop" if found else None
-        if finish is None and len(request.token_ids) >= request.budget:
-            finish = "length"
-        if finish == "length" or token in request.stop_ids:  # (after a stop string, nothing more is released)
-            text += self._flush_text(request)
+        text, stopped = request.text.add(token)
+        finish = "stop" if stopped else "length" if len(request.token_ids) >= request.budget else None
+        if finish == "length":
+            text += request.text.finish()
         self._deliver(request, TokenEvent(token, text, logprob if request.options.logprobs else None, finish))
         if finish is not None:
             self._finish(request, finish, event=False)
-
-    def _flush_text(self, request: _Request) -> str:
-        """The text still held back by the detokenizer and the stop-string matcher, at the end of a request."""
-        text, found = request.stops.feed(request.detokenizer.flush())
-        return text if found else text + request.stops.flush()
 
     def _deliver(self, request: _Request, event: TokenEvent) -> None:
         if event.text:
@@ -561,7 +412,7 @@ class Engine:
         if request.finished:
             return
         if event:
-            text = self._flush_text(request) if reason == "deadline" else ""
+            text = request.text.finish() if reason == "deadline" else ""
             self._deliver(request, TokenEvent(None, text, None, reason))
         request.finished = True
         if request.slot is not None and self._active.get(request.slot) is request:
@@ -577,6 +428,9 @@ class Engine:
             self._finish(request, reason)
 
     # -- per-slot options -----------------------------------------------------------------------------
+
+    def _width_options(self, width: int) -> RowOptions:
+        return RowOptions(*(column[:width] for column in self._options))
 
     def _idle_options(self) -> RowOptions:
         n = self.slots

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from xlagen.serving.engine import Completion, TokenEvent
 from xlagen.serving.options import RequestOptions
-from xlagen.serving.text import IncrementalDecoder, StopStrings
+from xlagen.serving.streams import Completion, TokenEvent
+from xlagen.serving.text import TokenText
 
 
 def token_events(tokenizer, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float] | None,
@@ -27,25 +27,16 @@ def token_events(tokenizer, prompt: Sequence[int], tokens: Sequence[int], logpro
     Returns:
         The events; the last has the finish reason ("stop" or "length").
     """
-    stop_ids = set(eos_ids) | set(options.stop_token_ids)
-    decoder, stops = IncrementalDecoder(tokenizer, prompt), StopStrings(options.stop)
-
-    def flush() -> str:  # what the decoder and the stop-string matcher still hold, at the end
-        text, found = stops.feed(decoder.flush())
-        return text if found else text + stops.flush()
-
+    text_rules = TokenText(tokenizer, prompt, set(eos_ids) | set(options.stop_token_ids), options.stop)
     events: list[TokenEvent] = []
     for index, token in enumerate(tokens):
         logprob = None if logprobs is None else float(logprobs[index])
-        if token in stop_ids:
-            events.append(TokenEvent(int(token), flush(), logprob, "stop"))
-            break
-        text, stopped = stops.feed(decoder.add(token))
+        text, ended = text_rules.add(token)
         last = index == len(tokens) - 1
-        if last and not stopped:
-            text += flush()
-        events.append(TokenEvent(int(token), text, logprob, "stop" if stopped else "length" if last else None))
-        if stopped:
+        if last and not ended:
+            text += text_rules.finish()
+        events.append(TokenEvent(int(token), text, logprob, "stop" if ended else "length" if last else None))
+        if ended:
             break
     return events
 

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from xlagen.serving import protocol
-from xlagen.serving.engine import EngineClosed, QueueFull
+from xlagen.serving.streams import EngineClosed, QueueFull
 from xlagen.serving.metrics import CONTENT_TYPE, ServingMetrics
 from xlagen.serving.protocol import RequestError
 

@@ -83,3 +83,32 @@ class StopStrings:
         """The held-back text (the stream ended without a stop string)."""
         released, self.held = self.held, ""
         return released
+
+
+class TokenText:
+    """The text rules of one request's new tokens: each token's text piece (`IncrementalDecoder`), stop ids
+    and stop strings (`StopStrings`).
+
+    Args:
+        tokenizer: Decodes ids.
+        context: Prompt ids decoded before the first new token (their text is not emitted).
+        stop_ids: Ids that end the request (EOS and `stop_token_ids`); their text is never emitted.
+        stops: Stop strings; the text from the first one on is never emitted.
+    """
+
+    def __init__(self, tokenizer, context=(), stop_ids=(), stops=()):
+        self.decoder = IncrementalDecoder(tokenizer, context)
+        self.stops = StopStrings(stops)
+        self.stop_ids = frozenset(stop_ids)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        """`(the text token_id releases, whether it ended the request)`: a stop id releases what was held
+        back; a stop string releases the text before it."""
+        if token_id in self.stop_ids:
+            return self.finish(), True
+        return self.stops.feed(self.decoder.add(token_id))
+
+    def finish(self) -> str:
+        """The text still held back, at the end of the request (no more tokens will come)."""
+        text, found = self.stops.feed(self.decoder.flush())
+        return text if found else text + self.stops.flush()

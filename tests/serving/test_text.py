@@ -1,0 +1,67 @@
+"""Streamed text: pieces that never split a character, and stop strings found across pieces."""
+
+from __future__ import annotations
+
+import pytest
+
+from xlagen import AutoTokenizer
+from xlagen.serving.text import IncrementalDecoder, StopStrings, TokenText
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gpt2_checkpoint):
+    return AutoTokenizer.from_pretrained(gpt2_checkpoint[0])
+
+
+@pytest.mark.parametrize("text", ["héllo wörld ✓ 日本語 🙂!", "The quick brown fox", "a\n\nb  c"])
+def test_pieces_join_to_the_decoded_text_and_never_split_a_character(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert len(ids) > len(text.split())  # multi-byte characters span several byte-level tokens
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = [decoder.add(i) for i in ids]
+    assert "".join(pieces) + decoder.flush() == tokenizer.decode(ids) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_prompt_context_is_not_emitted(tokenizer):
+    prompt, output = tokenizer.encode("The quick"), tokenizer.encode(" brown fox")
+    decoder = IncrementalDecoder(tokenizer, context=prompt)
+    assert "".join(decoder.add(i) for i in output) == " brown fox"
+
+
+def test_an_incomplete_character_at_the_end_is_flushed_as_decoded(tokenizer):
+    ids = tokenizer.encode("ok 🙂")[:-1]  # the emoji's last byte missing
+    decoder = IncrementalDecoder(tokenizer)
+    pieces = "".join(decoder.add(i) for i in ids)
+    assert pieces == "ok " and pieces + decoder.flush() == tokenizer.decode(ids)
+
+
+def test_stop_strings_across_pieces():
+    stops = StopStrings(["lo Wo", "END"])
+    assert stops.feed("Hel") == ("He", False)  # "l" may start "lo Wo"
+    assert stops.feed("lo W") == ("l", False)  # "lo W" may start "lo Wo"
+    assert stops.feed("orld") == ("", True)
+    assert StopStrings(["xyz"]).feed("abcxy") == ("abc", False)
+
+
+def test_held_text_is_released_when_it_cannot_start_a_stop_string():
+    stops = StopStrings(["\n\n"])
+    assert stops.feed("a\n") == ("a", False)
+    assert stops.feed("b") == ("\nb", False)
+    assert stops.feed("\n") == ("", False)
+    assert stops.flush() == "\n"
+    assert StopStrings().feed("anything") == ("anything", False)
+
+
+def test_token_text_stop_ids_and_strings(tokenizer):
+    ids = tokenizer.encode("hello world, hello")
+    text = TokenText(tokenizer, stop_ids=[ids[2]])
+    pieces = [text.add(i) for i in ids[:3]]
+    assert pieces[-1][1] and not any(stopped for _, stopped in pieces[:-1])
+    assert "".join(piece for piece, _ in pieces) == tokenizer.decode(ids[:2])  # the stop id adds no text
+
+    text = TokenText(tokenizer, stops=[", h"])
+    released, stopped = zip(*(text.add(i) for i in ids))
+    assert any(stopped) and "".join(released) == "hello world"
+    text = TokenText(tokenizer, stops=["xyz"])
+    assert "".join(text.add(i)[0] for i in ids) + text.finish() == "hello world, hello"
