@@ -42,6 +42,18 @@ def _kernels_skip_reason() -> str:
 requires_kernels = pytest.mark.skipif(not kernels_expected(), reason=_kernels_skip_reason())
 
 
+def require_extra(*modules: str) -> None:
+    """Imports an optional extra's modules (e.g. the `serve` extra's fastapi): a missing one skips the calling
+    test module, except in CI (XLAGEN_CI=1), where it fails it."""
+    import importlib
+
+    for module in modules:
+        if os.environ.get("XLAGEN_CI"):
+            importlib.import_module(module)
+        else:
+            pytest.importorskip(module)
+
+
 def build_bpe_tokenizer(folder, vocab_size: int = 320) -> int:
     """Trains a byte-level BPE on CORPUS (256 byte symbols + merges), writes tokenizer.json +
     tokenizer_config.json; returns its size."""

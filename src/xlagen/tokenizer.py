@@ -127,6 +127,9 @@ class PreTrainedTokenizerFast:
         values = merge_settings(hf_config, read_json_or_empty(folder / "special_tokens_map.json"),
                                 read_json_or_empty(folder / "config.json").get("model_type"),
                                 {key: value for key, value in overrides.items() if value is not None})
+        template_file = folder / "chat_template.jinja"  # transformers 5 saves the chat template there
+        if not values.get("chat_template") and template_file.is_file():
+            values["chat_template"] = template_file.read_text(encoding="utf-8")
         given = {key for key, value in special_token_overrides.items() if value is not None}
         misplaced = given & _ALL_CLASS_KEYWORDS - set(_CLASS_KEYWORDS.get(values["tokenizer_class"], ()))
         if misplaced:
@@ -191,6 +194,44 @@ class PreTrainedTokenizerFast:
     def all_special_ids(self) -> list[int]:
         """The ids of `all_special_tokens`."""
         return self.convert_tokens_to_ids(self.all_special_tokens)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's Jinja chat template (its "default" one when it names several), or None."""
+        template = self.config.passthrough.get("chat_template")
+        if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
+        return template if isinstance(template, str) and template else None
+
+    def apply_chat_template(self, conversation: Sequence[dict], *, add_generation_prompt: bool = False,
+                            tokenize: bool = True, chat_template: str | None = None, **variables: Any):
+        """Renders a conversation with the chat template (transformers' `apply_chat_template`, see
+        `xlagen.chat_template`; needs jinja2).
+
+        Args:
+            conversation: `{"role": ..., "content": ...}` messages.
+            add_generation_prompt: End with the start of an assistant turn.
+            tokenize: Return ids (encoded without adding special tokens) instead of the text.
+            chat_template: A template to use instead of the checkpoint's.
+            **variables: Further template variables.
+
+        Returns:
+            The ids (a list of ints), or the text with `tokenize=False`.
+
+        Raises:
+            ValueError: If there is no chat template, or it fails on the conversation.
+        """
+        from xlagen.chat_template import render
+
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
+                             "chat_template.jinja): pass chat_template=")
+        special = {name: getattr(self.config, name) for name in SPECIAL_TOKEN_NAMES}
+        text = render(template, conversation, add_generation_prompt=add_generation_prompt, special_tokens=special,
+                      additional_special_tokens=list(self.config.additional_special_tokens), **variables)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def get_vocab(self) -> dict[str, int]:
         """Returns the token -> id mapping, added tokens included."""

@@ -15,6 +15,7 @@ running the model.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -198,8 +199,8 @@ class Transcriber:
             frames = min(total - seek, window_size)
             tokens = self.generator.generate(self._window(features, seek), decoder_input_ids=prompt,
                                              **options).numpy()[0]
-            window_segments, advance = self._segments(tokens[prompt.shape[1]:], frames, timestamps, seek)
-            segments.extend(window_segments)
+            pieces, advance = self.window_segments(tokens[prompt.shape[1]:], frames, seek, timestamps)
+            segments.extend(pieces)
             seek += max(advance, 1)
             if progress:
                 progress(min(seek, total), total)
@@ -244,23 +245,32 @@ class Transcriber:
         tokens = self.generator.generate(windows, decoder_input_ids=prompt, **options).numpy()
         for row, index in enumerate(rows):
             frames = min(features[index].num_frames, window_size)
-            segments, _ = self._segments(tokens[row, prompt.shape[1]:], frames, return_timestamps, 0)
+            segments, _ = self.window_segments(tokens[row, prompt.shape[1]:], frames, 0, return_timestamps)
             text = "".join(segment.text for segment in segments).strip()
             transcripts[index] = Transcript(text, tuple(segments), self._language_token(prompt[row]),
                                             transcripts[index].duration)
         return transcripts
 
-    def _segments(self, tokens: np.ndarray, frames: int, timestamps: bool, seek: int) -> tuple[list[Segment], int]:
-        """The segments of one window's generated tokens (starting at frame `seek`), and how far to advance."""
+    def window_segments(self, tokens: np.ndarray, frames: int, seek: int,
+                        timestamps: bool) -> tuple[list[Segment], int]:
+        """The segments of one window's generated tokens (EOS and what follows removed here), and how many
+        frames the next window starts after this one's start.
+
+        Args:
+            tokens: int `[n]`, the tokens generated after the window's decoder prompt.
+            frames: Log-mel frames of audio in the window.
+            seek: The window's first frame in the recording.
+            timestamps: Whether the tokens hold timestamps (else one segment spans the window).
+        """
         new = self._strip(tokens)
         if timestamps:
             pieces, advance = split_segments(new, self.timestamp_begin, frames)
         else:
             pieces, advance = [(0.0, frames * FRAME_SECONDS, new)], frames
-        offset = seek * FRAME_SECONDS
-        segments = [Segment(offset + float(start), offset + float(end),
-                            self.processor.tokenizer.decode(piece.tolist(), skip_special_tokens=True),
-                            tuple(int(t) for t in piece)) for start, end, piece in pieces]
+        offset, segments = seek * FRAME_SECONDS, []
+        for start, end, piece in pieces:
+            text = self.processor.tokenizer.decode(piece.tolist(), skip_special_tokens=True)
+            segments.append(Segment(offset + float(start), offset + float(end), text, tuple(int(t) for t in piece)))
         return segments, advance
 
     def _window(self, features: LongFormFeatures, seek: int) -> np.ndarray:
@@ -287,3 +297,28 @@ class Transcriber:
         """The generated tokens before the first EOS (transformers removes EOS and padding before splitting)."""
         ends = [i for i, token in enumerate(tokens.tolist()) if token in self.eos_ids]
         return tokens[:ends[0]] if ends else tokens
+
+
+def _clock(seconds: float, separator: str) -> str:
+    millis = round(seconds * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis:03d}"
+
+
+def render(transcript: Transcript, file_format: str, timestamps: bool = False, source: str | None = None) -> str:
+    """A `Transcript` as text: "txt" (with `timestamps`, one "[start --> end] text" line per segment),
+    "json", "srt" or "vtt"."""
+    if file_format == "json":
+        return json.dumps({"file": source, **transcript.to_dict()}, ensure_ascii=False) + "\n"
+    segments = [s for s in transcript.segments if s.text.strip()]
+    if file_format == "txt":
+        if not timestamps:
+            return transcript.text + "\n"
+        return "".join(f"[{_clock(s.start, '.')} --> {_clock(s.end, '.')}] {s.text.strip()}\n" for s in segments)
+    cues = [f"{_clock(s.start, ',' if file_format == 'srt' else '.')} --> "
+            f"{_clock(s.end, ',' if file_format == 'srt' else '.')}\n{s.text.strip()}\n" for s in segments]
+    if file_format == "srt":
+        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
+    return "WEBVTT\n\n" + "\n".join(cues)

@@ -37,7 +37,7 @@ import traceback
 from collections.abc import Callable, Sequence
 
 PROG = "xlagen"
-SUBCOMMANDS = ("generate", "transcribe", "pipeline", "hlo", "bench", "export", "aot")
+SUBCOMMANDS = ("generate", "transcribe", "serve", "pipeline", "hlo", "bench", "export", "aot")
 _LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 # The library's messages name its keyword arguments; the command line's user knows options.
 _CLI_WORDING = (("local_files_only=True was passed", "--local-files-only was given"),

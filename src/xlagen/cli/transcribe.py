@@ -9,7 +9,6 @@ and the others are still transcribed (exit code 1 at the end).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -65,30 +64,6 @@ def prepare(args: argparse.Namespace) -> None:
             raise PermissionError(f"{source} is not a readable regular file")
 
 
-def _clock(seconds: float, separator: str) -> str:
-    millis = round(seconds * 1000)
-    hours, millis = divmod(millis, 3_600_000)
-    minutes, millis = divmod(millis, 60_000)
-    secs, millis = divmod(millis, 1000)
-    return f"{hours:02d}:{minutes:02d}:{secs:02d}{separator}{millis:03d}"
-
-
-def render(transcript, file_format: str, timestamps: bool = False, source: str | None = None) -> str:
-    """A `Transcript` as text in one of `FORMATS`."""
-    if file_format == "json":
-        return json.dumps({"file": source, **transcript.to_dict()}, ensure_ascii=False) + "\n"
-    segments = [s for s in transcript.segments if s.text.strip()]
-    if file_format == "txt":
-        if not timestamps:
-            return transcript.text + "\n"
-        return "".join(f"[{_clock(s.start, '.')} --> {_clock(s.end, '.')}] {s.text.strip()}\n" for s in segments)
-    cues = [f"{_clock(s.start, ',' if file_format == 'srt' else '.')} --> "
-            f"{_clock(s.end, ',' if file_format == 'srt' else '.')}\n{s.text.strip()}\n" for s in segments]
-    if file_format == "srt":
-        return "\n".join(f"{i}\n{cue}" for i, cue in enumerate(cues, 1))
-    return "WEBVTT\n\n" + "\n".join(cues)
-
-
 def _destination(args: argparse.Namespace, source: str) -> Path | None:
     """Where the transcript of `source` goes: None for stdout."""
     if args.output is None or args.output == "-":
@@ -107,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from xlagen.whisper_decoding import check_options, language_id
     from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
     from xlagen.processing import WhisperProcessor
-    from xlagen.transcribe import Transcriber
+    from xlagen.transcribe import Transcriber, render
 
     hub = hub_options(args)
     model = TFAutoModelForSpeechSeq2Seq.from_pretrained(args.model, weight_dtype=args.weight_dtype, **hub)

@@ -1,0 +1,213 @@
+"""Transcription for the server: concurrent uploads of up to 30 s batched into Whisper's batch buckets, longer
+ones through `Transcriber` (its 30 s windows one after the other); and the OpenAI route
+`POST /v1/audio/transcriptions` (multipart: file, model, language, prompt, response_format, temperature,
+timestamp_granularities[]).
+
+Uploads share a batch when they ask for the same language, task and timestamps; a batch's transcripts are
+those `Transcriber` gives for each recording alone (the same features, decoder prompt, language detection
+per row and segment rules).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from typing import Any
+
+import numpy as np
+
+from xlagen.serving.batcher import WorkQueue, await_result
+from xlagen.serving.protocol import RequestError
+from xlagen.transcribe import SAMPLING_RATE, Transcriber, Transcript, render
+from xlagen.whisper_tokens import LANGUAGES
+
+FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
+
+
+class TranscriptionBatcher:
+    """Batches concurrent transcriptions over one Whisper model (one worker thread).
+
+    Args:
+        model: A `TFWhisperForConditionalGeneration`.
+        processor: Its `WhisperProcessor`.
+        generator: The `CompiledGenerator` to run on (one is made when None).
+        max_batch: Most recordings per batch.
+        max_queue: Most waiting requests; beyond it `transcribe` raises `QueueFull`.
+        max_wait: Seconds to wait for more uploads once one is queued.
+    """
+
+    def __init__(self, model, processor, *, generator=None, max_batch: int = 8, max_queue: int = 64,
+                 max_wait: float = 0.01):
+        self.transcriber = Transcriber(model, processor, generator)
+        self.model, self.processor = model, processor
+        self._queue = WorkQueue(self._run, max_batch=max_batch, max_queue=max_queue, max_wait=max_wait,
+                                name="xlagen-transcriber")
+        self._submitted = 0
+        self._tokens = 0
+
+    def start(self) -> None:
+        self._queue.start()
+
+    def close(self, drain: bool = True) -> None:
+        self._queue.close(drain)
+
+    def stats(self) -> dict:
+        """queue_depth, active_slots (recordings in the running batch), tokens_generated, compiles."""
+        return {"queue_depth": self._queue.depth, "active_slots": self._queue.active,
+                "tokens_generated": self._tokens, "requests_completed": self._queue.completed,
+                "compiles": self.transcriber.generator.compile_count}
+
+    def warmup(self, batch_sizes=(1,)) -> None:
+        """Compiles the programs of these batch sizes (without timestamps, language detected)."""
+        noise = np.random.default_rng(0).standard_normal(SAMPLING_RATE).astype(np.float32) * 0.1
+        for size in batch_sizes:
+            self._run([(noise, None, None, False)] * size)
+
+    def check(self, language: str | None, task: str | None) -> None:
+        """Refuses a language or task the model cannot take (ValueError naming it)."""
+        from xlagen.generation.api import resolve_config
+        from xlagen.whisper_decoding import check_options, language_id
+
+        config = resolve_config(self.model, None, {"language": language, "task": task,
+                                                   "decoder_start_token_id": self.transcriber._start_token()})
+        check_options(config)
+        if language is not None:
+            language_id(language, config)
+
+    async def transcribe(self, samples: np.ndarray, *, language: str | None = None, task: str | None = None,
+                         timestamps: bool = False, deadline: float | None = None) -> Transcript:
+        """The transcript of 16 kHz mono `samples`.
+
+        Raises:
+            QueueFull: If the queue is full.
+            ValueError: For a language or task the model does not take.
+            TimeoutError: If the deadline passed first.
+        """
+        self.check(language, task)
+        long = len(samples) > self.processor.feature_extractor.n_samples
+        self._submitted += 1
+        key = ("long", self._submitted) if long else ("short", language, task, timestamps)
+        future = self._queue.submit(key, (samples, language, task, timestamps), deadline)
+        return await await_result(future, deadline)
+
+    def _run(self, payloads: list) -> list[Transcript]:
+        """Transcribes one group on the worker thread: a long recording alone (`Transcriber`), else clips of
+        at most 30 s in one `generate` call (`Transcriber.transcribe_clips`)."""
+        samples, language, task, timestamps = payloads[0]
+        if len(samples) > self.processor.feature_extractor.n_samples:
+            transcripts = [self.transcriber(samples, language=language, task=task, return_timestamps=timestamps)]
+        else:
+            transcripts = self.transcriber.transcribe_clips([payload[0] for payload in payloads], language=language,
+                                                            task=task, return_timestamps=timestamps)
+        self._tokens += sum(len(segment.tokens) for transcript in transcripts for segment in transcript.segments)
+        return transcripts
+
+
+def decode_upload(data: bytes, filename: str) -> np.ndarray:
+    """16 kHz mono float32 samples of an uploaded file (wav, flac, ogg, mp3, ... as libsndfile reads them).
+
+    Raises:
+        RequestError: If the file is empty or not decodable audio (naming it).
+    """
+    import soundfile
+
+    from xlagen.audio import load_audio
+
+    if not data:
+        raise RequestError(f"the uploaded file '{filename}' is empty", "file")
+    try:
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        return load_audio({"array": samples, "sampling_rate": rate}, SAMPLING_RATE)
+    except (RuntimeError, ValueError, TypeError, soundfile.LibsndfileError) as error:
+        raise RequestError(f"the uploaded file '{filename}' is not audio this server can decode: {error}",
+                           "file") from None
+
+
+def _language_name(transcript: Transcript) -> str | None:
+    code = (transcript.language or "").strip("<|>")
+    return LANGUAGES.get(code, code or None)
+
+
+def format_transcript(transcript: Transcript, response_format: str, task: str) -> tuple[Any, str]:
+    """(body, media type) of a transcript in one of OpenAI's response formats."""
+    if response_format == "json":
+        return {"text": transcript.text}, "application/json"
+    if response_format == "text":
+        return transcript.text + "\n", "text/plain"
+    if response_format in ("srt", "vtt"):
+        return render(transcript, response_format), "text/plain"
+    segments = [{"id": i, "seek": round(s.start * 100), "start": round(s.start, 3), "end": round(s.end, 3),
+                 "text": s.text, "tokens": list(s.tokens), "temperature": 0.0}
+                for i, s in enumerate(transcript.segments)]
+    return {"task": task, "language": _language_name(transcript), "duration": round(transcript.duration, 3),
+            "text": transcript.text, "segments": segments}, "application/json"
+
+
+def _form_field(form, name: str) -> str | None:
+    value = form.get(name)
+    if value is not None and not isinstance(value, str):
+        raise RequestError(f"{name} must be a text field", name)
+    return value
+
+
+def add_transcription_route(app, state, batcher: TranscriptionBatcher, path="/v1/audio/transcriptions") -> None:
+    """Adds OpenAI's transcription route to the server `app` (`state` is the server's state)."""
+    from fastapi.responses import JSONResponse, Response
+
+    from xlagen.serving.server import _until_disconnected
+
+    known = {"file", "model", "language", "prompt", "response_format", "temperature", "timestamp_granularities[]",
+             "timestamp_granularities", "task"}
+
+    async def transcriptions(request):  # a Starlette endpoint: the request as is, no FastAPI injection
+        form = await request.form()
+        unknown = sorted(set(form.keys()) - known)
+        if unknown:
+            raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        upload = form.get("file")
+        if upload is None or isinstance(upload, str):
+            raise RequestError("file is required: the audio file, as a multipart upload", "file")
+        model = _form_field(form, "model")
+        if model is not None and model != state.settings.model_name:
+            raise RequestError(f"the model '{model}' does not exist; this server serves "
+                               f"'{state.settings.model_name}'", "model", status=404, code="model_not_found")
+        response_format = _form_field(form, "response_format") or "json"
+        if response_format not in FORMATS:
+            raise RequestError(f"response_format must be one of {list(FORMATS)}, got {response_format!r}",
+                               "response_format")
+        if _form_field(form, "prompt"):
+            raise RequestError("prompt (conditioning on previous text) is not supported by this server", "prompt")
+        temperature = _form_field(form, "temperature")
+        if temperature not in (None, "", "0", "0.0"):
+            raise RequestError(f"temperature: only 0 (greedy decoding) is supported, got {temperature!r}",
+                               "temperature")
+        granularities = form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities")
+        if set(granularities) - {"segment"}:
+            raise RequestError(f"timestamp_granularities: only 'segment' is supported, got {granularities}",
+                               "timestamp_granularities")
+        if granularities and response_format != "verbose_json":
+            raise RequestError("timestamp_granularities needs response_format 'verbose_json'",
+                               "timestamp_granularities")
+        language = _form_field(form, "language") or None
+        task = _form_field(form, "task") or None
+        if task not in (None, "transcribe", "translate"):
+            raise RequestError(f"task must be 'transcribe' or 'translate', got {task!r}", "task")
+        try:
+            batcher.check(language, task)
+        except ValueError as error:
+            raise RequestError(str(error), "language") from None
+        samples = decode_upload(await upload.read(), upload.filename or "file")
+        timestamps = response_format in ("srt", "vtt", "verbose_json")
+        work = asyncio.ensure_future(batcher.transcribe(samples, language=language, task=task, timestamps=timestamps,
+                                                        deadline=state.settings.request_timeout))
+        try:
+            transcript = await _until_disconnected(request, work)
+        except TimeoutError:
+            raise RequestError(f"the transcription did not finish within {state.settings.request_timeout} s",
+                               status=504, error_type="timeout_error", code="deadline_exceeded") from None
+        body, media_type = format_transcript(transcript, response_format, task or "transcribe")
+        if media_type == "application/json":
+            return JSONResponse(body)
+        return Response(body, media_type=media_type)
+
+    app.router.add_route(path, transcriptions, methods=["POST"])
