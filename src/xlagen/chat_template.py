@@ -24,7 +24,7 @@ class ChatTemplateError(ValueError):
 
 @functools.lru_cache(maxsize=8)
 def _compile(template: str):
-    import jinja2  # Lazy: only needed for chat (the `serve` extra, or installed by the user).
+    import jinja2  # lazily: only chat needs it
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
