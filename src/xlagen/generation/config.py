@@ -21,6 +21,29 @@ _FLOAT_FIELDS = ("temperature", "top_p", "length_penalty", "repetition_penalty",
 _OPTIONAL = ("max_new_tokens", "min_new_tokens", "max_memory_gb")
 
 
+def checked_int(name: str, value) -> int:
+    """`value` as an int (numpy integers too); a bool, float, string or None is a TypeError naming `name`."""
+    if isinstance(value, (bool, float, str)) or value is None:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError as error:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from error
+
+
+def checked_float(name: str, value) -> float:
+    """`value` as a finite float; a bool, string or None is a TypeError, inf / nan a ValueError naming `name`."""
+    if isinstance(value, (bool, str)) or value is None:
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from error
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number, got {number}")
+    return number
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """Decoding options with transformers 4.x names and defaults.
@@ -111,29 +134,12 @@ class GenerationConfig:
 
     def _check_types(self):
         """Sizes must be ints and numeric options finite numbers (numpy scalars are converted)."""
-        for name in _INT_FIELDS:
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL:
-                continue
-            if isinstance(value, (bool, float, str)) or value is None:
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-            try:
-                object.__setattr__(self, name, operator.index(value))
-            except TypeError as error:
-                raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from error
-        for name in _FLOAT_FIELDS:
-            value = getattr(self, name)
-            if value is None and name in _OPTIONAL:
-                continue
-            if isinstance(value, (bool, str)) or value is None:
-                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-            try:
-                number = float(value)
-            except (TypeError, ValueError) as error:
-                raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from error
-            if not math.isfinite(number):
-                raise ValueError(f"{name} must be a finite number, got {number}")
-            object.__setattr__(self, name, number)
+        for names, convert in ((_INT_FIELDS, checked_int), (_FLOAT_FIELDS, checked_float)):
+            for name in names:
+                value = getattr(self, name)
+                if value is None and name in _OPTIONAL:
+                    continue
+                object.__setattr__(self, name, convert(name, value))
         if self.max_memory_gb is not None and self.max_memory_gb <= 0:
             raise ValueError(f"max_memory_gb must be > 0, got {self.max_memory_gb}")
 

@@ -9,35 +9,11 @@ request that reaches the engine's queue is well formed; the engine itself checks
 from __future__ import annotations
 
 import dataclasses
-import math
-import operator
 from dataclasses import dataclass
 
+from xlagen.generation.config import checked_float, checked_int
 
 _INT64_MAX = 2**63 - 1
-
-
-def _int(name: str, value) -> int:
-    """`value` as an int (numpy integers too); a bool, float or string is a TypeError naming `name`."""
-    if isinstance(value, (bool, float, str)) or value is None:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    try:
-        return operator.index(value)
-    except TypeError as error:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}") from error
-
-
-def _float(name: str, value) -> float:
-    """`value` as a finite float; a bool or string is a TypeError, inf / nan a ValueError naming `name`."""
-    if isinstance(value, (bool, str)) or value is None:
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    try:
-        number = float(value)
-    except (TypeError, ValueError) as error:
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}") from error
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be a finite number, got {number}")
-    return number
 
 
 def _bool(name: str, value) -> bool:
@@ -101,16 +77,16 @@ class RequestOptions:
             object.__setattr__(self, name, value)
 
         for name in ("max_new_tokens", "top_k", "num_beams"):
-            set_(name, _int(name, getattr(self, name)))
+            set_(name, checked_int(name, getattr(self, name)))
         for name in ("temperature", "top_p", "repetition_penalty"):
-            set_(name, _float(name, getattr(self, name)))
+            set_(name, checked_float(name, getattr(self, name)))
         for name in ("do_sample", "logprobs"):
             set_(name, _bool(name, getattr(self, name)))
         if self.seed is not None:
-            set_("seed", _int("seed", self.seed))
+            set_("seed", checked_int("seed", self.seed))
         if self.deadline is not None:
-            set_("deadline", _float("deadline", self.deadline))
-        set_("stop_token_ids", tuple(_int("stop_token_ids", i) for i in _sequence("stop_token_ids",
+            set_("deadline", checked_float("deadline", self.deadline))
+        set_("stop_token_ids", tuple(checked_int("stop_token_ids", i) for i in _sequence("stop_token_ids",
                                                                                    self.stop_token_ids)))
         set_("stop", _sequence("stop", self.stop))
         for text in self.stop:
