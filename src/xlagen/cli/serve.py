@@ -17,8 +17,8 @@ import os
 import signal
 import time
 
-from xlagen.cli.files import UsageError
-from xlagen.cli.generate import WEIGHT_DTYPE_HELP, WEIGHT_DTYPES, _int_list, _positive_int, use_compile_cache
+from xlagen.cli.common import UsageError, add_hub_arguments, add_weight_dtype_argument, hub_options, int_list, positive_int
+from xlagen.cli.generate import use_compile_cache
 
 logger = logging.getLogger("xlagen.cli.serve")
 API_KEY_VARIABLE = "XLAGEN_API_KEY"
@@ -32,36 +32,34 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                                    "chat completions, audio transcriptions (Whisper), /health and /metrics.")
     parser.add_argument("model", metavar="MODEL", help="Hugging Face checkpoint folder or Hub id")
     parser.add_argument("--model-name", help="the model id clients use (default: MODEL)")
-    parser.add_argument("--revision", help="Hub branch, tag or commit")
-    parser.add_argument("--cache-dir", metavar="DIR", help="Hugging Face cache folder")
-    parser.add_argument("--local-files-only", action="store_true", help="never download; use the cache only")
-    parser.add_argument("--weight-dtype", choices=WEIGHT_DTYPES, default="float32", help=WEIGHT_DTYPE_HELP)
+    add_hub_arguments(parser)
+    add_weight_dtype_argument(parser)
     net = parser.add_argument_group("HTTP")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     net.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
     net.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' on /v1 (default: ${API_KEY_VARIABLE} "
                      "if set, else no key)")
-    net.add_argument("--max-body-size", type=_positive_int, default=25 * 1024 * 1024, metavar="BYTES",
+    net.add_argument("--max-body-size", type=positive_int, default=25 * 1024 * 1024, metavar="BYTES",
                      help="larger request bodies get 413 (default: 25 MiB)")
     net.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                      help="a request's deadline (default: 600)")
-    net.add_argument("--max-n", type=_positive_int, default=8, help="largest n accepted (default: 8)")
+    net.add_argument("--max-n", type=positive_int, default=8, help="largest n accepted (default: 8)")
     engine = parser.add_argument_group("decoding")
     engine.add_argument("--backend", choices=("slots", "batcher"),
                         help="slots: the continuous-batching engine (default when installed); batcher: "
                              "whole-generation batches of concurrent requests (CompiledGenerator)")
-    engine.add_argument("--slots", type=_positive_int, default=8, help="decode slots of the engine (default: 8)")
-    engine.add_argument("--max-length", type=_positive_int, metavar="TOKENS",
+    engine.add_argument("--slots", type=positive_int, default=8, help="decode slots of the engine (default: 8)")
+    engine.add_argument("--max-length", type=positive_int, metavar="TOKENS",
                         help="prompt + new tokens per slot (default: the model's positions, at most 1024)")
-    engine.add_argument("--max-batch", type=_positive_int, default=8,
+    engine.add_argument("--max-batch", type=positive_int, default=8,
                         help="requests per batch of the batcher and of transcriptions (default: 8)")
-    engine.add_argument("--max-queue", type=_positive_int, default=64,
+    engine.add_argument("--max-queue", type=positive_int, default=64,
                         help="waiting requests before 429 (default: 64)")
-    engine.add_argument("--prompt-buckets", type=_int_list, default=(16, 64), metavar="LENGTHS",
+    engine.add_argument("--prompt-buckets", type=int_list, default=(16, 64), metavar="LENGTHS",
                         help="prompt lengths to compile at start (comma-separated; default: 16,64)")
-    engine.add_argument("--warmup-new-tokens", type=_int_list, default=(16,), metavar="COUNTS",
+    engine.add_argument("--warmup-new-tokens", type=int_list, default=(16,), metavar="COUNTS",
                         help="batcher: max_new_tokens buckets to compile at start (default: 16)")
-    engine.add_argument("--warmup-beams", type=_int_list, default=(), metavar="BEAMS",
+    engine.add_argument("--warmup-beams", type=int_list, default=(), metavar="BEAMS",
                         help="num_beams values to compile for beam search at start (default: none)")
     engine.add_argument("--no-warmup", action="store_true",
                         help="answer /health with 200 at once; the first request of each shape compiles")
@@ -101,7 +99,7 @@ def _load(args: argparse.Namespace):
 
     from xlagen.hub import resolve_model_dir
 
-    hub = {"revision": args.revision, "cache_dir": args.cache_dir, "local_files_only": args.local_files_only}
+    hub = hub_options(args)
     folder = resolve_model_dir(args.model, **hub)
     if (read_json(folder, "config.json", required=False) or {}).get("model_type") == "whisper":
         from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
