@@ -10,6 +10,10 @@ Processes alternate base, head, base, head, ... --pairs times per row, so that t
 both alike. Prints and writes (--output, JSON and markdown) the median ms/token of each revision per row
 and their ratio head / base (below 1: head is faster). Only the public API is used, so any two revisions
 of the last year compare.
+
+With --same-program, each row instead compiles once per revision and compares the optimized HLO of the two
+programs (op names, metadata and numbering left out): where they are the same, the speed is the same by
+construction, whatever the machine's load (a change that only moves Python code keeps the program).
 """
 
 from __future__ import annotations
@@ -55,6 +59,14 @@ else:
     inputs = {{"input_ids": tf.constant(rng.integers(1, 1000, (batch, 8)), tf.int32)}}
 options = dict(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, do_sample=False)
 generate = tf.function(model.generate, jit_compile=True)
+if {same_program}:
+    import hashlib, re
+    hlo = generate.experimental_get_compiler_ir(**inputs, **options)(stage="optimized_hlo")
+    hlo = re.sub(r"\\b(metadata|op_name|source_file|source_line)=\\{{[^}}]*\\}}", "", hlo)
+    hlo = re.sub(r"[A-Za-z_][A-Za-z_0-9]*\\.\\d+", "x", hlo)
+    print(json.dumps({{"program": hashlib.sha256(hlo.encode()).hexdigest(), "lines": len(hlo.splitlines()),
+                      "xlagen": xlagen.__file__}}))
+    raise SystemExit
 started = time.perf_counter()
 generate(**inputs, **options).numpy()
 first = time.perf_counter() - started
@@ -77,7 +89,8 @@ def extract(revision: str, folder: Path) -> Path:
 
 
 def measure(source: Path, model: str, batch: int, args) -> dict:
-    code = CHILD.format(threads=args.threads, model=model, batch=batch, new_tokens=args.new_tokens, calls=args.calls)
+    code = CHILD.format(threads=args.threads, model=model, batch=batch, new_tokens=args.new_tokens, calls=args.calls,
+                        same_program=args.same_program)
     env = {**os.environ, "PYTHONPATH": str(source), "TF_CPP_MIN_LOG_LEVEL": "2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=source.parent).stdout
@@ -98,6 +111,8 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=3, help="timed calls per process (their median counts)")
     parser.add_argument("--pairs", type=int, default=2, help="processes per revision and row, alternating")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--same-program", action="store_true",
+                        help="compare the compiled programs (optimized HLO) instead of timing them")
     parser.add_argument("--output", type=Path, help="write OUTPUT.json and OUTPUT.md")
     args = parser.parse_args()
 
@@ -109,6 +124,13 @@ def main() -> int:
             sources[name] = extract(revision, Path(scratch) / name)
         for model in args.models:
             for batch in args.batch_sizes:
+                if args.same_program:
+                    programs = {name: measure(sources[name], model, batch, args) for name in sources}
+                    row = {"model": model, "batch_size": batch, "hlo_lines": programs["head"]["lines"],
+                           "same_program": programs["base"]["program"] == programs["head"]["program"]}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    continue
                 runs = {"base": [], "head": []}
                 checksums = {"base": set(), "head": set()}
                 for pair in range(args.pairs):
@@ -125,6 +147,10 @@ def main() -> int:
                 print(json.dumps(row), flush=True)
     report = {"base": args.base, "head": args.head, "new_tokens": args.new_tokens, "calls": args.calls,
               "pairs": args.pairs, "threads": args.threads, "rows": rows}
+    if args.same_program:
+        if args.output:
+            args.output.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
+        return 0 if all(r["same_program"] for r in rows) else 1
     if args.output:
         args.output.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
         lines = [f"Greedy generation, {args.new_tokens} new tokens, float32, random weights, {args.threads} threads; "
