@@ -61,7 +61,8 @@ options = dict(max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, do_
 generate = tf.function(model.generate, jit_compile=True)
 if {same_program}:
     import hashlib, re
-    hlo = generate.experimental_get_compiler_ir(**inputs, **options)(stage="optimized_hlo")
+    program = tf.function(lambda inputs: model.generate(**inputs, **options), jit_compile=True)
+    hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
     hlo = re.sub(r"\\b(metadata|op_name|source_file|source_line)=\\{{[^}}]*\\}}", "", hlo)
     hlo = re.sub(r"[A-Za-z_][A-Za-z_0-9]*\\.\\d+", "x", hlo)
     print(json.dumps({{"program": hashlib.sha256(hlo.encode()).hexdigest(), "lines": len(hlo.splitlines()),
