@@ -38,7 +38,7 @@ def matmul(x, words, n: int):
     x = tf.convert_to_tensor(x)
     if x.dtype != tf.float32:
         raise TypeError(f"packed weights multiply float32 activations; got {x.dtype.name}")
-    if x.shape[:-1].num_elements() is None or not current().use_packed_product(x):
+    if not current().use_packed_product(x):  # also False for rows of unknown or zero count
         return tf.tensordot(x, unpack(words, n), 1)
     load()
     return _custom_call(INT8_TARGET if words.dtype == tf.int8 else TARGET, x, words, n)
