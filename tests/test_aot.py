@@ -80,7 +80,7 @@ def test_binary_rejects_wrong_number_of_ids(aot_dir):
     ({"output_scores": True}, "sequences only"),
 ])
 def test_rejects_options_a_fixed_greedy_program_cannot_have(gpt2_model, tmp_path, options, message):
-    from xlagen.aot import aot_compile
+    from xlagen.deploy.aot import aot_compile
 
     with pytest.raises(ValueError, match=message):
         aot_compile(gpt2_model, tmp_path, prompt_length=4, max_new_tokens=2, **options)
@@ -93,7 +93,7 @@ def test_cli_rejects_sampling(capsys, tmp_path):
 
 
 def test_saved_model_cli_errors_are_surfaced(tmp_path):
-    from xlagen.aot import run_tfcompile
+    from xlagen.deploy.aot import run_tfcompile
 
     with pytest.raises(ChildProcessError, match="saved_model_cli aot_compile_cpu failed") as error:
         run_tfcompile(tmp_path / "missing", tmp_path)
@@ -101,7 +101,7 @@ def test_saved_model_cli_errors_are_surfaced(tmp_path):
 
 
 def test_missing_compiler_is_reported(tmp_path):
-    from xlagen.aot import build_example
+    from xlagen.deploy.aot import build_example
 
     with pytest.raises(FileNotFoundError, match="g\\+\\+-xlagen-missing"):
         build_example(tmp_path, compiler="g++-xlagen-missing")

@@ -16,7 +16,7 @@ from whisper_fixtures import (NUM_TIMESTAMPS, build_whisper_tokenizer, reference
                               synthetic_audio, whisper_languages)
 from xlagen import (AutoFeatureExtractor, AutoProcessor, AutoTokenizer, WhisperFeatureExtractor, WhisperProcessor,
                     WhisperTokenizerFast, load_audio)
-from xlagen.transcribe import LongFormFeatures
+from xlagen.speech.transcribe import LongFormFeatures
 
 RATE = 16000
 TOLERANCE = 1e-4  # max abs difference allowed on the log-mel features
@@ -107,7 +107,7 @@ def test_feature_extractor_arguments(caplog):
     extractor, audio = WhisperFeatureExtractor(), synthetic_audio(1.0)
     with pytest.raises(ValueError, match="44100 Hz but this feature extractor expects 16000 Hz"):
         extractor(audio, sampling_rate=44100)
-    with caplog.at_level(logging.WARNING, logger="xlagen.audio"):
+    with caplog.at_level(logging.WARNING, logger="xlagen.speech.audio"):
         extractor(audio)
     assert "sampling_rate" in caplog.text
     with pytest.raises(ValueError, match="return_tensors"):

@@ -289,8 +289,8 @@ class _PrefixedLocalFileSystem(LocalFileSystem):
 
 
 def test_files_behind_a_url_are_read_through_beam_file_systems(gpt2_checkpoint, audio_files):
-    from xlagen.audio import load_audio
     from xlagen.beam import local_checkpoint, read_audio
+    from xlagen.speech.audio import load_audio
 
     folder = local_checkpoint(_PrefixedLocalFileSystem.PREFIX + gpt2_checkpoint[0])
     assert sorted(os.listdir(folder)) == sorted(os.listdir(gpt2_checkpoint[0]))

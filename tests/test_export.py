@@ -109,7 +109,7 @@ def tokenizer(gpt2_checkpoint):
 
 @pytest.fixture(scope="module")
 def exported(gpt2_model, tokenizer, tmp_path_factory):
-    from xlagen.export import ExportConfig, export_saved_model
+    from xlagen.deploy.export import ExportConfig, export_saved_model
 
     folder = tmp_path_factory.mktemp("export") / "saved"
     config = ExportConfig(max_new_tokens=BOUND, prompt_lengths=BUCKETS, batch_sizes=(1, 4), num_beams=2)
@@ -213,7 +213,7 @@ def test_signatures_are_documented(exported):
 
 def test_unexportable_combinations_say_which_and_why(gpt2_model, tokenizer, tmp_path):
     from xlagen import AutoTokenizer
-    from xlagen.export import ExportConfig, export_saved_model
+    from xlagen.deploy.export import ExportConfig, export_saved_model
 
     with pytest.raises(ValueError, match="'beam'.*num_beams >= 2"):
         export_saved_model(gpt2_model, tmp_path / "a", export=ExportConfig(strategies=("beam",), num_beams=1,
@@ -249,7 +249,7 @@ def test_encoder_decoder_export_buckets_the_encoder_input(tmp_path):
     import transformers
 
     from xlagen import AutoTokenizer, TFAutoModelForSeq2SeqLM
-    from xlagen.export import ExportConfig, export_saved_model
+    from xlagen.deploy.export import ExportConfig, export_saved_model
 
     torch.manual_seed(0)
     config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_heads=4,
@@ -277,7 +277,7 @@ def test_static_input_specs_export_one_program(gpt2_model, tmp_path):
     """Inputs of fixed length (as a speech model's features will be): no buckets, one program."""
     import tensorflow as tf
 
-    from xlagen.export import ExportConfig, export_saved_model
+    from xlagen.deploy.export import ExportConfig, export_saved_model
 
     specs = {name: tf.TensorSpec([None, 5], tf.int32, name=name) for name in ("input_ids", "attention_mask")}
     export_saved_model(gpt2_model, tmp_path / "saved", input_specs=specs,
@@ -330,7 +330,7 @@ def test_graph_tokenizer_matches_the_tokenizers_library(gpt2_checkpoint, tmp_pat
     import tensorflow as tf
 
     from xlagen import AutoTokenizer
-    from xlagen.graph_tokenizer import GraphTokenizer
+    from xlagen.text.graph_tokenizer import GraphTokenizer
 
     rng = np.random.RandomState(0)
     readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
@@ -350,7 +350,7 @@ def test_graph_tokenizer_matches_the_tokenizers_library(gpt2_checkpoint, tmp_pat
 
 def test_graph_tokenizer_declines_what_it_cannot_run(tmp_path):
     from xlagen import AutoTokenizer
-    from xlagen.graph_tokenizer import GraphTokenizer, UnsupportedTokenizer
+    from xlagen.text.graph_tokenizer import GraphTokenizer, UnsupportedTokenizer
 
     build_t5_tokenizer(tmp_path)
     with pytest.raises(UnsupportedTokenizer, match=re.escape("the model is Unigram, not byte-level BPE")):

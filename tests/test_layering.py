@@ -10,14 +10,15 @@ import sys
 import pytest
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "xlagen"
-NUMPY_ONLY = ["xlagen.tokenizer", "xlagen.auto_tokenizer", "xlagen.tokenizer_files", "xlagen.hub",
+NUMPY_ONLY = ["xlagen.text.tokenizer", "xlagen.text.auto_tokenizer", "xlagen.text.tokenizer_files",
+              "xlagen.text.whisper_tokens", "xlagen.text.chat_template", "xlagen.hub",
               "xlagen.weights.checkpoint", "xlagen.weights.atomic_save", "xlagen.weights.loader",
               "xlagen.weights.gpt2", "xlagen.weights.opt", "xlagen.weights.t5", "xlagen.weights.whisper",
-              "xlagen.audio", "xlagen.audio.decoding", "xlagen.audio.features", "xlagen.whisper_tokens",
-              "xlagen.processing"]
+              "xlagen.speech.audio", "xlagen.speech.audio.decoding", "xlagen.speech.audio.features",
+              "xlagen.speech.processing"]
 # Packages (relative to src/xlagen) allowed to import tensorflow / keras.
-TF_ALLOWED = ("layers", "models", "generation", "cli", "cache.py", "modeling.py", "export.py", "graph_tokenizer.py",
-              "speech_export.py", "transcribe.py", "whisper_decoding.py")
+TF_ALLOWED = ("layers", "models", "generation", "cli", "deploy", "cache.py", "modeling.py",
+              "text/graph_tokenizer.py", "speech/transcribe.py", "speech/whisper_decoding.py")
 # module prefix -> xlagen modules it must not import (they sit above it).
 UPWARD = {
     "layers": ("xlagen.models", "xlagen.generation", "xlagen.modeling", "xlagen.cli"),
@@ -25,8 +26,14 @@ UPWARD = {
     # Generation names no model family: models plug in through GenerationMixin's hooks.
     # (the contract's types in models/base.py are the one part of models/ it uses).
     "generation": ("xlagen.modeling", "xlagen.cli", "xlagen.models.gpt2", "xlagen.models.opt", "xlagen.models.t5",
-                   "xlagen.models.whisper", "xlagen.models.registry", "xlagen.whisper_decoding", "xlagen.transcribe",
-                   "xlagen.whisper_tokens", "xlagen.serving", "xlagen.beam"),
+                   "xlagen.models.whisper", "xlagen.models.registry", "xlagen.speech", "xlagen.deploy",
+                   "xlagen.text.whisper_tokens", "xlagen.serving", "xlagen.beam"),
+    # Tokenizers sit below everything that uses them; speech (audio, Whisper's processing, decoding rules and
+    # transcription) sits below deployment and the front ends.
+    "text": ("xlagen.speech", "xlagen.deploy", "xlagen.models", "xlagen.layers", "xlagen.generation",
+             "xlagen.modeling", "xlagen.serving", "xlagen.beam", "xlagen.cli"),
+    "speech": ("xlagen.deploy", "xlagen.serving", "xlagen.beam", "xlagen.cli"),
+    "deploy": ("xlagen.serving", "xlagen.beam", "xlagen.cli"),
     "weights": ("xlagen.models", "xlagen.layers", "xlagen.generation", "xlagen.modeling", "xlagen.cli"),
     # The native kernels sit below the layers that call them.
     "native": ("xlagen.models", "xlagen.layers", "xlagen.generation", "xlagen.modeling", "xlagen.cli",

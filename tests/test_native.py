@@ -295,8 +295,8 @@ def test_packing_needs_a_float32_model(gpt2_checkpoint):
 
 def test_packed_models_are_not_exported(gpt2_checkpoint, tmp_path):
     from xlagen import TFAutoModelForCausalLM
-    from xlagen.aot import aot_compile
-    from xlagen.export import export_saved_model
+    from xlagen.deploy.aot import aot_compile
+    from xlagen.deploy.export import export_saved_model
 
     model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="bfloat16")
     with pytest.raises(ValueError, match="native kernel"):

@@ -14,8 +14,8 @@ from models.test_whisper import save_tiny_whisper
 from whisper_fixtures import build_whisper_tokenizer, save_feature_extractor, synthetic_audio
 from xlagen import TFWhisperForConditionalGeneration, WhisperProcessor
 from xlagen.cli.__main__ import main
-from xlagen.export import ExportConfig
-from xlagen.speech_export import export_whisper, log_mel
+from xlagen.deploy.export import ExportConfig
+from xlagen.deploy.speech_export import export_whisper, log_mel
 
 NEW = 6
 

@@ -1,4 +1,4 @@
-"""Tests for xlagen.tokenizer against transformers' fast tokenizers, on tiny tokenizers trained here."""
+"""Tests for xlagen.text.tokenizer against transformers' fast tokenizers, on tiny tokenizers trained here."""
 
 import json
 import pathlib
@@ -9,8 +9,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from conftest import build_t5_tokenizer
-from xlagen import tokenizer as xtok
-from xlagen.auto_tokenizer import AutoTokenizer
+from xlagen.text import tokenizer as xtok
+from xlagen.text.auto_tokenizer import AutoTokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,7 +13,7 @@ from models.test_whisper import EOT, TIMESTAMP_BEGIN, save_tiny_whisper
 from whisper_fixtures import build_whisper_tokenizer, save_feature_extractor, synthetic_audio
 from xlagen import TFWhisperForConditionalGeneration, WhisperFeatureExtractor, WhisperProcessor
 from xlagen.cli.__main__ import main
-from xlagen.transcribe import Transcriber, split_segments
+from xlagen.speech.transcribe import Transcriber, split_segments
 
 MAX_NEW = 20
 

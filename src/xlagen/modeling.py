@@ -15,9 +15,9 @@ from safetensors.numpy import save_file
 
 from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
-from xlagen import whisper_decoding
 from xlagen.hub import resolve_model_dir
 from xlagen.models import gpt2, opt, registry, t5, whisper
+from xlagen.speech import whisper_decoding
 from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes, read_json, write_files
 from xlagen.weights.loader import (check_memory, check_parameter_count, check_sizes, convert, export, normalize_prefix,
                                    physical_memory)
@@ -249,7 +249,7 @@ class TFWhisperForConditionalGeneration(PreTrainedModel, whisper.WhisperLM):
 
     def forced_decoder_prompt(self, inputs, config: GenerationConfig):
         """Whisper's forced prompt: start, language (detected per row when none is given), task and
-        <|notimestamps|> (`xlagen.whisper_decoding.decoder_prompt`)."""
+        <|notimestamps|> (`xlagen.speech.whisper_decoding.decoder_prompt`)."""
         return whisper_decoding.decoder_prompt(self, inputs, config)
 
     def generation_processors(self, config: GenerationConfig) -> tuple:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import soundfile
 
-import xlagen.audio.decoding as audio_module
+import xlagen.speech.audio.decoding as audio_module
 from xlagen import WhisperFeatureExtractor, load_audio
 
 RATE = 16000

@@ -19,7 +19,7 @@ from xlagen.models.gpt2 import GPT2Config
 from xlagen.models.opt import OPTConfig
 from xlagen.models.t5 import T5Config
 from xlagen.models.whisper import WhisperConfig
-from xlagen.tokenizer_files import backend_call
+from xlagen.text.tokenizer_files import backend_call
 from xlagen.weights import checkpoint
 from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes
 

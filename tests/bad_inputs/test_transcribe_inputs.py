@@ -8,7 +8,7 @@ import pytest
 
 from models.test_whisper import save_tiny_whisper
 from xlagen import AutoFeatureExtractor, TFWhisperForConditionalGeneration, WhisperFeatureExtractor
-from xlagen.transcribe import Transcriber
+from xlagen.speech.transcribe import Transcriber
 
 
 def _folder(tmp_path, files: dict):

@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 from apache_beam.ml.inference.base import PredictionResult
 
-from xlagen.audio import load_audio
 from xlagen.beam.handler import XlagenModelHandler, describe
 from xlagen.generation.compiled import Buckets
+from xlagen.speech.audio import load_audio
 
 SAMPLING_RATE = 16000
 WINDOW_SAMPLES = 30 * SAMPLING_RATE  # Whisper's window
@@ -122,8 +122,8 @@ class TranscriptionModelHandler(XlagenModelHandler):
         """Loads the Whisper model and its processor."""
         from xlagen.generation.compiled import CompiledGenerator
         from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
-        from xlagen.processing import WhisperProcessor
-        from xlagen.transcribe import Transcriber
+        from xlagen.speech.processing import WhisperProcessor
+        from xlagen.speech.transcribe import Transcriber
 
         folder = self.local(self.model_name_or_path)
         model = TFAutoModelForSpeechSeq2Seq.from_pretrained(folder, weight_dtype=self.weight_dtype, **self.hub_options)

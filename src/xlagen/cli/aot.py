@@ -45,7 +45,7 @@ def prepare(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs `xlagen aot`; prints the files written (and the program built)."""
     prepare(args)
-    from xlagen.aot import aot_compile, build_example
+    from xlagen.deploy.aot import aot_compile, build_example
 
     options = {} if args.eos_token_id is None else {"eos_token_id": args.eos_token_id}
     program = aot_compile(args.model, args.out_dir, batch_size=args.batch_size,

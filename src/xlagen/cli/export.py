@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         OSError: if the model cannot be read or OUT_DIR is not empty.
     """
     from xlagen import AutoTokenizer
-    from xlagen.export import ExportConfig, export_saved_model
+    from xlagen.deploy.export import ExportConfig, export_saved_model
     from xlagen.hub import resolve_model_dir
     from xlagen.modeling import TFAutoModelForGeneration
     from xlagen.weights.checkpoint import read_json
@@ -123,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_speech(args: argparse.Namespace, export, hub: dict) -> int:
-    """`xlagen export` of a Whisper checkpoint: features and audio signatures (see xlagen.speech_export)."""
+    """`xlagen export` of a Whisper checkpoint: features and audio signatures (see xlagen.deploy.speech_export)."""
+    from xlagen.deploy.speech_export import export_whisper
     from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
-    from xlagen.processing import WhisperProcessor
-    from xlagen.speech_export import export_whisper
+    from xlagen.speech.processing import WhisperProcessor
 
     model = TFAutoModelForSpeechSeq2Seq.from_pretrained(args.model, **hub)
     processor = WhisperProcessor.from_pretrained(args.model, **hub)

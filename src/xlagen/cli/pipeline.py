@@ -177,7 +177,7 @@ def _generation_record(item) -> str:
 def _write_subtitles(result, prefix: str, formats: list[str]) -> None:
     from apache_beam.io.filesystems import FileSystems
 
-    from xlagen.transcribe import Segment, Transcript, render
+    from xlagen.speech.transcribe import Segment, Transcript, render
 
     record = result.inference
     transcript = Transcript(record["text"], tuple(Segment(s["start"], s["end"], s["text"], ())

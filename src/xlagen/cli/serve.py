@@ -103,7 +103,7 @@ def _load(args: argparse.Namespace):
     folder = resolve_model_dir(args.model, **hub)
     if (read_json(folder, "config.json", required=False) or {}).get("model_type") == "whisper":
         from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
-        from xlagen.processing import WhisperProcessor
+        from xlagen.speech.processing import WhisperProcessor
 
         return (WhisperProcessor.from_pretrained(folder),
                 TFAutoModelForSpeechSeq2Seq.from_pretrained(folder, weight_dtype=args.weight_dtype), True)

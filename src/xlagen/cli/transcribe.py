@@ -1,6 +1,6 @@
 """`xlagen transcribe`: audio files -> transcripts (txt, json, srt or vtt) with a Whisper checkpoint.
 
-Each file is decoded as a whole (audio longer than 30 s in sequential windows, see `xlagen.transcribe`),
+Each file is decoded as a whole (audio longer than 30 s in sequential windows, see `xlagen.speech.transcribe`),
 with one compiled program reused for every window and file. Every FILE must exist and be a regular file
 (checked by `prepare` before TensorFlow is imported); a file that cannot be decoded is reported, naming it,
 and the others are still transcribed (exit code 1 at the end).
@@ -79,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
     """Runs `xlagen transcribe`; returns 0, or 1 when a file could not be transcribed."""
     from tqdm import tqdm
 
-    from xlagen.whisper_decoding import check_options, language_id
     from xlagen.modeling import TFAutoModelForSpeechSeq2Seq
-    from xlagen.processing import WhisperProcessor
-    from xlagen.transcribe import Transcriber, render
+    from xlagen.speech.processing import WhisperProcessor
+    from xlagen.speech.transcribe import Transcriber, render
+    from xlagen.speech.whisper_decoding import check_options, language_id
 
     hub = hub_options(args)
     model = TFAutoModelForSpeechSeq2Seq.from_pretrained(args.model, weight_dtype=args.weight_dtype, **hub)

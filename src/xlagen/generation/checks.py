@@ -120,7 +120,7 @@ def check_features(name: str, features: tf.Tensor) -> None:
     if values is not None and not np.isfinite(values).all():
         row = int(np.argwhere(~np.isfinite(values))[0][0])
         raise ValueError(f"{name} holds NaN or infinite values (first in row {row}): compute log-mel features "
-                         "from finite audio (e.g. with the processor / xlagen.audio)")
+                         "from finite audio (e.g. with the processor / xlagen.speech.audio)")
 
 
 def check_seed(seed) -> None:

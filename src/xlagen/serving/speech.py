@@ -18,8 +18,8 @@ import numpy as np
 
 from xlagen.serving.batcher import WorkQueue, await_result
 from xlagen.serving.protocol import RequestError
-from xlagen.transcribe import SAMPLING_RATE, Transcriber, Transcript, render
-from xlagen.whisper_tokens import LANGUAGES
+from xlagen.speech.transcribe import SAMPLING_RATE, Transcriber, Transcript, render
+from xlagen.text.whisper_tokens import LANGUAGES
 
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
 
@@ -66,7 +66,7 @@ class TranscriptionBatcher:
     def check(self, language: str | None, task: str | None) -> None:
         """Refuses a language or task the model cannot take (ValueError naming it)."""
         from xlagen.generation.api import resolve_config
-        from xlagen.whisper_decoding import check_options, language_id
+        from xlagen.speech.whisper_decoding import check_options, language_id
 
         config = resolve_config(self.model, None, {"language": language, "task": task,
                                                    "decoder_start_token_id": self.transcriber._start_token()})
@@ -111,7 +111,7 @@ def decode_upload(data: bytes, filename: str) -> np.ndarray:
     """
     import soundfile
 
-    from xlagen.audio import load_audio
+    from xlagen.speech.audio import load_audio
 
     if not data:
         raise RequestError(f"the uploaded file '{filename}' is empty", "file")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from xlagen.tokenizer import PreTrainedTokenizerFast
-from xlagen.whisper_tokens import WhisperTokenizerFast
+from xlagen.text.tokenizer import PreTrainedTokenizerFast
+from xlagen.text.whisper_tokens import WhisperTokenizerFast
 
 # A checkpoint's tokenizer_class (without "Fast") -> xlagen's class; every other name is the generic class.
 TOKENIZER_CLASSES = {"WhisperTokenizer": WhisperTokenizerFast}

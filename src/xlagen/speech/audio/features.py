@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from xlagen.audio.decoding import float_samples
+from xlagen.speech.audio.decoding import float_samples
 from xlagen.weights.checkpoint import read_json, write_files
 
 logger = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ import tensorflow as tf
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import batch_size
 from xlagen.generation.sampling import NEG_INF, Context, Processor, token_mask
-from xlagen.whisper_tokens import LANGUAGE_CODES, LANGUAGES
+from xlagen.text.whisper_tokens import LANGUAGE_CODES, LANGUAGES
 
 
 def timestamp_rules(no_timestamps_id: int, eos_id: int, max_initial_index: int | None) -> Processor:

@@ -1,6 +1,6 @@
 """What a tokenizer folder holds: the special tokens and settings of `tokenizer_config.json` and
 `special_tokens_map.json` (`TokenizerConfig`, layered as transformers does) and the `tokenizers`
-backend (`tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt`). Used by `xlagen.tokenizer`.
+backend (`tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt`). Used by `xlagen.text.tokenizer`.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 "beam"), each taking token ids and an attention mask `[B, P]` with a dynamic batch size and a
 dynamic prompt length, and returning the sequences and their scores. Where the tokenizer allows it
 (byte-level BPE: GPT-2, OPT), a "<strategy>_text" signature takes strings and returns strings, with
-the tokenizer inside the graph (`xlagen.graph_tokenizer`). The generation inside is the same
+the tokenizer inside the graph (`xlagen.text.graph_tokenizer`). The generation inside is the same
 `generation.api.run` that `model.generate` uses, built like `CompiledGenerator`'s programs
 (`always=True` processors, numeric options as tensors), so for the same inputs and options the
 SavedModel returns exactly `model.generate`'s tokens.
@@ -30,11 +30,12 @@ from pathlib import Path
 
 import tensorflow as tf
 
-from xlagen import graph_tokenizer, native
+from xlagen import native
 from xlagen.generation.api import make_plan, make_runtime, resolve_config, run
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Prompt, is_eos
 from xlagen.generation.sampling import Runtime, top_k_capacity
+from xlagen.text import graph_tokenizer
 
 logger = logging.getLogger(__name__)
 

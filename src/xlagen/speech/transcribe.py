@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from xlagen.audio import WhisperFeatureExtractor, load_audio
 from xlagen.generation.api import resolve_config
 from xlagen.generation.compiled import CompiledGenerator
-from xlagen.whisper_decoding import check_options, decoder_prompt
+from xlagen.speech.audio import WhisperFeatureExtractor, load_audio
+from xlagen.speech.whisper_decoding import check_options, decoder_prompt
 
 SAMPLING_RATE = 16000
 TIME_PRECISION = 0.02  # seconds per timestamp token

@@ -1,8 +1,8 @@
 """Audio for speech models, in numpy: `decoding` turns files and arrays into samples (`load_audio`),
 `features` turns samples into Whisper's log-mel features (`WhisperFeatureExtractor`)."""
 
-from xlagen.audio.decoding import load_audio
-from xlagen.audio.features import (DYNAMIC_RANGE, FEATURE_EXTRACTOR_NAME, LOG_FLOOR, PROCESSOR_NAME, BatchFeature,
+from xlagen.speech.audio.decoding import load_audio
+from xlagen.speech.audio.features import (DYNAMIC_RANGE, FEATURE_EXTRACTOR_NAME, LOG_FLOOR, PROCESSOR_NAME, BatchFeature,
                                    WhisperFeatureExtractor, mel_filter_bank, read_preprocessor_config)
 
 __all__ = ["DYNAMIC_RANGE", "FEATURE_EXTRACTOR_NAME", "LOG_FLOOR", "PROCESSOR_NAME", "BatchFeature",

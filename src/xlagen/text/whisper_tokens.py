@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from tokenizers import processors
 
-from xlagen.tokenizer import PreTrainedTokenizerFast, _to_id_list
+from xlagen.text.tokenizer import PreTrainedTokenizerFast, _to_id_list
 
 TASKS = ("translate", "transcribe")
 _LANGUAGE_TABLE = (

@@ -159,7 +159,7 @@ class GraphTokenizer:
         """From an xlagen tokenizer (its `tokenizers` backend's full state, special tokens included).
 
         Args:
-            tokenizer: An `xlagen.tokenizer.PreTrainedTokenizerFast`.
+            tokenizer: An `xlagen.text.tokenizer.PreTrainedTokenizerFast`.
             vocab_size: The model's vocabulary size (ids up to it decode, unknown ones to "").
 
         Raises:

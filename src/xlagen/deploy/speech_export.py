@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import tensorflow as tf
 
-from xlagen import graph_tokenizer
-from xlagen.audio import DYNAMIC_RANGE, LOG_FLOOR
-from xlagen.export import ExportConfig, ExportedSignature, export_saved_model
+from xlagen.deploy.export import ExportConfig, ExportedSignature, export_saved_model
 from xlagen.generation.config import GenerationConfig
 from xlagen.generation.loop import Prompt
-from xlagen.whisper_decoding import decoder_prompt
+from xlagen.speech.audio import DYNAMIC_RANGE, LOG_FLOOR
+from xlagen.speech.whisper_decoding import decoder_prompt
+from xlagen.text import graph_tokenizer
 
 def log_mel(audio: tf.Tensor, feature_extractor) -> tf.Tensor:
     """Whisper's log-mel features of 16 kHz audio with TensorFlow ops.

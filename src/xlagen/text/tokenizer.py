@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import tokenizers
 
-from xlagen.tokenizer_files import (LARGE_LENGTH, SPECIAL_TOKEN_NAMES, TokenizerConfig, added_token, load_backend,
+from xlagen.text.tokenizer_files import (LARGE_LENGTH, SPECIAL_TOKEN_NAMES, TokenizerConfig, added_token, load_backend,
                                     merge_settings, read_json_or_empty, token_content)
 from xlagen.weights.checkpoint import write_files
 
@@ -97,7 +97,7 @@ class PreTrainedTokenizerFast:
                 so `use_fast=False` raises.
             **special_token_overrides: Any of `bos_token`, `eos_token`, `unk_token`, `sep_token`,
                 `cls_token`, `mask_token`, `additional_special_tokens`; for a Whisper tokenizer also
-                `language`, `task` and `predict_timestamps` (see `xlagen.whisper_tokens`).
+                `language`, `task` and `predict_timestamps` (see `xlagen.text.whisper_tokens`).
 
         Returns:
             A `PreTrainedTokenizerFast`; a `WhisperTokenizerFast` when the checkpoint's tokenizer
@@ -149,7 +149,7 @@ class PreTrainedTokenizerFast:
     @classmethod
     def _class_for(cls, tokenizer_class: str) -> type:
         """The class `from_pretrained` builds for a checkpoint whose tokenizer class is `tokenizer_class`: this
-        one (`xlagen.auto_tokenizer.AutoTokenizer` picks by the name)."""
+        one (`xlagen.text.auto_tokenizer.AutoTokenizer` picks by the name)."""
         return cls
 
     bos_token, bos_token_id = _special_properties("bos_token")
@@ -207,7 +207,7 @@ class PreTrainedTokenizerFast:
     def apply_chat_template(self, conversation: Sequence[dict], *, add_generation_prompt: bool = False,
                             tokenize: bool = True, chat_template: str | None = None, **variables: Any):
         """Renders a conversation with the chat template (transformers' `apply_chat_template`, see
-        `xlagen.chat_template`; needs jinja2).
+        `xlagen.text.chat_template`; needs jinja2).
 
         Args:
             conversation: `{"role": ..., "content": ...}` messages.
@@ -222,7 +222,7 @@ class PreTrainedTokenizerFast:
         Raises:
             ValueError: If there is no chat template, or it fails on the conversation.
         """
-        from xlagen.chat_template import render
+        from xlagen.text.chat_template import render
 
         template = chat_template or self.chat_template
         if template is None:

@@ -16,10 +16,10 @@ import os
 import pathlib
 from typing import Any
 
-from xlagen.audio import FEATURE_EXTRACTOR_NAME, BatchFeature, WhisperFeatureExtractor, read_preprocessor_config
-from xlagen.auto_tokenizer import AutoTokenizer
+from xlagen.speech.audio import FEATURE_EXTRACTOR_NAME, BatchFeature, WhisperFeatureExtractor, read_preprocessor_config
+from xlagen.text.auto_tokenizer import AutoTokenizer
+from xlagen.text.whisper_tokens import WhisperTokenizerFast
 from xlagen.weights.checkpoint import read_json
-from xlagen.whisper_tokens import WhisperTokenizerFast
 
 
 class WhisperProcessor:
