@@ -14,6 +14,9 @@ of the last year compare.
 With --same-program, each row instead compiles once per revision and compares the optimized HLO of the two
 programs (op names, metadata and numbering left out): where they are the same, the speed is the same by
 construction, whatever the machine's load (a change that only moves Python code keeps the program).
+Add --kernels to compare the programs that call xlagen's native kernels on a machine whose CPU cannot run
+them: both revisions then load the kernel library (built, not executed) and trace as if the CPU could, and
+the comparison includes every custom call and its configuration.
 """
 
 from __future__ import annotations
@@ -38,6 +41,11 @@ tf.config.threading.set_intra_op_parallelism_threads({threads})
 tf.config.threading.set_inter_op_parallelism_threads(1)
 keras.utils.set_random_seed(0)
 import xlagen
+if {force_kernels}:
+    # Trace as if this CPU could run the kernels: the library loads and registers, nothing runs.
+    import xlagen.native as native
+    where = getattr(native, "library", native)
+    where.hardware_reason = lambda: None
 from xlagen import modeling
 model_name, batch, new_tokens, calls = {model!r}, {batch}, {new_tokens}, {calls}
 if model_name == "gpt2":
@@ -66,7 +74,7 @@ if {same_program}:
     hlo = re.sub(r"\\b(metadata|op_name|source_file|source_line)=\\{{[^}}]*\\}}", "", hlo)
     hlo = re.sub(r"[A-Za-z_][A-Za-z_0-9]*\\.\\d+", "x", hlo)
     print(json.dumps({{"program": hashlib.sha256(hlo.encode()).hexdigest(), "lines": len(hlo.splitlines()),
-                      "xlagen": xlagen.__file__}}))
+                      "custom_calls": hlo.count("custom_call_target="), "xlagen": xlagen.__file__}}))
     raise SystemExit
 started = time.perf_counter()
 generate(**inputs, **options).numpy()
@@ -91,7 +99,7 @@ def extract(revision: str, folder: Path) -> Path:
 
 def measure(source: Path, model: str, batch: int, args) -> dict:
     code = CHILD.format(threads=args.threads, model=model, batch=batch, new_tokens=args.new_tokens, calls=args.calls,
-                        same_program=args.same_program)
+                        same_program=args.same_program, force_kernels=args.kernels)
     env = {**os.environ, "PYTHONPATH": str(source), "TF_CPP_MIN_LOG_LEVEL": "2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=source.parent).stdout
@@ -114,8 +122,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--same-program", action="store_true",
                         help="compare the compiled programs (optimized HLO) instead of timing them")
+    parser.add_argument("--kernels", action="store_true",
+                        help="with --same-program: trace both revisions with the native kernels, even on a CPU "
+                             "that cannot run them")
     parser.add_argument("--output", type=Path, help="write OUTPUT.json and OUTPUT.md")
     args = parser.parse_args()
+    if args.kernels and not args.same_program:
+        parser.error("--kernels compares programs only: add --same-program")
 
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -128,6 +141,7 @@ def main() -> int:
                 if args.same_program:
                     programs = {name: measure(sources[name], model, batch, args) for name in sources}
                     row = {"model": model, "batch_size": batch, "hlo_lines": programs["head"]["lines"],
+                           "custom_calls": {name: programs[name]["custom_calls"] for name in programs},
                            "same_program": programs["base"]["program"] == programs["head"]["program"]}
                     rows.append(row)
                     print(json.dumps(row), flush=True)
@@ -146,7 +160,7 @@ def main() -> int:
                        "same_tokens": checksums["base"] == checksums["head"]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    report = {"base": args.base, "head": args.head, "new_tokens": args.new_tokens, "calls": args.calls,
+    report = {"base": args.base, "head": args.head, "kernels_forced": args.kernels, "new_tokens": args.new_tokens, "calls": args.calls,
               "pairs": args.pairs, "threads": args.threads, "rows": rows}
     if args.same_program:
         if args.output:
