@@ -12,7 +12,7 @@ import pytest
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "xlagen"
 NUMPY_ONLY = ["xlagen.tokenizer", "xlagen.auto_tokenizer", "xlagen.tokenizer_files", "xlagen.hub",
               "xlagen.weights.checkpoint", "xlagen.weights.atomic_save", "xlagen.weights.loader",
-              "xlagen.weights.gpt2", "xlagen.weights.opt", "xlagen.weights.t5", "xlagen.weights.whisper",
+              "xlagen.weights.gpt2", "xlagen.weights.llama", "xlagen.weights.opt", "xlagen.weights.t5", "xlagen.weights.whisper",
               "xlagen.audio", "xlagen.audio.decoding", "xlagen.audio.features", "xlagen.whisper_tokens",
               "xlagen.processing"]
 # Packages (relative to src/xlagen) allowed to import tensorflow / keras.
