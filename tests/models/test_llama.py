@@ -134,17 +134,6 @@ def test_left_padded_rows_equal_rows_alone(tiny):
         np.testing.assert_array_equal(batch[i, ids.shape[1]:], alone[0, len(row):])
 
 
-def test_beam_search_under_xla_equals_eager(tiny):
-    _, model = tiny("mistral")  # greedy under XLA: test_compiled_generator_and_export
-    ids, mask = left_pad(ROWS, PAD)
-    options = dict(max_new_tokens=6, eos_token_id=eos_that_occurs(model, ids, mask=mask), pad_token_id=PAD,
-                   num_beams=2)
-    eager = model.generate(ids, attention_mask=mask, **options)
-    compiled = tf.function(model.generate, jit_compile=True)(input_ids=tf.constant(ids),
-                                                             attention_mask=tf.constant(mask), **options)
-    np.testing.assert_array_equal(compiled.numpy(), eager.numpy())
-
-
 def _generate_steps(model, ids, mask):
     """Logits of prefilling 4 columns then one cached step per column, `[B, T, V]`."""
     cache = model.init_cache(len(ids), ids.shape[1])
@@ -251,14 +240,15 @@ def test_packed_weights_generate(tiny, tmp_path, weight_dtype):
     reference.save_pretrained(tmp_path)
     model = TFAutoModelForCausalLM.from_pretrained(tmp_path, weight_dtype=weight_dtype)
     ids, mask = left_pad(ROWS, PAD)
-    assert np.abs(model(ids, attention_mask=mask).logits.numpy() - full(ids, attention_mask=mask).logits.numpy()).max() < 0.5
+    assert np.abs(model(ids, attention_mask=mask).logits.numpy() - full(ids, attention_mask=mask).logits.numpy()).max() < 0.1
     tokens = tf.function(model.generate, jit_compile=True)(input_ids=tf.constant(ids), attention_mask=tf.constant(mask),
                                                            max_new_tokens=4, pad_token_id=PAD)
     assert tokens.shape == (3, ids.shape[1] + 4)
 
 
 def test_compiled_generator_and_saved_model_export(tiny, tmp_path):
-    """Greedy decoding compiled by XLA (CompiledGenerator, and a SavedModel restored here) equals eager."""
+    """Greedy decoding compiled by XLA (CompiledGenerator, and a SavedModel restored here) equals eager
+    (beam search under XLA shares every layer call with greedy; it is compared eagerly with transformers)."""
     from xlagen import Buckets, CompiledGenerator
     from xlagen.export import ExportConfig, export_saved_model
 

@@ -185,13 +185,15 @@ class _MultiHead(keras.layers.Layer):
         return [split_heads(p, self.num_heads, self.head_dim) for p in ops.split(x, parts, axis=-1)]
 
     def _attend(self, query, key, value, mask, bias, training, key_transposed=False):
-        """Attention of `[B, H, T, D]` queries -> `[B, T, hidden]`. Long unmasked attention under XLA (an
-        encoder's, or a decoder's over it) is the fused native kernel (`xlagen.native.attention`)."""
+        """Attention of `[B, H, T, D]` queries over `[B, Hkv, S, D]` keys -> `[B, T, hidden]`. Long unmasked
+        attention under XLA (an encoder's, or a decoder's over it) is the fused native kernel
+        (`xlagen.native.attention`)."""
         dropout = self.dropout.rate > 0 and training is not None and training is not False
         groups = self.groups
         if groups > 1:  # each key/value head's queries as one group of rows: the keys are never repeated
             query = group_queries(query, groups)
-            mask = None if mask is None or mask.shape[2] == 1 else ops.tile(mask, (1, 1, groups, 1))
+            if mask is not None and mask.shape[2] != 1:  # [B, 1, T, S] -> [B, 1, g * T, S]
+                mask = ops.tile(mask, (1, 1, groups, 1))
         if native.use_attention_kernel(query, key, mask, bias, dropout, key_transposed=key_transposed):
             attended = native.attention(query, key, value, self.scale, key_transposed)
         else:
@@ -204,7 +206,12 @@ class _MultiHead(keras.layers.Layer):
 
 
 class Attention(_MultiHead):
-    """Self-attention with a fused query/key/value projection (arguments: see `_MultiHead`)."""
+    """Self-attention with a fused query/key/value projection (arguments: see `_MultiHead`), and optionally
+    rotary positions (`call`'s `rotary`) and per-head query/key norms.
+
+    Args:
+        head_norm_eps: With it, an RMS norm (this epsilon) of each query and key head before the rotation.
+    """
 
     PROJECTIONS = (("qkv", 1, 2),)
 
