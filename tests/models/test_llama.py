@@ -291,3 +291,24 @@ def test_every_eos_id_of_generation_config_stops_a_row(tiny, tmp_path):
     new = ours[:, ids.shape[1]:]
     assert new[0, first_step] == first and (new[0, first_step + 1:] == PAD).all()
     assert new[2, second_step] == second and (new[2, second_step + 1:] == PAD).all()
+
+
+def test_grouped_decoding_step_reads_the_cache_in_place(tiny, batch_size=3, num_beams=1):
+    """4 query heads on 1 key/value head: a compiled decoding step neither copies, transposes, gathers nor
+    repeats the key/value cache; the only cache-sized work is the in-place write (see test_introspection)."""
+    from test_introspection import _loop_body
+    from xlagen.generation.introspect import generate_ir
+
+    _, model = tiny("mistral")
+    config = model.config
+    beams = f"{num_beams}," if num_beams > 1 else ""
+    cache = f"{batch_size},{config.num_key_value_heads},{beams}{8 + 12},{config.head_dim}]"
+    hlo = generate_ir(model, batch_size=batch_size, max_new_tokens=12, pad_token_id=PAD, num_beams=num_beams,
+                      stage="optimized_hlo")
+    body = _loop_body(hlo).splitlines()
+    cache_ops = [line for line in body if f"= f32[{cache}" in line and "get-tuple-element(" not in line]
+    assert sum("dynamic-update-slice" in line.split("=")[0] for line in cache_ops) == 2 * config.num_layers
+    assert not [line for line in cache_ops if " copy(" in line or "transpose" in line.split("=")[0]
+                or "gather" in line.split("=")[0]], cache_ops
+    repeated = f"{batch_size},{config.num_heads},{beams}{8 + 12},{config.head_dim}]"  # keys repeated per query head
+    assert not [line for line in body if f"f32[{repeated}" in line.split("=")[1].split("(")[0]]
