@@ -312,3 +312,10 @@ def test_grouped_decoding_step_reads_the_cache_in_place(tiny, batch_size=3, num_
                 or "gather" in line.split("=")[0]], cache_ops
     repeated = f"{batch_size},{config.num_heads},{beams}{8 + 12},{config.head_dim}]"  # keys repeated per query head
     assert not [line for line in body if f"f32[{repeated}" in line.split("=")[1].split("(")[0]]
+
+
+def test_memory_estimate_counts_key_value_heads_in_the_cache_and_query_heads_in_the_scores(tiny):
+    _, model = tiny("mistral")
+    config = model.config
+    cache = 2 * config.num_layers * 3 * 10 * config.num_key_value_heads * config.head_dim * 4  # float32 k and v
+    assert model.decoding_bytes(3, 10) == cache + 3 * config.num_heads * 10 * 9

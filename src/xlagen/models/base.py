@@ -241,7 +241,8 @@ class CausalDecoding:
         (in the beam layout each beam scores its prompt's K slots, `[B, H, K, K * S]`)."""
         unit = keras.tree.flatten(self.init_cache(1, 1))  # per layer [1, H, 1, D]: the cache grows with B and S
         per_position = sum(math.prod(t.shape) * _dtype_bytes(t.dtype) for t in unit)
-        heads = max(t.shape[1] for t in unit)
+        # Scores have a row per query head: more than the cache's key/value heads with grouped-query attention.
+        heads = max(max(t.shape[1] for t in unit), getattr(self.config, "num_heads", 0))
         rows = batch_size * num_beams
         scores = rows * heads * num_beams * max_length * (4 * 2 + 1)  # float32 scores and weights, bool mask
         return rows * max_length * per_position + scores
