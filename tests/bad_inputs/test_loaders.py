@@ -316,8 +316,10 @@ FAMILY_CASES = [
      r"rope_scaling keys \['extra_knob'\] are not implemented"),
     (LlamaConfig, {"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
      r"partial_rotary_factor=0.5 with rope_type 'linear' is not supported"),
-    (LlamaConfig, {"model_type": "qwen2", "use_sliding_window": True}, r"use_sliding_window=true is not supported"),
-    (LlamaConfig, {"model_type": "qwen3", "layer_types": ["sliding_attention"]}, r"layer_types=.* is not supported"),
+    (LlamaConfig, {"model_type": "qwen2", "use_sliding_window": "yes"}, r"use_sliding_window must be true or false"),
+    (LlamaConfig, {"model_type": "qwen3", "num_hidden_layers": 1, "layer_types": ["sliding_attention"]},
+     r"layer_types names sliding_attention layers but there is no window"),
+    (LlamaConfig, {"model_type": "qwen3", "layer_types": ["full_attention"]}, r"layer_types must list 32 of"),
     (LlamaConfig, {"model_type": "mistral", "sliding_window": 0}, r"sliding_window must be a positive integer"),
     (LlamaConfig, {"hidden_act": "made_up"}, r"hidden_act: unsupported .* 'made_up'"),
 ]

@@ -44,6 +44,9 @@ VARIANTS = {
                                             "rope_theta": 1000.0})),
     "mistral": ("mistral", dict(num_key_value_heads=1, sliding_window=4)),
     "qwen2": ("qwen2", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    # A window of 4 on the second layer only (from max_window_layers on), full attention on the first.
+    "qwen2_window": ("qwen2", dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=4,
+                                   max_window_layers=1)),
     "qwen3": ("qwen3", dict(num_key_value_heads=2, head_dim=16)),
 }
 
@@ -111,10 +114,10 @@ def test_logits_match_transformers(tiny, variant):
 BEAM = dict(num_beams=3, num_return_sequences=2, length_penalty=0.5)
 
 
-@pytest.mark.parametrize("variant, case", [(variant, {}) for variant in ("llama", "dynamic", "qwen3")]
+@pytest.mark.parametrize("variant, case", [(variant, {}) for variant in ("llama", "dynamic", "qwen3", "qwen2_window")]
                          + [(variant, BEAM) for variant in ("llama3", "mistral", "qwen2")],
-                         ids=["llama-greedy", "dynamic-greedy", "qwen3-greedy", "llama3-beam", "mistral-beam",
-                              "qwen2-beam"])
+                         ids=["llama-greedy", "dynamic-greedy", "qwen3-greedy", "qwen2_window-greedy", "llama3-beam",
+                              "mistral-beam", "qwen2-beam"])
 def test_generate_matches_transformers(tiny, variant, case):
     reference, model = tiny(variant)
     ids, mask = left_pad(ROWS, PAD)
@@ -196,6 +199,8 @@ def test_config_mapping_and_both_rope_spellings(tiny, tmp_path, caplog):
     assert LlamaConfig.from_hf_config({**old, "rope_theta": 1000.0}) == config
     # A dynamic rope extends the context: no position limit; any other keeps max_position_embeddings.
     assert tiny("dynamic")[1].config.max_positions is None and config.max_positions == 64
+    # Qwen2's window on the layers from max_window_layers on.
+    assert tiny("qwen2_window")[1].attention_window == (None, 4) and tiny("mistral")[1].attention_window == 4
 
 
 def test_save_pretrained_round_trip(tiny, tmp_path):

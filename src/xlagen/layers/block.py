@@ -172,7 +172,7 @@ def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, p
     Args:
         blocks: `TransformerBlock`s.
         x, mask, cache_index, training, position_bias, rotary: As `TransformerBlock.call` (mask: its
-            `key_mask`), the same for every block.
+            `key_mask`), the same for every block; `mask` may also be a tuple of one per block.
         caches: Optional sequence of one `LayerCache` per block.
         cross: Optional sequence of one `CrossInputs` per block.
 
@@ -189,7 +189,7 @@ def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, p
     shared = _SharedTrace() if _share_traces(training) else None
     new_caches = []
     for i, block in enumerate(blocks):
-        inputs = (x, mask, None if caches is None else caches[i], cache_index)
+        inputs = (x, mask[i] if isinstance(mask, tuple) else mask, None if caches is None else caches[i], cache_index)
         options = dict(position_bias=position_bias, cross=None if cross is None else cross[i], rotary=rotary)
         if shared is None:
             x, layer_cache = block(*inputs, training=training, **options)

@@ -382,8 +382,18 @@ class DecoderOnlyLM(CausalDecoding):
     attention's key/value heads) and `attention_window` (a sliding window).
     """
 
-    # Each query attends to at most this many positions, its own included (Mistral's sliding window).
-    attention_window: int | None = None
+    # Each query attends to at most this many positions, its own included (Mistral's sliding window); or one
+    # such value (None: no window) per block (Qwen2's sliding layers).
+    attention_window: int | tuple[int | None, ...] | None = None
+
+    def _masks(self, attention_mask, cache_index, num_tokens: int, slots=None):
+        """The blocks' key masks (`attention.causal_mask`): one for every block, or with a window per block
+        a tuple of one per block."""
+        window = self.attention_window
+        if not isinstance(window, tuple):
+            return causal_mask(attention_mask, cache_index, num_tokens, slots, window=window)
+        masks = {size: causal_mask(attention_mask, cache_index, num_tokens, slots, window=size) for size in set(window)}
+        return tuple(masks[size] for size in window)
 
     @property
     def cache_heads(self) -> int:
@@ -438,7 +448,7 @@ class DecoderOnlyLM(CausalDecoding):
             attention_mask = ops.ones_like(input_ids)
         if position_ids is None:
             position_ids = self._default_positions(attention_mask)
-        mask = causal_mask(attention_mask, 0, input_ids.shape[1], window=self.attention_window)
+        mask = self._masks(attention_mask, 0, input_ids.shape[1])
         logits, _ = self._forward(input_ids, position_ids, mask, training=training)
         return CausalLMOutput(logits)
 
@@ -466,5 +476,5 @@ class DecoderOnlyLM(CausalDecoding):
         """
         num_tokens = token_ids.shape[1]
         positions = positions_at(attention_mask, cache_index, num_tokens)
-        mask = causal_mask(attention_mask, cache_index, num_tokens, slots, window=self.attention_window)
+        mask = self._masks(attention_mask, cache_index, num_tokens, slots)
         return self._forward(token_ids, positions, mask, cache, cache_index, last_only)

@@ -11,10 +11,11 @@ at the end, no learned positions. What differs, by model_type:
 - llama: `attention_bias` (query/key/value and output projections), `mlp_bias`;
 - mistral: `sliding_window` (each query sees at most that many positions, its own included);
 - qwen2: biases on the query/key/value projections (not on the output);
-- qwen3: `attention_bias`, and an RMS norm of each query and key head before the rotation.
+- qwen3: `attention_bias`, and an RMS norm of each query and key head before the rotation;
+- qwen2, qwen3: with `use_sliding_window`, the window on the layers `layer_types` names sliding (by
+  default those from `max_window_layers` on).
 
-Refused by name: Qwen2/Qwen3's `use_sliding_window` (and `layer_types` with sliding layers), rope types
-other than those above (e.g. longrope), a `partial_rotary_factor` below 1 with a scaled rope type (transformers'
+Refused by name: sliding `layer_types` without `use_sliding_window`, rope types other than those above (e.g. longrope), a `partial_rotary_factor` below 1 with a scaled rope type (transformers'
 implementations of these families rotate whole heads; with the default type they ignore the factor, and
 so does xlagen), and unknown keys inside `rope_parameters` / `rope_scaling`.
 
@@ -129,6 +130,7 @@ class LlamaConfig:
         mlp_bias: Biases on the feed-forward projections.
         head_norm: An RMS norm of each query and key head (Qwen3).
         sliding_window: Each query attends to at most this many positions, its own included (Mistral).
+        sliding_layers: Which layers the window applies to (Qwen2/Qwen3's `layer_types`); None: all.
         rope: The rotary embedding (HF `rope_parameters` / `rope_scaling`, `rope_theta`).
         tie_word_embeddings: The LM head reuses the token embedding.
         bos_token_id, eos_token_id, pad_token_id: Special ids from config.json.
@@ -150,6 +152,7 @@ class LlamaConfig:
     mlp_bias: bool = False
     head_norm: bool = False
     sliding_window: int | None = None
+    sliding_layers: tuple[bool, ...] | None = None
     rope: RopeSpec = RopeSpec()
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
@@ -177,6 +180,9 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"head_dim {self.head_dim} must be even (rotary embeddings rotate pairs)")
         checks.check_fields(self.rope, _ROPE_KINDS)
+        layers = self.sliding_layers
+        if layers is not None and (len(layers) != self.num_layers or not all(isinstance(b, bool) for b in layers)):
+            raise ValueError(f"sliding_layers must be one true/false per layer ({self.num_layers}), got {layers!r}")
         try:
             get_activation(self.activation)
         except ValueError as e:
@@ -197,7 +203,7 @@ class LlamaConfig:
         names = {**_HF_NAMES, **_FAMILY_NAMES[family]}
         extra = {"model_type": family}
         if family.startswith("qwen"):
-            _refuse_qwen_window(hf)
+            extra.update(_qwen_window(hf))
         if family == "qwen2":  # biases on the query/key/value projections, always
             extra["attention_bias"] = True
         if "attention_bias" in names:  # llama, qwen3: on the output projection too
@@ -219,7 +225,11 @@ class LlamaConfig:
         if rope.rope_type != "default":
             scaling = {"rope_type": rope.rope_type, **{theirs: getattr(rope, ours) for theirs, ours in _ROPE_NAMES.items()
                                                        if theirs != "rope_theta" and getattr(rope, ours) is not None}}
-        qwen = {"use_sliding_window": False} if self.model_type.startswith("qwen") else {}
+        qwen = {}
+        if self.model_type.startswith("qwen"):
+            layers = self.sliding_layers or (True,) * self.num_layers
+            qwen = {"use_sliding_window": self.sliding_window is not None, "sliding_window": self.sliding_window,
+                    "layer_types": ["sliding_attention" if sliding else "full_attention" for sliding in layers]}
         return {"model_type": self.model_type, "architectures": [FAMILIES[self.model_type]], **values, **qwen,
                 "max_position_embeddings": rope.max_positions, "rope_theta": rope.theta, "rope_scaling": scaling}
 
@@ -227,15 +237,37 @@ class LlamaConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _refuse_qwen_window(hf: dict) -> None:
-    """Qwen2/Qwen3's sliding window applies to some layers only (`max_window_layers`, `layer_types`)."""
-    if hf.get("use_sliding_window"):
-        raise ValueError("config.json: use_sliding_window=true is not supported by xlagen's Qwen2/Qwen3 (a window "
-                         "on the layers from max_window_layers on); set it to false to use full attention")
-    layer_types = hf.get("layer_types") or []
-    if not isinstance(layer_types, list) or any(kind != "full_attention" for kind in layer_types):
-        raise ValueError(f"config.json: layer_types={checks._short(layer_types)} is not supported by xlagen's "
-                         "Qwen2/Qwen3 (only full_attention layers)")
+def _qwen_window(hf: dict) -> dict:
+    """Qwen2/Qwen3's sliding window, as their transformers configs resolve it: only with use_sliding_window,
+    on the layers `layer_types` names "sliding_attention" (by default those from max_window_layers on).
+
+    Returns:
+        The config fields `sliding_window` and `sliding_layers`.
+
+    Raises:
+        ValueError: naming the key, for values of the wrong type, or sliding layers without a window.
+    """
+    use, window = hf.get("use_sliding_window", False), hf.get("sliding_window")
+    layers, first = hf.get("num_hidden_layers", 32), hf.get("max_window_layers", 28)
+    for key, value, kind in (("use_sliding_window", use, checks.boolean), ("sliding_window", window, checks.optional_size),
+                             ("num_hidden_layers", layers, checks.size), ("max_window_layers", first, checks.size)):
+        try:
+            kind(key, value)
+        except ValueError as e:
+            raise ValueError(f"config.json: {e}") from None
+    window = window if use else None
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        layer_types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                       for i in range(layers)]
+    kinds = ("full_attention", "sliding_attention")
+    if not isinstance(layer_types, list) or len(layer_types) != layers or any(t not in kinds for t in layer_types):
+        raise ValueError(f"config.json: layer_types must list {layers} of {kinds}, got {checks._short(layer_types)}")
+    sliding = tuple(kind == "sliding_attention" for kind in layer_types)
+    if any(sliding) and window is None:
+        raise ValueError("config.json: layer_types names sliding_attention layers but there is no window "
+                         "(use_sliding_window false or sliding_window null); xlagen does not guess one")
+    return {"sliding_window": window if any(sliding) else None, "sliding_layers": sliding if any(sliding) else None}
 
 
 def _rope_from_hf(hf: dict) -> RopeSpec:
@@ -329,8 +361,11 @@ class LlamaLM(CausalLMTraining, DecoderOnlyLM, keras.Model):
         return self.config.num_key_value_heads
 
     @property
-    def attention_window(self) -> int | None:
-        return self.config.sliding_window
+    def attention_window(self) -> int | tuple[int | None, ...] | None:
+        window, layers = self.config.sliding_window, self.config.sliding_layers
+        if window is None or layers is None or all(layers):
+            return window
+        return tuple(window if sliding else None for sliding in layers)
 
     def _rotary(self, positions):
         return rotary_tables(self.config.rope, self.config.head_dim, positions)
