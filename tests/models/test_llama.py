@@ -203,13 +203,17 @@ def test_config_mapping_and_both_rope_spellings(tiny, tmp_path, caplog):
     assert tiny("qwen2_window")[1].attention_window == (None, 4) and tiny("mistral")[1].attention_window == 4
 
 
-def test_save_pretrained_round_trip(tiny, tmp_path):
+def test_save_pretrained_round_trip_and_training_loss(tiny, tmp_path):
     reference, model = tiny("llama")  # biases everywhere, untied head
     model.save_pretrained(tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids = random_ids((2, 9), VOCAB, seed=3)
     np.testing.assert_allclose(_torch_logits(reloaded, ids, np.ones_like(ids)),
                                _torch_logits(reference, ids, np.ones_like(ids)), atol=1e-5)
+    with torch.no_grad():
+        theirs = reference(torch.tensor(ids, dtype=torch.long), labels=torch.tensor(ids, dtype=torch.long)).loss.item()
+    ours = model({"input_ids": ids})
+    assert abs(float(model.compute_loss(x={"input_ids": ids}, y_pred=ours)) - theirs) <= 1e-4
     assert isinstance(TFAutoModelForCausalLM.from_pretrained(tmp_path), TFLlamaForCausalLM)
 
 
