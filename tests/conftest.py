@@ -142,14 +142,21 @@ def random_ids(shape, vocab: int, seed: int = 0) -> np.ndarray:
 
 
 def tiny_family_model(folder, family: str):
-    """(a tiny random "opt" / "t5" / "whisper" model saved to `folder` and loaded by xlagen, generate inputs
-    for it): OPT with a projected pre-norm stack, T5 v1.1, Whisper on 30 s of random features."""
+    """(a tiny random "opt" / "mistral" / "t5" / "whisper" model saved to `folder` and loaded by xlagen,
+    generate inputs for it): OPT with a projected pre-norm stack, Mistral with 4 queries per key/value head and
+    a window of 4, T5 v1.1, Whisper on 30 s of random features."""
     from xlagen import TFAutoModelForCausalLM, TFAutoModelForSeq2SeqLM, TFWhisperForConditionalGeneration
 
     if family == "opt":
         from models.test_opt import VARIANTS, save_tiny_opt
 
         save_tiny_opt(folder, **VARIANTS["projected_pre_norm"])
+        model, ids = TFAutoModelForCausalLM.from_pretrained(folder), random_ids((2, 6), 50, seed=4)
+        return model, {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    if family == "mistral":  # the Llama family with grouped-query attention and a sliding window
+        from models.test_llama import save_tiny
+
+        save_tiny(folder, "mistral")
         model, ids = TFAutoModelForCausalLM.from_pretrained(folder), random_ids((2, 6), 50, seed=4)
         return model, {"input_ids": ids, "attention_mask": np.ones_like(ids)}
     if family == "t5":

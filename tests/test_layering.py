@@ -13,7 +13,8 @@ SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "xlagen"
 NUMPY_ONLY = ["xlagen.text.tokenizer", "xlagen.text.auto_tokenizer", "xlagen.text.tokenizer_files",
               "xlagen.text.whisper_tokens", "xlagen.text.chat_template", "xlagen.hub",
               "xlagen.weights.checkpoint", "xlagen.weights.atomic_save", "xlagen.weights.loader",
-              "xlagen.weights.gpt2", "xlagen.weights.opt", "xlagen.weights.t5", "xlagen.weights.whisper",
+              "xlagen.weights.gpt2", "xlagen.weights.llama", "xlagen.weights.opt", "xlagen.weights.t5",
+              "xlagen.weights.whisper",
               "xlagen.speech.audio", "xlagen.speech.audio.decoding", "xlagen.speech.audio.features",
               "xlagen.speech.processing"]
 # Packages (relative to src/xlagen) allowed to import tensorflow / keras.

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
-from xlagen.models import gpt2, opt, registry, t5, whisper
+from xlagen.models import gpt2, llama, opt, registry, t5, whisper
 from xlagen.speech import whisper_decoding
 from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes, read_json, write_files
 from xlagen.weights.loader import (check_memory, check_parameter_count, check_sizes, convert, export, normalize_prefix,
@@ -115,7 +115,7 @@ class PreTrainedModel(GenerationMixin):
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
                                    local_files_only=local_files_only)
         architecture, hf_config = _read_config(folder, cls.architectures, cls.task)
-        target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[architecture.model_class]
+        target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[hf_config["model_type"]]
         return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
 
     packed_weights = False  # True after pack_weights
@@ -208,6 +208,30 @@ class TFOPTForCausalLM(PreTrainedModel, opt.OPTLM):
     architectures = {"opt": registry.CAUSAL_LM["opt"]}
 
 
+class TFLlamaForCausalLM(PreTrainedModel, llama.LlamaLM):
+    """Llama with its LM head: a Keras 3 model with transformers' TF API (`generate`, `from_pretrained`)."""
+
+    architectures = {"llama": registry.CAUSAL_LM["llama"]}
+
+
+class TFMistralForCausalLM(PreTrainedModel, llama.LlamaLM):
+    """Mistral with its LM head (xlagen's Llama implementation with Mistral's sliding window)."""
+
+    architectures = {"mistral": registry.CAUSAL_LM["mistral"]}
+
+
+class TFQwen2ForCausalLM(PreTrainedModel, llama.LlamaLM):
+    """Qwen2 with its LM head (xlagen's Llama implementation with query/key/value biases)."""
+
+    architectures = {"qwen2": registry.CAUSAL_LM["qwen2"]}
+
+
+class TFQwen3ForCausalLM(PreTrainedModel, llama.LlamaLM):
+    """Qwen3 with its LM head (xlagen's Llama implementation with per-head query/key norms)."""
+
+    architectures = {"qwen3": registry.CAUSAL_LM["qwen3"]}
+
+
 class TFT5ForConditionalGeneration(PreTrainedModel, t5.T5LM):
     """T5 with its LM head: a Keras 3 model with transformers' TF API (`generate`, `from_pretrained`).
 
@@ -260,8 +284,10 @@ class TFWhisperForConditionalGeneration(PreTrainedModel, whisper.WhisperLM):
         return (config.return_timestamps and config.no_timestamps_token_id, config.max_initial_timestamp_index)
 
 
-_PUBLIC = {gpt2.GPT2LMHead: TFGPT2LMHeadModel, opt.OPTLM: TFOPTForCausalLM, t5.T5LM: TFT5ForConditionalGeneration,
-           whisper.WhisperLM: TFWhisperForConditionalGeneration}
+# model_type -> the public class the Auto classes build.
+_PUBLIC = {"gpt2": TFGPT2LMHeadModel, "opt": TFOPTForCausalLM, "llama": TFLlamaForCausalLM,
+           "mistral": TFMistralForCausalLM, "qwen2": TFQwen2ForCausalLM, "qwen3": TFQwen3ForCausalLM,
+           "t5": TFT5ForConditionalGeneration, "whisper": TFWhisperForConditionalGeneration}
 
 
 class _AutoModel(PreTrainedModel):

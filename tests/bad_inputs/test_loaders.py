@@ -17,6 +17,7 @@ from xlagen import AutoTokenizer, TFAutoModelForCausalLM, modeling
 from xlagen.hub import NotCachedError, resolve_model_dir
 from xlagen.models.gpt2 import GPT2Config
 from xlagen.models.opt import OPTConfig
+from xlagen.models.llama import LlamaConfig
 from xlagen.models.t5 import T5Config
 from xlagen.models.whisper import WhisperConfig
 from xlagen.text.tokenizer_files import backend_call
@@ -304,6 +305,23 @@ FAMILY_CASES = [
     (WhisperConfig, {"max_source_positions": None}, r"max_source_positions must be a positive integer, got None"),
     (GPT2Config, {"n_inner": -1}, r"n_inner must be a positive integer, got -1"),
     (GPT2Config, {"pad_token_id": -5}, r"pad_token_id must be a non-negative integer token id or null"),
+    (LlamaConfig, {"num_attention_heads": 4, "num_key_value_heads": 3}, r"num_attention_heads 4 is not a multiple "
+                                                                        r"of num_key_value_heads 3"),
+    (LlamaConfig, {"rms_norm_eps": 0}, r"rms_norm_eps must be a finite number > 0"),
+    (LlamaConfig, {"rope_scaling": {"rope_type": "longrope"}}, r"rope_scaling.rope_type 'longrope' is not implemented"),
+    (LlamaConfig, {"rope_parameters": {"rope_type": "linear"}}, r"rope_parameters: rope_type 'linear' needs factor"),
+    (LlamaConfig, {"rope_parameters": {"rope_type": "linear", "factor": -2}},
+     r"rope_parameters.factor: factor must be a finite number > 0"),
+    (LlamaConfig, {"rope_scaling": {"type": "dynamic", "factor": 2.0, "extra_knob": 1}},
+     r"rope_scaling keys \['extra_knob'\] are not implemented"),
+    (LlamaConfig, {"partial_rotary_factor": 0.5, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     r"partial_rotary_factor=0.5 with rope_type 'linear' is not supported"),
+    (LlamaConfig, {"model_type": "qwen2", "use_sliding_window": "yes"}, r"use_sliding_window must be true or false"),
+    (LlamaConfig, {"model_type": "qwen3", "num_hidden_layers": 1, "layer_types": ["sliding_attention"]},
+     r"layer_types names sliding_attention layers but there is no window"),
+    (LlamaConfig, {"model_type": "qwen3", "layer_types": ["full_attention"]}, r"layer_types must list 32 of"),
+    (LlamaConfig, {"model_type": "mistral", "sliding_window": 0}, r"sliding_window must be a positive integer"),
+    (LlamaConfig, {"hidden_act": "made_up"}, r"hidden_act: unsupported .* 'made_up'"),
 ]
 
 
@@ -337,6 +355,11 @@ TINY_FAMILIES = [
     ("whisper", WhisperConfig(vocab_size=64, num_mel_bins=8, hidden_size=16, encoder_layers=1, encoder_heads=2,
                               encoder_ffn_dim=24, decoder_layers=2, decoder_heads=2, decoder_ffn_dim=32,
                               max_source_positions=16, max_positions=16)),
+    ("llama", LlamaConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=4, num_key_value_heads=2,
+                          intermediate_size=24, attention_bias=True, attention_output_bias=True, mlp_bias=True)),
+    ("qwen3", LlamaConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_key_value_heads=1,
+                          head_dim=12, intermediate_size=24, head_norm=True, tie_word_embeddings=True,
+                          model_type="qwen3")),
 ]
 
 
@@ -352,7 +375,7 @@ def test_size_checks_and_parameter_estimate_agree_with_each_family(family, confi
     from xlagen.weights.loader import check_sizes, export
 
     architecture = {**registry.CAUSAL_LM, **registry.SEQ2SEQ_LM, **registry.SPEECH_SEQ2SEQ}[family]
-    model = modeling._PUBLIC[architecture.model_class](config)
+    model = modeling._PUBLIC[family](config)
     values = {v.path: np.asarray(v.numpy()) for v in model.weights}
     shapes = {name: value.shape for name, value in export(architecture.weights.rules(config), values).items()}
     sizes = architecture.weights.sizes(config)

@@ -238,7 +238,7 @@ def test_options_object_fields_are_the_stream_options():
                                   "logprobs")
 
 
-@pytest.mark.parametrize("family", ["opt", "t5"])
+@pytest.mark.parametrize("family", ["opt", "mistral", "t5"])
 def test_other_families_equal_generate(tmp_path, tokenizer, family):
     model, _ = tiny_family_model(str(tmp_path), family)
     engine = Engine(model, tokenizer, slots=4, max_length=48, prompt_buckets=(16,), step_widths=(4,))

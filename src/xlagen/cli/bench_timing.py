@@ -115,6 +115,17 @@ def _xlagen_opt(dtype: str):
     return TFOPTForCausalLM(OPTConfig(), dtype=dtype)  # OPTConfig's defaults are OPT-125m's shapes
 
 
+def _xlagen_qwen2(dtype: str):
+    from xlagen.modeling import TFQwen2ForCausalLM
+    from xlagen.models.llama import LlamaConfig
+
+    # Qwen2.5-0.5B's shapes: 14 query heads on 2 key/value heads, tied head, query/key/value biases.
+    config = LlamaConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, max_positions=32768, attention_bias=True, tie_word_embeddings=True,
+                         bos_token_id=None, eos_token_id=151643, model_type="qwen2")
+    return TFQwen2ForCausalLM(config, dtype=dtype)
+
+
 def _xlagen_t5(dtype: str):
     from xlagen.modeling import TFT5ForConditionalGeneration
     from xlagen.models.t5 import T5Config
@@ -132,7 +143,7 @@ def _xlagen_whisper(dtype: str):
 
 
 ARCHITECTURES: dict[str, Callable[[str], Any]] = {
-    "gpt2": _xlagen_gpt2, "opt": _xlagen_opt, "t5": _xlagen_t5, "whisper": _xlagen_whisper,
+    "gpt2": _xlagen_gpt2, "opt": _xlagen_opt, "qwen2": _xlagen_qwen2, "t5": _xlagen_t5, "whisper": _xlagen_whisper,
     "tiny-gpt2": lambda dtype: _xlagen_gpt2(dtype, **_GPT2_TINY)}
 
 

@@ -14,13 +14,15 @@ from keras import ops
 from xlagen import cache as cache_lib
 from xlagen import native
 from xlagen.layers.dense import Dense
+from xlagen.layers.norms import rms_norm
+from xlagen.layers.rotary import apply_rotary
 
 # Added to the scores of masked keys; finite so that a fully masked row (a left-padding query) stays
 # finite instead of turning into NaN.
 MASK_VALUE = -1e9
 
 
-def causal_mask(attention_mask, cache_index, num_tokens: int, slots=None):
+def causal_mask(attention_mask, cache_index, num_tokens: int, slots=None, window: int | None = None):
     """Which keys each new query may attend to.
 
     Args:
@@ -30,6 +32,9 @@ def causal_mask(attention_mask, cache_index, num_tokens: int, slots=None):
         slots: Optional int32 `[G, K, S]` for a decoding step (T = 1) over a cache in the beam layout
             (`xlagen.cache.expand_beams`): G prompts of K beams (B = G * K), and which slot holds each
             position of each beam's history, already including this step's own slot at `cache_index`.
+        window: Optional sliding window W: a query also sees no key W or more positions before it
+            (transformers' `sliding_window_overlay`). Left padding is contiguous, so distances between
+            cache columns are distances between positions.
 
     Returns:
         bool `[B, 1, T, S]`: key j is visible to query t iff j <= cache_index + t and j is not padding.
@@ -40,6 +45,8 @@ def causal_mask(attention_mask, cache_index, num_tokens: int, slots=None):
     query_positions = ops.cast(cache_index, "int32") + ops.arange(num_tokens, dtype="int32")
     key_positions = ops.arange(length, dtype="int32")
     causal = key_positions[None, :] <= query_positions[:, None]  # [T, S]
+    if window is not None:
+        causal = ops.logical_and(causal, key_positions[None, :] > query_positions[:, None] - window)
     if slots is not None:
         beams = slots.shape[1]
         real = ops.reshape(ops.cast(attention_mask, "bool"), (-1, beams, length))
@@ -99,6 +106,19 @@ def attend(query, key, value, mask, scale: float, bias=None, key_transposed: boo
     return ops.cast(ops.softmax(scores, axis=-1), value.dtype)
 
 
+def group_queries(query, groups: int):
+    """`[B, Hkv * g, T, D]` -> `[B, Hkv, g * T, D]`: the g query heads of each key/value head as g * T rows
+    of that head (a reshape: query head h belongs to key/value head h // g, as transformers' `repeat_kv`)."""
+    batch, heads, length, head_dim = ops.shape(query)
+    return ops.reshape(query, (batch, heads // groups, groups * length, head_dim))
+
+
+def ungroup_queries(attended, groups: int):
+    """The inverse of `group_queries`: `[B, Hkv, g * T, D]` -> `[B, Hkv * g, T, D]`."""
+    batch, heads, rows, head_dim = ops.shape(attended)
+    return ops.reshape(attended, (batch, heads * groups, rows // groups, head_dim))
+
+
 def _per_query(product, queries, axis: int):
     """`product` of each query `[G, H, 1, ...]` of `queries` `[G, H, K, ...]`, concatenated on `axis`.
 
@@ -116,32 +136,46 @@ class _MultiHead(keras.layers.Layer):
 
     Args:
         hidden_size: Model width (of the queries, and of the encoder output for cross-attention).
-        num_heads: H.
+        num_heads: H, the query heads.
         head_dim: D.
         scale: Multiplier of the query-key scores (e.g. 1/sqrt(D); T5: 1).
         use_bias: Whether the projections have biases.
         dropout: Dropout rate of the attention probabilities (training only).
+        num_key_value_heads: Hkv, the key/value heads (grouped-query attention, Ainslie et al. 2023): query
+            head h reads key/value head h // (H / Hkv); None: H.
+        output_bias: Whether the output projection has a bias (None: `use_bias`).
     """
 
-    # The input projections: (name, how many groups of H * D it makes), e.g. ("qkv", 3).
-    PROJECTIONS: tuple[tuple[str, int], ...] = ()
+    # The input projections: (name, how many groups of H * D queries, how many of Hkv * D keys or values),
+    # e.g. ("qkv", 1, 2).
+    PROJECTIONS: tuple[tuple[str, int, int], ...] = ()
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, scale: float, use_bias: bool = True,
-                 dropout: float = 0.0, **kwargs):
+                 dropout: float = 0.0, *, num_key_value_heads: int | None = None, output_bias: bool | None = None,
+                 **kwargs):
         super().__init__(**kwargs)
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.head_dim = head_dim
+        self.num_key_value_heads = num_heads if num_key_value_heads is None else num_key_value_heads
+        if num_heads % self.num_key_value_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_key_value_heads "
+                             f"{self.num_key_value_heads}")
         self.scale = scale
-        for name, parts in self.PROJECTIONS:
-            setattr(self, name, Dense(parts * num_heads * head_dim, use_bias=use_bias, name=name,
-                                      dtype=self.dtype_policy))
-        self.output_projection = Dense(hidden_size, use_bias=use_bias, name="output_projection",
-                                       dtype=self.dtype_policy)
+        for name, queries, keys in self.PROJECTIONS:
+            width = (queries * num_heads + keys * self.num_key_value_heads) * head_dim
+            setattr(self, name, Dense(width, use_bias=use_bias, name=name, dtype=self.dtype_policy))
+        self.output_projection = Dense(hidden_size, use_bias=use_bias if output_bias is None else output_bias,
+                                       name="output_projection", dtype=self.dtype_policy)
         self.dropout = keras.layers.Dropout(dropout)
 
+    @property
+    def groups(self) -> int:
+        """How many query heads share each key/value head (1 without grouped-query attention)."""
+        return self.num_heads // self.num_key_value_heads
+
     def build(self, input_shape):
-        for name, _ in self.PROJECTIONS:
+        for name, _, _ in self.PROJECTIONS:
             getattr(self, name).build((None, self.hidden_size))
         self.output_projection.build((None, self.num_heads * self.head_dim))
         self.built = True
@@ -151,24 +185,51 @@ class _MultiHead(keras.layers.Layer):
         return [split_heads(p, self.num_heads, self.head_dim) for p in ops.split(x, parts, axis=-1)]
 
     def _attend(self, query, key, value, mask, bias, training, key_transposed=False):
-        """Attention of `[B, H, T, D]` queries -> `[B, T, hidden]`. Long unmasked attention under XLA (an
-        encoder's, or a decoder's over it) is the fused native kernel (`xlagen.native.attention`)."""
+        """Attention of `[B, H, T, D]` queries over `[B, Hkv, S, D]` keys -> `[B, T, hidden]`. Long unmasked
+        attention under XLA (an encoder's, or a decoder's over it) is the fused native kernel
+        (`xlagen.native.attention`)."""
         dropout = self.dropout.rate > 0 and training is not None and training is not False
+        groups = self.groups
+        if groups > 1:  # each key/value head's queries as one group of rows: the keys are never repeated
+            query = group_queries(query, groups)
+            if mask is not None and mask.shape[2] != 1:  # [B, 1, T, S] -> [B, 1, g * T, S]
+                mask = ops.tile(mask, (1, 1, groups, 1))
         if native.use_attention_kernel(query, key, mask, bias, dropout, key_transposed=key_transposed):
             attended = native.attention(query, key, value, self.scale, key_transposed)
         else:
             weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed),
                                    training=training)
             attended = ops.matmul(weights, value)
+        if groups > 1:
+            attended = ungroup_queries(attended, groups)
         return self.output_projection(merge_heads(attended))
 
 
 class Attention(_MultiHead):
-    """Self-attention with a fused query/key/value projection (arguments: see `_MultiHead`)."""
+    """Self-attention with a fused query/key/value projection (arguments: see `_MultiHead`), and optionally
+    rotary positions (`call`'s `rotary`) and per-head query/key norms.
 
-    PROJECTIONS = (("qkv", 3),)
+    Args:
+        head_norm_eps: With it, an RMS norm (this epsilon) of each query and key head before the rotation.
+    """
 
-    def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, bias=None):
+    PROJECTIONS = (("qkv", 1, 2),)
+
+    def __init__(self, *args, head_norm_eps: float | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Qwen3: an RMS norm of each query and key head (over D) before the rotation.
+        self.query_norm = self.key_norm = None
+        if head_norm_eps is not None:
+            self.query_norm = rms_norm(head_norm_eps, "query_norm", self.dtype_policy)
+            self.key_norm = rms_norm(head_norm_eps, "key_norm", self.dtype_policy)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        for norm in (self.query_norm, self.key_norm):
+            if norm is not None:
+                norm.build((None, self.head_dim))
+
+    def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, bias=None, rotary=None):
         """Attends from `x` over the cache (or over `x` itself when there is no cache).
 
         Args:
@@ -181,17 +242,32 @@ class Attention(_MultiHead):
             cache_index: int32 scalar write offset, required with a cache.
             training: Applies dropout to the attention probabilities.
             bias: Optional additive score bias `[1 or B, H, T, S]`.
+            rotary: Optional `(cos, sin)` `[B, T, D]` of the tokens' positions (`rotary.rotary_tables`): the
+                queries and keys are rotated before the keys are cached.
 
         Returns:
             `(output [B, T, hidden], layer_cache or None)`.
         """
-        query, key, value = self._heads(self.qkv(x), 3)
+        query, key, value = self._project(x)
+        if rotary is not None:
+            query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
         if layer_cache is None:
             return self._attend(query, key, value, key_mask, bias, training), None
         if query.shape[2] == 1:
             return self._step(query, key, value, key_mask, layer_cache, cache_index, bias, training)
         layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
         return self._attend(query, layer_cache.key, layer_cache.value, key_mask, bias, training), layer_cache
+
+    def _project(self, x):
+        """`x` `[B, T, hidden]` -> query `[B, H, T, D]`, key and value `[B, Hkv, T, D]` (heads normed if so)."""
+        queries = self.num_heads * self.head_dim
+        query, key, value = ops.split(self.qkv(x), [queries, queries + self.num_key_value_heads * self.head_dim],
+                                      axis=-1)
+        query = split_heads(query, self.num_heads, self.head_dim)
+        key, value = (split_heads(t, self.num_key_value_heads, self.head_dim) for t in (key, value))
+        if self.query_norm is not None:
+            query, key = self.query_norm(query), self.key_norm(key)
+        return query, key, value
 
     def _step(self, query, key, value, mask, layer_cache, cache_index, bias, training):
         """A decoding step (T = 1): attends over the cache as it was before this step plus the new
@@ -209,14 +285,19 @@ class Attention(_MultiHead):
         A cache in the beam layout (`[G, H, K, S, D]`, see `xlagen.cache`) is read as one sequence of
         K * S keys per prompt, with the prompt's K beams as K queries and `mask` (from `causal_mask`
         with slots) choosing each beam's own history; the cache rows never move.
+
+        With grouped-query attention the cache holds the Hkv key/value heads; the g = H / Hkv queries that
+        share one are g query rows of that head (`group_queries`), for XLA's dots and for the native step
+        attention alike, so the cache is read in place and never repeated (only the step's own new key and
+        value, one row each, are repeated for the g rows).
         """
         _, heads, _, head_dim = query.shape
         beams = layer_cache.key.shape[2] if len(layer_cache.key.shape) == 5 else 1
         length = layer_cache.key.shape[-2]
         if beams > 1:  # [G * K, H, 1, D] -> [G, H, K, D]; the cache [G, H, K, S, D] -> [G, H, K * S, D]
-            query, key, value = (ops.transpose(ops.reshape(t, (-1, beams, heads, head_dim)), (0, 2, 1, 3))
+            query, key, value = (ops.transpose(ops.reshape(t, (-1, beams, t.shape[1], head_dim)), (0, 2, 1, 3))
                                  for t in (query, key, value))
-            keys, values = (ops.reshape(t, (-1, heads, beams * length, head_dim)) for t in layer_cache)
+            keys, values = (ops.reshape(t, (-1, t.shape[1], beams * length, head_dim)) for t in layer_cache)
         else:
             keys, values = layer_cache
         index = ops.cast(cache_index, "int32")
@@ -231,14 +312,25 @@ class Attention(_MultiHead):
             bias_old = ops.tile(bias, (1, 1, 1, beams)) if beams > 1 else bias
             bias = ops.concatenate([bias_old, bias_new], axis=-1)  # [1, H, 1, K * S + 1]
         dropout = self.dropout.rate > 0 and training is not None and training is not False
-        if not dropout and native.use_step_attention(query, keys):
+        # The policy's question is about G x K query rows (batch x beams), whatever the grouping.
+        native_step = not dropout and native.use_step_attention(query, keys)
+        groups = self.groups
+        new_key, new_value = key, value
+        if groups > 1:  # [G, H, K, D] -> [G, Hkv, g * K, D]; the new key/value repeated for the g rows
+            if bias is not None:
+                raise ValueError("a score bias per head cannot be combined with grouped-query attention")
+            query = group_queries(query, groups)
+            new_key, new_value = (ops.tile(t, (1, 1, groups, 1)) for t in (key, value))
+            visible = ops.tile(visible, (1, 1, groups, 1))
+        if native_step:
             # One native call: the cache read in place, the new key last, -inf where a query may not see.
             masked = ops.where(visible, 0.0 if bias is None else bias, float("-inf"))
-            attended = native.step_attention(query, keys, values, key, value, masked, self.scale, MASK_VALUE)
+            attended = native.step_attention(query, keys, values, new_key, new_value, masked, self.scale,
+                                             MASK_VALUE)
         else:
             old = _per_query(lambda q: ops.matmul(keys, ops.transpose(q, (0, 1, 3, 2))), query, -1)  # [G, H, K * S, K]
             old = ops.transpose(old, (0, 1, 3, 2))  # [G, H, K, K * S]
-            new = ops.sum(query * key, axis=-1, keepdims=True)  # [G, H, K, 1]
+            new = ops.sum(query * new_key, axis=-1, keepdims=True)  # [G, H, K, 1]
             scores = ops.cast(ops.concatenate([old, new], axis=-1) * self.scale, "float32")
             if bias is not None:
                 scores = scores + bias
@@ -246,7 +338,9 @@ class Attention(_MultiHead):
             weights = ops.cast(ops.softmax(scores, axis=-1), value.dtype)
             weights = self.dropout(weights, training=training)
             attended = _per_query(lambda w: ops.matmul(w, values), weights[..., :beams * length], 2)
-            attended = attended + weights[..., beams * length:] * value
+            attended = attended + weights[..., beams * length:] * new_value
+        if groups > 1:
+            attended = ungroup_queries(attended, groups)
         # Exactly 0, but computed from `attended`: a data dependency that orders the cache write after
         # the dots (or the native call) read the cache. (XLA keeps `0.0 * x` for floats; the 0/1 flag keeps
         # it NaN-free.)
@@ -277,7 +371,7 @@ class CrossAttention(_MultiHead):
     """Attention from the decoder over an encoder's output, whose keys/values are projected once
     (arguments: see `_MultiHead`)."""
 
-    PROJECTIONS = (("query", 1), ("key_value", 2))
+    PROJECTIONS = (("query", 1, 0), ("key_value", 0, 2))
 
     def project_memory(self, encoder_output) -> cache_lib.LayerCache:
         """The keys `[B, H, D, L]` (transposed once here rather than at every decoding step) and values

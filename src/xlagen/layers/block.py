@@ -43,6 +43,10 @@ class BlockSpec:
         gated: Gated feed-forward (T5 v1.1), see `FeedForward`.
         feed_forward_dropout: Dropout of the feed-forward's inner activations (training only).
         cross_attention: Add cross-attention over an encoder's output after the self-attention.
+        num_key_value_heads: The self-attention's key/value heads (grouped-query attention); None: num_heads.
+        attention_bias: Biases of the self-attention's query/key/value projections (None: `use_bias`).
+        attention_output_bias: Bias of the self-attention's output projection (None: as `attention_bias`).
+        head_norm: An RMS norm of each query and key head before the rotation (Qwen3).
     """
 
     hidden_size: int
@@ -61,6 +65,10 @@ class BlockSpec:
     gated: bool = False
     feed_forward_dropout: float = 0.0
     cross_attention: bool = False
+    num_key_value_heads: int | None = None
+    attention_bias: bool | None = None
+    attention_output_bias: bool | None = None
+    head_norm: bool = False
 
 
 class CrossInputs(NamedTuple):
@@ -88,9 +96,12 @@ class TransformerBlock(keras.layers.Layer):
         self.spec = spec
         policy = self.dtype_policy
         self.attention_norm = self._norm("attention_norm")
+        qkv_bias = spec.use_bias if spec.attention_bias is None else spec.attention_bias
         self.attention = Attention(spec.hidden_size, spec.num_heads, spec.head_dim, spec.attention_scale,
-                                   use_bias=spec.use_bias, dropout=spec.attention_dropout, name="attention",
-                                   dtype=policy)
+                                   use_bias=qkv_bias, dropout=spec.attention_dropout, name="attention", dtype=policy,
+                                   num_key_value_heads=spec.num_key_value_heads,
+                                   output_bias=spec.attention_output_bias,
+                                   head_norm_eps=spec.layer_norm_eps if spec.head_norm else None)
         self.cross_attention_norm = self.cross_attention = None
         if spec.cross_attention:
             self.cross_attention_norm = self._norm("cross_attention_norm")
@@ -101,7 +112,7 @@ class TransformerBlock(keras.layers.Layer):
         self.mlp_norm = self._norm("mlp_norm")
         self.mlp = FeedForward(spec.hidden_size, spec.intermediate_size, spec.activation, use_bias=spec.use_bias,
                                gated=spec.gated, dropout=spec.feed_forward_dropout, name="mlp", dtype=policy)
-        self.residual_dropout = keras.layers.Dropout(spec.residual_dropout)
+        self.residual_dropout = keras.layers.Dropout(spec.residual_dropout, dtype=policy)
 
     def _norm(self, name: str):
         if self.spec.rms_norm:
@@ -122,7 +133,7 @@ class TransformerBlock(keras.layers.Layer):
         return x if self.spec.norm_first else norm(x)
 
     def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, position_bias=None,
-             cross=None):
+             cross=None, rotary=None):
         """Runs the block.
 
         Args:
@@ -135,6 +146,7 @@ class TransformerBlock(keras.layers.Layer):
             training: Applies dropout.
             position_bias: Optional additive self-attention score bias `[1 or B, H, T, S]`.
             cross: `CrossInputs`, required when the block has cross-attention.
+            rotary: Optional `(cos, sin)` `[B, T, D]` rotary tables of the tokens (`layers.rotary`).
 
         Returns:
             `(output [B, T, hidden], layer_cache or None)`.
@@ -143,7 +155,7 @@ class TransformerBlock(keras.layers.Layer):
             return norm(h) if self.spec.norm_first else h
 
         attended, layer_cache = self.attention(before(self.attention_norm, x), key_mask, layer_cache, cache_index,
-                                               training=training, bias=position_bias)
+                                               training=training, bias=position_bias, rotary=rotary)
         x = self._residual(x, attended, self.attention_norm, training)
         if self.cross_attention is not None:
             attended = self.cross_attention(before(self.cross_attention_norm, x), cross.memory, cross.mask,
@@ -153,13 +165,14 @@ class TransformerBlock(keras.layers.Layer):
         return x, layer_cache
 
 
-def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, position_bias=None, cross=None):
+def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, position_bias=None, cross=None,
+               rotary=None):
     """Runs `blocks` one after the other (a model's stack).
 
     Args:
         blocks: `TransformerBlock`s.
-        x, mask, cache_index, training, position_bias: As `TransformerBlock.call` (mask: its `key_mask`), the
-            same for every block.
+        x, mask, cache_index, training, position_bias, rotary: As `TransformerBlock.call` (mask: its
+            `key_mask`), the same for every block; `mask` may also be a tuple of one per block.
         caches: Optional sequence of one `LayerCache` per block.
         cross: Optional sequence of one `CrossInputs` per block.
 
@@ -176,8 +189,8 @@ def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, p
     shared = _SharedTrace() if _share_traces(training) else None
     new_caches = []
     for i, block in enumerate(blocks):
-        inputs = (x, mask, None if caches is None else caches[i], cache_index)
-        options = dict(position_bias=position_bias, cross=None if cross is None else cross[i])
+        inputs = (x, mask[i] if isinstance(mask, tuple) else mask, None if caches is None else caches[i], cache_index)
+        options = dict(position_bias=position_bias, cross=None if cross is None else cross[i], rotary=rotary)
         if shared is None:
             x, layer_cache = block(*inputs, training=training, **options)
         else:

@@ -52,6 +52,20 @@ def positions_from_mask(attention_mask):
     return ops.maximum(ops.cumsum(mask, axis=-1) - 1, 0)
 
 
+def column_positions(attention_mask):
+    """Position ids 0..T-1 of every row whatever the mask (what transformers' forward uses by default; it
+    derives them from the mask only in generate()).
+
+    Args:
+        attention_mask: `[B, T]`.
+
+    Returns:
+        int32 `[B, T]`.
+    """
+    length = ops.shape(attention_mask)[1]
+    return ops.broadcast_to(ops.arange(length, dtype="int32")[None, :], ops.shape(attention_mask))
+
+
 def positions_at(attention_mask, cache_index, num_tokens: int):
     """Position ids of the `num_tokens` tokens written at `cache_index`.
 
@@ -227,7 +241,8 @@ class CausalDecoding:
         (in the beam layout each beam scores its prompt's K slots, `[B, H, K, K * S]`)."""
         unit = keras.tree.flatten(self.init_cache(1, 1))  # per layer [1, H, 1, D]: the cache grows with B and S
         per_position = sum(math.prod(t.shape) * _dtype_bytes(t.dtype) for t in unit)
-        heads = max(t.shape[1] for t in unit)
+        # Scores have a row per query head: more than the cache's key/value heads with grouped-query attention.
+        heads = max(max(t.shape[1] for t in unit), getattr(self.config, "num_heads", 0))
         rows = batch_size * num_beams
         scores = rows * heads * num_beams * max_length * (4 * 2 + 1)  # float32 scores and weights, bool mask
         return rows * max_length * per_position + scores
@@ -362,8 +377,32 @@ class DecoderOnlyLM(CausalDecoding):
 
     A subclass (also a `keras.Model`) builds `token_embedding` (a `TokenEmbedding`), `blocks` and
     `lm_head` (None when tied to the token embedding), has a `config` with `num_layers`, `num_heads`
-    and `head_dim`, and defines what is its own: `_embed`, `_finish` and `_default_positions`.
+    and `head_dim`, and defines what is its own: `_embed`, `_finish` and `_default_positions`; and, if
+    it has them, `_rotary` (rotary position tables for the blocks), `cache_heads` (grouped-query
+    attention's key/value heads) and `attention_window` (a sliding window).
     """
+
+    # Each query attends to at most this many positions, its own included (Mistral's sliding window); or one
+    # such value (None: no window) per block (Qwen2's sliding layers).
+    attention_window: int | tuple[int | None, ...] | None = None
+
+    def _masks(self, attention_mask, cache_index, num_tokens: int, slots=None):
+        """The blocks' key masks (`attention.causal_mask`): one for every block, or with a window per block
+        a tuple of one per block."""
+        window = self.attention_window
+        if not isinstance(window, tuple):
+            return causal_mask(attention_mask, cache_index, num_tokens, slots, window=window)
+        masks = {size: causal_mask(attention_mask, cache_index, num_tokens, slots, window=size) for size in set(window)}
+        return tuple(masks[size] for size in window)
+
+    @property
+    def cache_heads(self) -> int:
+        """The heads the cache holds (the key/value heads)."""
+        return self.config.num_heads
+
+    def _rotary(self, positions):
+        """Position ids `[B, T]` -> what the blocks rotate queries and keys by (`layers.rotary`), or None."""
+        return None
 
     def _embed(self, token_ids, positions, training=False):
         """token ids and position ids `[B, T]` -> hidden states `[B, T, hidden]`."""
@@ -379,7 +418,7 @@ class DecoderOnlyLM(CausalDecoding):
 
     def _forward(self, token_ids, positions, mask, cache=None, cache_index=None, last_only=False, training=False):
         x = self._embed(token_ids, positions, training)
-        x, new_cache = run_blocks(self.blocks, x, mask, cache, cache_index, training)
+        x, new_cache = run_blocks(self.blocks, x, mask, cache, cache_index, training, rotary=self._rotary(positions))
         x = self._finish(x[:, -1:] if last_only else x)
         logits = self.token_embedding.attend(x) if self.lm_head is None else self.lm_head(x)
         return ops.cast(logits, "float32"), new_cache
@@ -402,19 +441,20 @@ class DecoderOnlyLM(CausalDecoding):
         input_ids, attention_mask = unpack_inputs(input_ids, attention_mask)
         input_ids = ops.convert_to_tensor(input_ids)
         length = input_ids.shape[1]
-        if length is not None and length > self.config.max_positions:
+        limit = self.config.max_positions  # None: no learned positions, nothing to outgrow
+        if length is not None and limit is not None and length > limit:
             raise ValueError(f"input length {length} exceeds the model's {self.config.max_positions} positions")
         if attention_mask is None:
             attention_mask = ops.ones_like(input_ids)
         if position_ids is None:
             position_ids = self._default_positions(attention_mask)
-        mask = causal_mask(attention_mask, 0, input_ids.shape[1])
+        mask = self._masks(attention_mask, 0, input_ids.shape[1])
         logits, _ = self._forward(input_ids, position_ids, mask, training=training)
         return CausalLMOutput(logits)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None):
         """Zero cache `L x (k, v) [B, H, S, D]`."""
-        return cache_lib.init_cache(self.config.num_layers, batch_size, self.config.num_heads, max_length,
+        return cache_lib.init_cache(self.config.num_layers, batch_size, self.cache_heads, max_length,
                                     self.config.head_dim, dtype or self.compute_dtype)
 
     def call_with_cache(self, token_ids, cache, cache_index, attention_mask, last_only=False, context=(),
@@ -436,5 +476,5 @@ class DecoderOnlyLM(CausalDecoding):
         """
         num_tokens = token_ids.shape[1]
         positions = positions_at(attention_mask, cache_index, num_tokens)
-        mask = causal_mask(attention_mask, cache_index, num_tokens, slots)
+        mask = self._masks(attention_mask, cache_index, num_tokens, slots)
         return self._forward(token_ids, positions, mask, cache, cache_index, last_only)

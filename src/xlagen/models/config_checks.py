@@ -48,10 +48,21 @@ def optional_size(name: str, value: Any) -> None:
         size(name, value)
 
 
-def epsilon(name: str, value: Any) -> None:
-    """A finite number > 0 (a norm's epsilon)."""
+def positive(name: str, value: Any) -> None:
+    """A finite number > 0 (a scale, a base)."""
     if not _is_number(value) or not math.isfinite(value) or value <= 0:
         raise _fail(name, "a finite number > 0", value)
+
+
+def optional_positive(name: str, value: Any) -> None:
+    """A finite number > 0, or null."""
+    if value is not None:
+        positive(name, value)
+
+
+def epsilon(name: str, value: Any) -> None:
+    """A finite number > 0 (a norm's epsilon)."""
+    positive(name, value)
 
 
 def rate(name: str, value: Any) -> None:

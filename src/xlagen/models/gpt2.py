@@ -15,7 +15,6 @@ import logging
 from dataclasses import dataclass
 
 import keras
-from keras import ops
 
 from xlagen.layers.block import BlockSpec, TransformerBlock
 from xlagen.layers.dense import Dense
@@ -23,7 +22,7 @@ from xlagen.layers.embeddings import PositionEmbedding, TokenEmbedding
 from xlagen.layers.feedforward import get_activation
 from xlagen.layers.norms import layer_norm
 from xlagen.models import config_checks as checks
-from xlagen.models.base import DecoderOnlyLM
+from xlagen.models.base import DecoderOnlyLM, column_positions
 from xlagen.models.training import CausalLMTraining
 
 logger = logging.getLogger(__name__)
@@ -205,7 +204,4 @@ class GPT2LMHead(CausalLMTraining, DecoderOnlyLM, keras.Model):
         return self.final_norm(hidden)
 
     def _default_positions(self, attention_mask):
-        # transformers' GPT-2 counts positions 0..T-1 whatever the mask (it derives them from the mask
-        # only in generate()).
-        length = ops.shape(attention_mask)[1]
-        return ops.broadcast_to(ops.arange(length, dtype="int32")[None, :], ops.shape(attention_mask))
+        return column_positions(attention_mask)

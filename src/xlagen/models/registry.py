@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from xlagen.models import gpt2, opt, t5, whisper
+from xlagen.models import gpt2, llama, opt, t5, whisper
 from xlagen.weights import gpt2 as gpt2_weights
+from xlagen.weights import llama as llama_weights
 from xlagen.weights import opt as opt_weights
 from xlagen.weights import t5 as t5_weights
 from xlagen.weights import whisper as whisper_weights
@@ -22,7 +23,9 @@ class Architecture(NamedTuple):
 
 
 CAUSAL_LM = {"gpt2": Architecture(gpt2.GPT2Config, gpt2.GPT2LMHead, gpt2_weights),
-             "opt": Architecture(opt.OPTConfig, opt.OPTLM, opt_weights)}
+             "opt": Architecture(opt.OPTConfig, opt.OPTLM, opt_weights),
+             # One implementation for the Llama family; the config's model_type sets its flags.
+             **{family: Architecture(llama.LlamaConfig, llama.LlamaLM, llama_weights) for family in llama.FAMILIES}}
 
 SEQ2SEQ_LM = {"t5": Architecture(t5.T5Config, t5.T5LM, t5_weights)}
 

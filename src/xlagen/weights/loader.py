@@ -47,6 +47,26 @@ def concat_first(xs: list[np.ndarray]) -> np.ndarray:
     return np.concatenate(xs, axis=0)
 
 
+def concat_first_sized(*sizes: int) -> Transform:
+    """Makes a transform concatenating sources of first-axis sizes `sizes` on their first axis, e.g. the
+    query, key and value projections of grouped-query attention (`[H * D, in]`, `[Hkv * D, in]` twice).
+    Unlike `concat_first`, its inverse (for saving) splits at those sizes rather than into equal parts.
+
+    Raises:
+        ValueError: (when applied) a source whose first axis is not its size.
+    """
+
+    def transform(xs: list[np.ndarray]) -> np.ndarray:
+        got = tuple(x.shape[0] for x in xs)
+        if got != sizes:
+            raise ValueError(f"concat_first_sized: the sources' first axes are {got}, expected {sizes}")
+        return np.concatenate(xs, axis=0)
+
+    transform.__name__ = f"concat_first_sized{sizes}"
+    transform.split_sizes = sizes
+    return transform
+
+
 def split_last(index: int, parts: int) -> Transform:
     """Makes a transform taking piece `index` of the single source split in `parts` on its last axis.
 
@@ -310,6 +330,9 @@ _INVERSES: dict[Callable, Callable[[Rule, np.ndarray], list[np.ndarray]]] = {
 def _inverse(transform: Callable) -> Callable[[Rule, np.ndarray], list[np.ndarray]] | None:
     if transform in _INVERSES:
         return _INVERSES[transform]
+    sizes = getattr(transform, "split_sizes", None)
+    if sizes is not None:
+        return lambda rule, value: np.split(value, np.cumsum(sizes)[:-1], axis=0)
     position = getattr(transform, "zeros_at", None)
     if position is None:
         return None
