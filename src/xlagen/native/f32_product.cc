@@ -82,7 +82,9 @@ template <int R, int V>
 __attribute__((always_inline)) inline void F32Rows(const F32Product& a, const float* w, float* out, int* r, int k0,
                                                    int rows, bool first, const float* next) {
   for (; *r + R <= a.m; *r += R) {
-    for (int v = 0; v < kBlock / kLanes; v += V) F32Tile<R, V>(a, w, out, *r, v, k0, rows, first, *r == 0 ? next : nullptr);
+    for (int v = 0; v < kBlock / kLanes; v += V) {
+      F32Tile<R, V>(a, w, out, *r, v, k0, rows, first, *r == 0 ? next : nullptr);
+    }
   }
 }
 
@@ -239,7 +241,9 @@ __attribute__((always_inline)) inline void StreamGroup(const float* const* w, co
                                                        int width, Mask tail, bool first, size_t ahead) {
   auto at = [&](int j) { return PackedAt(sums, R, 0, j); };
   int j = 0;
-  for (; j + kLanes * V <= whole; j += kLanes * V) StreamVectors<R, V, Ahead, false>(w, x, at(j), j, first, tail, ahead);
+  for (; j + kLanes * V <= whole; j += kLanes * V) {
+    StreamVectors<R, V, Ahead, false>(w, x, at(j), j, first, tail, ahead);
+  }
   for (; j < whole; j += kLanes) StreamVectors<R, 1, false, false>(w, x, at(j), j, first, tail, 0);
   if (j < width) StreamVectors<R, 1, false, true>(w, x, at(j), j, first, tail, 0);
 }
