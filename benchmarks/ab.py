@@ -4,6 +4,8 @@
     python benchmarks/ab.py --compare kernel --model gpt2 --strategy greedy --batch-size 1 --calls 9
 
 --compare (A against B; B is the default policy unless said otherwise):
+  off              XLA's own operations only (`Kernels.OFF`: packed weights unpacked for XLA's dot) against
+                   every native kernel: the whole gain of the kernels, for any --weights.
   kernel           XLA's dot for float32 weights, `Kernels(float32=False)`, against the native kernels.
   heads            the LM head (more than 16,384 columns) on XLA's dot for one row
                    (`float32_max_columns=16384`); everything else as by default.
@@ -25,6 +27,9 @@
                    product's weights (B, the default; `xlagen.native.set_lookahead`). One program: the choice
                    is made at run time, before each call.
 
+--weights bfloat16 or int8 packs the model's weights (`pack_weights`), whose products then run on the packed
+kernel under any policy but `off`.
+
 --max-rows N sets `float32_max_rows` in both policies: with --compare kernel at beam 2 and batch 8 (16 rows),
 the kernel against XLA's dot above the library's limit.
 
@@ -42,6 +47,7 @@ import statistics
 UNREACHABLE = 2**62  # a threshold no tensor reaches: that kernel never runs
 
 POLICIES = {  # --compare: (name A, changes from the default for A), (name B, changes for B)
+    "off": (("kernels_off", {"enabled": False}), ("kernels_on", {})),
     "kernel": (("xla_dot", {"float32": False}), ("kernel", {})),
     "heads": (("head_on_xla_dot", {"float32_max_columns": 16384}), ("head_on_kernel", {})),
     "rules": (("former_rules", {"float32_min_bytes": 2 * 2**20, "float32_max_columns": 16384}),
@@ -74,6 +80,8 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--calls", type=int, default=9, help="timed calls of each program")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "int8"],
+                        help="the model's weights: float32, or packed as bfloat16 or int8")
     parser.add_argument("--max-rows", type=int, default=None,
                         help="float32_max_rows in both policies (default: the library's)")
     args = parser.parse_args()
@@ -85,7 +93,8 @@ def main() -> None:
 
     bench.configure_threads(args.threads)
     system = bench.XlagenSystem()
-    model = system.build(args.model, "float32")
+    weights = {"float32": "float32", "bfloat16": bench.PACKED_BF16, "int8": bench.PACKED_INT8}[args.weights]
+    model = system.build(args.model, weights)
     scenario = bench.Scenario(args.model, args.strategy, args.batch_size, args.new_tokens, "xla")
     at_run_time = args.compare in RUN_TIME
     lookahead = native.lookahead_kib() if at_run_time else 0  # the default in force
@@ -114,7 +123,8 @@ def main() -> None:
     a, b = list(medians)
     if at_run_time:
         native.set_lookahead(lookahead)
-    print(json.dumps({"compare": args.compare, "scenario": scenario.label(),
+    print(json.dumps({"compare": args.compare, "scenario": scenario.label(), "weights": args.weights,
+                      "isa": native.library.isa(),
                       "same_tokens": bool(np.array_equal(*tokens.values())),
                       "ms_per_token": {k: round(v, 2) for k, v in medians.items()},
                       "runs_ms_per_token": {k: [round(t, 2) for t in v] for k, v in times.items()},

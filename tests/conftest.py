@@ -25,7 +25,7 @@ def kernels_expected() -> bool:
     """Whether the tests of xlagen's native kernels must run here: wherever the kernels can run, and in CI
     (XLAGEN_CI=1, set by .ci/run, which installs the compiler) also where they cannot for a missing install,
     which then fails them instead of skipping. Only a machine that cannot run them at all (not Linux on
-    x86-64, or a CPU without AVX-512) skips them, with that reason in the summary."""
+    x86-64, or a CPU with neither AVX-512 nor AVX2 and FMA) skips them, with that reason in the summary."""
     from xlagen import native
 
     if native.unavailable_reason() is None:

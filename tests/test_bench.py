@@ -263,8 +263,9 @@ def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
     broken.mkdir()
     for path in pathlib.Path(source).iterdir():
         if path.suffix in (".cc", ".h"):
-            # every kernel's multiply-add becomes a multiply-subtract: products come out wrong
-            (broken / path.name).write_text(path.read_text().replace("_mm512_fmadd_ps(", "_mm512_fmsub_ps("))
+            # every kernel's multiply-add becomes a multiply-subtract (AVX-512 and AVX2): products come out wrong
+            text = path.read_text().replace("_mm512_fmadd_ps(", "_mm512_fmsub_ps(")
+            (broken / path.name).write_text(text.replace("_mm256_fmadd_ps(", "_mm256_fmsub_ps("))
     result = subprocess.run(command[:-2] + [str(broken)], capture_output=True, text=True)
     assert result.returncode != 0 and "wrong product" in result.stderr, result.stderr
 

@@ -40,7 +40,7 @@ def cache(tmp_path, monkeypatch):
         record = folder / (build.library_name() + build.RECORD_SUFFIX)
         builds = 0
 
-    def fake_compile(source, library):
+    def fake_compile(source, library, isa=None):
         Cache.builds += 1
         # As a linker does: a new file whose mode follows the umask.
         fd = os.open(library, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o777)
@@ -201,7 +201,7 @@ def test_a_link_or_special_file_is_not_followed(cache, tmp_path, caplog, kind):
 
 
 def test_a_failed_build_leaves_nothing_behind(cache, monkeypatch):
-    def failing(source, library):
+    def failing(source, library, isa=None):
         Path(library).write_bytes(b"half")
         raise native.NativeUnavailable("building xlagen's native kernels failed (g++ ...): error")
 
@@ -256,6 +256,47 @@ def test_concurrent_builders_compile_once_and_both_load(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == [name, name + build.RECORD_SUFFIX]
     assert (folder / (name + build.RECORD_SUFFIX)).read_text().split()[0] == \
         hashlib.sha256((folder / name).read_bytes()).hexdigest()
+
+
+# ----------------------------------------------------------------------------- instruction sets
+
+@pytest.mark.parametrize("flags, isa", [
+    ({"avx512f", "avx2", "fma"}, "avx512"), ({"avx512f"}, "avx512"), ({"avx2", "fma", "sse4_2"}, "avx2"),
+    ({"avx2"}, None), ({"fma", "avx"}, None), (set(), None)])
+def test_the_instruction_set_is_the_most_capable_the_cpu_reports(flags, isa):
+    assert build.choose_isa(flags) == isa
+
+
+def test_a_cpu_without_avx2_and_fma_cannot_run_the_kernels_and_says_what_they_need(monkeypatch):
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"sse4_2", "avx", "avx2"}))
+    monkeypatch.setattr(native.library.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(native.library.platform, "machine", lambda: "x86_64")
+    reason = native.hardware_reason()
+    assert "AVX-512 (avx512f) or AVX2 and FMA (avx2, fma)" in reason and native.library.isa() is None
+    with pytest.raises(native.NativeUnavailable, match="reports neither"):
+        build.library_name()
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert native.hardware_reason() is None and native.library.isa() == "avx2"
+
+
+def test_each_instruction_set_has_its_own_library():
+    names = {isa: build.library_name(isa=isa) for isa in build.ISAS}
+    assert all(name.startswith(f"kernels-{isa}-") for isa, name in names.items())
+    assert len(set(names.values())) == len(build.ISAS)
+    with pytest.raises(ValueError, match="isa must be one of avx512, avx2, got 'sse'"):
+        build.library_name(isa="sse")
+
+
+@requires_compiler
+@pytest.mark.parametrize("isa", sorted(set(build.ISAS) - {build.host_isa()}))
+def test_the_kernels_compile_for_the_other_instruction_sets(isa):
+    # The build this CPU runs is compiled by the tests that load it; the others must keep compiling too: the
+    # AVX-512 sources on an AVX2 machine and the other way round (syntax and types, templates instantiated;
+    # no code generated).
+    flags = [flag for flag in build._flags(isa) if flag != "-shared"]
+    sources = sorted(str(path) for path in build.SOURCES.glob("*.cc"))
+    result = subprocess.run([build._compiler(), *flags, "-fsyntax-only", *sources], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 # ----------------------------------------------------------------------------- falling back to XLA's dot

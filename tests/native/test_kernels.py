@@ -1,7 +1,9 @@
 """xlagen's C++ kernels through their plain entry points (kernels.h), from numpy with ctypes: no TensorFlow.
 
-Edge shapes: one row, sizes that are odd or not a multiple of the 16-lane vectors, the kernels' block sizes
-and one past them; and the sizes an entry point refuses (its message comes back, nothing is written).
+Edge shapes: one row, sizes that are odd or not a multiple of the 16-lane vectors (AVX-512), multiples of
+the 8-lane vectors (AVX2) that are not of 16, the kernels' block sizes and one past them; and the sizes an
+entry point refuses (its message comes back, nothing is written). The library is the build for this CPU's
+instruction set (`native.library.isa()`).
 """
 
 from __future__ import annotations
@@ -43,7 +45,9 @@ def _product(name: str, x: np.ndarray, stored: np.ndarray, n: int) -> np.ndarray
 
 
 SHAPES = [(1, 1, 1), (1, 7, 13), (2, 17, 33), (3, 64, 100), (8, 5, 300), (16, 200, 1025), (17, 33, 257),
-          (33, 100, 70), (1, 3000, 96), (5, 1, 2049)]
+          (33, 100, 70), (1, 3000, 96), (5, 1, 2049),
+          # multiples of 8 columns, not of 16: whole AVX2 vectors, half a panel, past a block or int8 panel
+          (1, 9, 8), (3, 9, 24), (12, 16, 40), (17, 40, 264), (20, 8, 136), (9, 12, 104)]
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES)
@@ -81,7 +85,7 @@ def test_products_refuse_empty_sizes(name, m, k, n):
 
 @pytest.mark.parametrize("transposed", [0, 1])
 @pytest.mark.parametrize("heads, t, s, d", [(1, 1, 1, 16), (2, 9, 17, 32), (1, 8, 33, 64), (3, 1, 300, 128),
-                                            (2, 17, 1, 16)])
+                                            (2, 17, 1, 16), (2, 9, 24, 16), (1, 3, 40, 128)])
 def test_attention_matches_numpy(heads, t, s, d, transposed):
     rng = np.random.default_rng(heads * t * s + d)
     q = rng.standard_normal((heads, t, d)).astype(np.float32)
@@ -101,8 +105,9 @@ def test_attention_refuses_head_sizes_it_has_no_code_for():
     assert error is not None and b"16, 32, 64 or 128" in error and not out.any()
 
 
-def _step_attention(q, keys, values, key, value, bias, scale, mask_value=MASK_VALUE):
-    groups, heads, queries, d = q.shape
+def _step_attention(q, keys, values, key, value, bias, scale, mask_value=MASK_VALUE, d=None):
+    groups, heads, queries, head_dim = q.shape
+    d = head_dim if d is None else d
     out = np.full(q.shape, np.nan, np.float32)
     step = _entry("xlagen_step_attention", *[ctypes.c_void_p] * 7, *[ctypes.c_int] * 6, ctypes.c_float,
                   ctypes.c_float)
@@ -113,7 +118,7 @@ def _step_attention(q, keys, values, key, value, bias, scale, mask_value=MASK_VA
 
 @pytest.mark.parametrize("groups, heads, queries, s, d, bias_heads", [
     (1, 1, 1, 0, 1, 1), (1, 1, 1, 1, 16, 1), (2, 3, 2, 15, 17, 3), (1, 2, 1, 16, 33, 1), (3, 1, 4, 31, 256, 1),
-    (2, 4, 1, 600, 64, 4)])
+    (2, 4, 1, 600, 64, 4), (1, 2, 2, 24, 8, 1), (2, 1, 3, 8, 40, 1), (1, 1, 1, 3, 24, 1)])
 def test_step_attention_matches_numpy(groups, heads, queries, s, d, bias_heads):
     # An empty cache (only the new key), head sizes 1 and odd, the largest head size, and a step big enough
     # for the pool; a third of the cache keys masked.
@@ -145,14 +150,14 @@ def test_step_attention_uses_the_mask_value_it_is_given():
 def test_step_attention_refuses_what_it_cannot_run(d, bias_heads, message):
     q = np.zeros((1, 3, 1, max(d, 1)), np.float32)
     bias = np.zeros((1, bias_heads, 1, 2), np.float32)
-    error, out = _step_attention(q, q, q, q, q, bias, 1.0)
+    error, out = _step_attention(q, q, q, q, q, bias, 1.0, d=d)
     assert error is not None and message in error
     assert np.isnan(out).all()  # nothing written
 
 
 @pytest.mark.parametrize("groups, queries, heads, d, length, embed", [
     (1, 1, 1, 16, 1, 64), (2, 1, 7, 16, 5, 64), (1, 3, 2, 32, 257, 128), (3, 1, 6, 64, 300, 384),
-    (1, 2, 1, 128, 33, 192)])
+    (1, 2, 1, 128, 33, 192), (1, 1, 3, 32, 24, 64)])
 def test_memory_attention_matches_numpy(groups, queries, heads, d, length, embed):
     query, states, kv_kernel, kv_bias = kernel_reference.memory_inputs(groups, queries, heads, d, length, embed,
                                                                        seed=length + embed)
@@ -175,13 +180,26 @@ def test_memory_attention_refuses_widths_it_has_no_code_for():
         assert error is not None and message in error and not out.any()
 
 
-@pytest.mark.parametrize("rows, n", [(0, 5), (1, 1), (1, 15), (3, 16), (2, 17), (5, 1000)])
+@pytest.mark.parametrize("rows, n", [(0, 5), (1, 1), (1, 15), (3, 16), (2, 17), (5, 1000), (1, 8), (3, 24), (2, 40)])
 def test_argmax_matches_numpy(rows, n):
     x = np.random.default_rng(rows * n).standard_normal((rows, n)).astype(np.float32)
     out = np.full(rows, -1, np.int32)
     assert _entry("xlagen_argmax", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)(
         _p(x), _p(out), rows, n) is None
     np.testing.assert_array_equal(out, x.argmax(-1))
+
+
+def test_argmax_takes_the_first_of_equal_maxima_across_lanes():
+    # The largest value at indices that fall in different lanes and vectors, and after the tail's start.
+    x = np.zeros((4, 41), np.float32)
+    x[0, [3, 11, 27]] = 5.0
+    x[1, [19, 35]] = 5.0
+    x[2, [40]] = 5.0
+    x[3] = -np.inf
+    out = np.full(4, -1, np.int32)
+    assert _entry("xlagen_argmax", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)(
+        _p(x), _p(out), 4, 41) is None
+    np.testing.assert_array_equal(out, [3, 19, 40, 0])
 
 
 def test_argmax_refuses_an_empty_row():
@@ -195,6 +213,7 @@ def test_constants_come_from_the_library_and_match_the_packing():
     assert native.PANEL == native.constant("panel") == 32
     assert native.INT8_PANEL == native.constant("int8_panel") == 64
     assert native.STEP_ATTENTION_MAX_HEAD_DIM == native.constant("step_attention_max_head_dim")
+    assert native.constant("lanes") == {"avx512": 16, "avx2": 8}[native.library.isa()]  # the build for this CPU
     assert native.pack_bfloat16(np.ones((3, 5), np.float32)).shape == (1, 3, native.PANEL // 2)
     assert native.pack_int8(np.ones((3, 5), np.float32)).shape == (1, 3 + 4, native.INT8_PANEL)
     with pytest.raises(KeyError, match="no constant 'nonsense'"):

@@ -27,11 +27,14 @@ query rows (`Kernels.step_attention_min_rows`). And greedy decoding's choice of 
 logit at a time.
 
 The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
-cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the source, in a folder
-only this user may write, with its SHA-256 beside it; a cached build is loaded only if it is this user's,
-not writable by others and matches that hash, else it is built again (`build.py` says how). It needs
-Linux on x86-64 with AVX-512 (`avx512f`). Where it cannot be built, float32 decoding uses XLA's dot, with
-one warning; packed weights raise `NativeUnavailable` with the reason.
+cached under `$XLAGEN_CACHE/native` (default `~/.cache/xlagen/native`), keyed by the instruction set and
+the source, in a folder only this user may write, with its SHA-256 beside it; a cached build is loaded only
+if it is this user's, not writable by others and matches that hash, else it is built again (`build.py`
+says how). It needs
+Linux on x86-64 with AVX-512 (`avx512f`) or AVX2 and FMA (`avx2`, `fma`): the kernels are written once
+against a small vector layer (`simd.h`) and built for the instruction set the CPU has, AVX-512 first
+(`library.isa()`), each with its own tile sizes. Where it cannot be built, float32 decoding uses XLA's dot,
+with one warning; packed weights raise `NativeUnavailable` with the reason.
 
 Where the kernels run is one value, a `Kernels` policy (`policy.py`, which also lists the environment
 variables): programs are traced under one (`tracing`; `generate(kernels=...)`, `CompiledGenerator(kernels=...)`),

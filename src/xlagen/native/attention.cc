@@ -1,16 +1,16 @@
 // The attention kernels: the softmax attention of a long encoder, a decoding step's masked self-attention over
 // the cache, and a decoding step's cross-attention over an encoder output with the projections folded in.
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
 #include "pool.h"
+#include "simd.h"
 #include "vector_math.h"
 
 namespace xlagen {
@@ -28,6 +28,14 @@ namespace {
 // keys per head dimension, rather than through a copy: each key and value is read once per unit, at the
 // rate memory streams (XLA's dots over Whisper's memory read it at a third of that).
 constexpr int kAttentionRows = 8;  // query rows per unit
+// Sums a register tile keeps: 16 of AVX-512's 32 registers, 8 of AVX2's 16 (the rest hold the values or keys
+// loaded and the broadcast weights).
+constexpr int kTileSums = kAvx512 ? 16 : 8;
+// The unit's scores against a head's keys in tiles of kScoreRows query rows x kScoreVectors vectors of keys.
+constexpr int kScoreRows = kAvx512 ? 8 : 4;
+constexpr int kScoreVectors = 2;
+// Vectors of a head's columns per pass over the weights and values (AttentionOutput, MemoryProject).
+constexpr int kMostHeadVectors = 8;
 
 struct Attention {
   const float* q;  // [heads, t, d]
@@ -42,27 +50,43 @@ struct Attention {
 
 std::atomic<uint64_t> g_attention_calls{0};
 
-// out[rows of the unit] = weights @ v / sums, for D = 16 DV, R rows of weights at a time (4 DV sums).
+// Calls body(std::integral_constant<int, DV>) for the vectors of a head's columns per pass: d / kLanes, at
+// most kMostHeadVectors (d one of ATTENTION_HEAD_DIMS).
+template <typename Body>
+__attribute__((always_inline)) inline void ForHeadVectors(int d, const Body& body) {
+  switch (std::min(d / kLanes, kMostHeadVectors)) {
+    case 1: body(std::integral_constant<int, 1>()); break;
+    case 2: body(std::integral_constant<int, 2>()); break;
+    case 4: body(std::integral_constant<int, 4>()); break;
+    case 8: body(std::integral_constant<int, 8>()); break;
+    default: break;  // the entry points take D = 16, 32, 64 or 128 only
+  }
+}
+
+// out[rows of the unit] = weights @ v / sums, DV vectors of columns at a time (the whole head vector, except
+// for D = 128 with AVX2), R rows of weights at a time (kTileSums sums).
 template <int DV>
 void AttentionOutput(const Attention& a, const float* weights, int padded, const float* sums, const float* v,
                      float* out, int rows) {
-  constexpr int R = 16 / DV < 1 ? 1 : (16 / DV > kAttentionRows ? kAttentionRows : 16 / DV);
-  for (int r0 = 0; r0 < rows; r0 += R) {
-    __m512 acc[R][DV];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int j = 0; j < a.s; ++j) {
-      __m512 vv[DV];
-      for (int c = 0; c < DV; ++c) vv[c] = _mm512_loadu_ps(v + static_cast<size_t>(j) * a.d + 16 * c);
-      for (int r = 0; r < R; ++r) {
-        const __m512 w = _mm512_set1_ps(weights[static_cast<size_t>(r0 + r) * padded + j]);
-        for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(w, vv[c], acc[r][c]);
+  constexpr int R = kTileSums / DV < 1 ? 1 : (kTileSums / DV > kAttentionRows ? kAttentionRows : kTileSums / DV);
+  for (int c0 = 0; c0 < a.d; c0 += kLanes * DV) {
+    for (int r0 = 0; r0 < rows; r0 += R) {
+      Vec acc[R][DV];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < DV; ++c) acc[r][c] = Zero();
+      for (int j = 0; j < a.s; ++j) {
+        Vec vv[DV];
+        for (int c = 0; c < DV; ++c) vv[c] = Load(v + static_cast<size_t>(j) * a.d + c0 + kLanes * c);
+        for (int r = 0; r < R; ++r) {
+          const Vec w = Set(weights[static_cast<size_t>(r0 + r) * padded + j]);
+          for (int c = 0; c < DV; ++c) acc[r][c] = Fma(w, vv[c], acc[r][c]);
+        }
       }
-    }
-    for (int r = 0; r < R && r0 + r < rows; ++r) {
-      const __m512 inverse = _mm512_set1_ps(1.0f / sums[r0 + r]);
-      for (int c = 0; c < DV; ++c) {
-        _mm512_storeu_ps(out + static_cast<size_t>(r0 + r) * a.d + 16 * c, _mm512_mul_ps(acc[r][c], inverse));
+      for (int r = 0; r < R && r0 + r < rows; ++r) {
+        const Vec inverse = Set(1.0f / sums[r0 + r]);
+        for (int c = 0; c < DV; ++c) {
+          Store(out + static_cast<size_t>(r0 + r) * a.d + c0 + kLanes * c, Mul(acc[r][c], inverse));
+        }
       }
     }
   }
@@ -72,28 +96,27 @@ void AttentionOutput(const Attention& a, const float* weights, int padded, const
 // kt [d, s], accumulated one head dimension at a time: each kt row is read once, in order, and the rows'
 // scores stay in L1. Columns from s to padded are left as they are (the softmax ignores them).
 void TransposedScores(const Attention& a, const float* kt, const float* q, int rows, float* scores, int padded) {
-  const int whole = a.s / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (a.s - whole)) - 1);
+  const int whole = a.s / kLanes * kLanes;
+  const bool partial = whole < a.s;
+  const Mask tail = FirstLanes(a.s - whole);
   for (int r = 0; r < rows; ++r) std::memset(scores + static_cast<size_t>(r) * padded, 0, sizeof(float) * a.s);
   for (int c = 0; c < a.d; ++c) {
     const float* row = kt + static_cast<size_t>(c) * a.s;
     for (int r = 0; r < rows; ++r) {
-      const __m512 x = _mm512_set1_ps(q[static_cast<size_t>(r) * a.d + c]);
+      const Vec x = Set(q[static_cast<size_t>(r) * a.d + c]);
       float* out = scores + static_cast<size_t>(r) * padded;
-      for (int j = 0; j < whole; j += 16) {
-        _mm512_storeu_ps(out + j, _mm512_fmadd_ps(x, _mm512_loadu_ps(row + j), _mm512_loadu_ps(out + j)));
-      }
-      if (tail) {
-        const __m512 k = _mm512_maskz_loadu_ps(tail, row + whole);
-        _mm512_mask_storeu_ps(out + whole, tail, _mm512_fmadd_ps(x, k, _mm512_maskz_loadu_ps(tail, out + whole)));
+      for (int j = 0; j < whole; j += kLanes) Store(out + j, Fma(x, Load(row + j), Load(out + j)));
+      if (partial) {
+        const Vec k = LoadMasked(tail, row + whole);
+        StoreMasked(out + whole, tail, Fma(x, k, LoadMasked(tail, out + whole)));
       }
     }
   }
-  const __m512 scale = _mm512_set1_ps(a.scale);
+  const Vec scale = Set(a.scale);
   for (int r = 0; r < rows; ++r) {
     float* out = scores + static_cast<size_t>(r) * padded;
-    for (int j = 0; j < whole; j += 16) _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_loadu_ps(out + j), scale));
-    if (tail) _mm512_mask_storeu_ps(out + whole, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, out + whole), scale));
+    for (int j = 0; j < whole; j += kLanes) Store(out + j, Mul(Load(out + j), scale));
+    if (partial) StoreMasked(out + whole, tail, Mul(LoadMasked(tail, out + whole), scale));
   }
 }
 
@@ -124,23 +147,26 @@ void RunAttention(const void* args, int u0, int u1) {
       // The unit's query rows, zeros past t (their scores are computed and not used).
       std::fill(q.begin(), q.end(), 0.0f);
       std::memcpy(q.data(), a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, sizeof(float) * rows * a.d);
-      const __m512 scale = _mm512_set1_ps(a.scale);
-      for (int j = 0; j < padded; j += 32) {
-        __m512 acc[kAttentionRows][2];
-        for (int r = 0; r < kAttentionRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-        for (int c = 0; c < a.d; ++c) {
-          const float* row = kt.data() + static_cast<size_t>(c) * padded + j;
-          const __m512 k0 = _mm512_loadu_ps(row), k1 = _mm512_loadu_ps(row + 16);
-          for (int r = 0; r < kAttentionRows; ++r) {
-            const __m512 x = _mm512_set1_ps(q[static_cast<size_t>(r) * a.d + c]);
-            acc[r][0] = _mm512_fmadd_ps(x, k0, acc[r][0]);
-            acc[r][1] = _mm512_fmadd_ps(x, k1, acc[r][1]);
+      const Vec scale = Set(a.scale);
+      constexpr int R = kScoreRows, V = kScoreVectors;
+      for (int r0 = 0; r0 < kAttentionRows; r0 += R) {
+        for (int j = 0; j < padded; j += kLanes * V) {
+          Vec acc[R][V];
+          for (int r = 0; r < R; ++r)
+            for (int v = 0; v < V; ++v) acc[r][v] = Zero();
+          for (int c = 0; c < a.d; ++c) {
+            const float* row = kt.data() + static_cast<size_t>(c) * padded + j;
+            Vec k[V];
+            for (int v = 0; v < V; ++v) k[v] = Load(row + kLanes * v);
+            for (int r = 0; r < R; ++r) {
+              const Vec x = Set(q[static_cast<size_t>(r0 + r) * a.d + c]);
+              for (int v = 0; v < V; ++v) acc[r][v] = Fma(x, k[v], acc[r][v]);
+            }
           }
-        }
-        for (int r = 0; r < kAttentionRows; ++r) {
-          float* out = scores.data() + static_cast<size_t>(r) * padded + j;
-          _mm512_storeu_ps(out, _mm512_mul_ps(acc[r][0], scale));
-          _mm512_storeu_ps(out + 16, _mm512_mul_ps(acc[r][1], scale));
+          for (int r = 0; r < R; ++r) {
+            float* out = scores.data() + static_cast<size_t>(r0 + r) * padded + j;
+            for (int v = 0; v < V; ++v) Store(out + kLanes * v, Mul(acc[r][v], scale));
+          }
         }
       }
     }
@@ -152,13 +178,9 @@ void RunAttention(const void* args, int u0, int u1) {
     }
     const float* v = a.v + head_offset;
     float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
-    switch (a.d / 16) {
-      case 1: AttentionOutput<1>(a, scores.data(), padded, sums, v, out, rows); break;
-      case 2: AttentionOutput<2>(a, scores.data(), padded, sums, v, out, rows); break;
-      case 4: AttentionOutput<4>(a, scores.data(), padded, sums, v, out, rows); break;
-      case 8: AttentionOutput<8>(a, scores.data(), padded, sums, v, out, rows); break;
-      default: break;  // xlagen_attention takes D = 16, 32, 64 or 128 only
-    }
+    ForHeadVectors(a.d, [&](auto vectors) {
+      AttentionOutput<decltype(vectors)::value>(a, scores.data(), padded, sums, v, out, rows);
+    });
   }
 }
 
@@ -188,8 +210,8 @@ void RunStepAttention(const void* args, int u0, int u1) {
   thread_local std::vector<float> scores;
   const int n = a.s + 1;  // the cache's keys, then the new one
   scores.resize(static_cast<size_t>(n));
-  const int vectors = (a.d + 15) / 16;  // of a head vector, the last under `last`
-  const __mmask16 last = static_cast<__mmask16>(0xFFFFu >> (16 * vectors - a.d));
+  const int vectors = (a.d + kLanes - 1) / kLanes;  // of a head vector, the last under `last`
+  const Mask last = FirstLanes(a.d - kLanes * (vectors - 1));
   for (int u = u0; u < u1; ++u) {  // u = (g * heads + h) * queries + i
     const int i = u % a.queries, gh = u / a.queries, g = gh / a.heads, h = gh % a.heads;
     const float* q = a.q + static_cast<size_t>(u) * a.d;
@@ -210,20 +232,19 @@ void RunStepAttention(const void* args, int u0, int u1) {
     }
     const float total = ExpInPlace(row, n, top);
     // The weighted values (a masked key's weight is 0 and is skipped: its value is never read).
-    __m512 acc[kStepAttentionMaxD / 16];
-    for (int c = 0; c < vectors; ++c) acc[c] = _mm512_setzero_ps();
+    Vec acc[kStepAttentionMaxD / kLanes];
+    for (int c = 0; c < vectors; ++c) acc[c] = Zero();
     for (int j = 0; j < n; ++j) {
       if (row[j] == 0.0f) continue;
-      const __m512 w = _mm512_set1_ps(row[j]);
+      const Vec w = Set(row[j]);
       const float* value = j < a.s ? v + static_cast<size_t>(j) * a.d : a.new_v + static_cast<size_t>(u) * a.d;
-      for (int c = 0; c + 1 < vectors; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * c), acc[c]);
-      acc[vectors - 1] =
-          _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(last, value + 16 * (vectors - 1)), acc[vectors - 1]);
+      for (int c = 0; c + 1 < vectors; ++c) acc[c] = Fma(w, Load(value + kLanes * c), acc[c]);
+      acc[vectors - 1] = Fma(w, LoadMasked(last, value + kLanes * (vectors - 1)), acc[vectors - 1]);
     }
-    const __m512 inverse = _mm512_set1_ps(1.0f / total);
+    const Vec inverse = Set(1.0f / total);
     float* out = a.out + static_cast<size_t>(u) * a.d;
-    for (int c = 0; c + 1 < vectors; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inverse));
-    _mm512_mask_storeu_ps(out + 16 * (vectors - 1), last, _mm512_mul_ps(acc[vectors - 1], inverse));
+    for (int c = 0; c + 1 < vectors; ++c) Store(out + kLanes * c, Mul(acc[c], inverse));
+    StoreMasked(out + kLanes * (vectors - 1), last, Mul(acc[vectors - 1], inverse));
   }
 }
 
@@ -256,7 +277,11 @@ struct MemoryAttention {
   float scale;
 };
 
-constexpr int kMemoryRows = 6;  // query rows per register block (6 x 4 accumulators)
+// Query rows per register block: 6 x 4 sums with AVX-512, 2 x 4 with AVX2's 16 registers (4 keys or 4
+// vectors of M's columns and a broadcast beside them).
+constexpr int kMemoryRows = kAvx512 ? 6 : 2;
+// Columns of M per pass of MemorySums: 4 vectors.
+constexpr int kSumColumns = 4 * kLanes;
 
 // Pass 1, one unit per query row of one memory row: qp[row] = scale * q[row] @ wkt[head rows].
 void RunMemoryQueries(const void* args, int u0, int u1) {
@@ -266,14 +291,16 @@ void RunMemoryQueries(const void* args, int u0, int u1) {
     const float* q = a.q + static_cast<size_t>(u) * a.d;
     const float* w = a.wkt + static_cast<size_t>(head) * a.d * a.e;
     float* out = a.qp + static_cast<size_t>(u) * a.e;
+    constexpr int V = 64 / kLanes;  // 64 columns at a time (e is a multiple of 64)
     for (int c = 0; c < a.e; c += 64) {
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+      Vec acc[V];
+      for (int v = 0; v < V; ++v) acc[v] = Zero();
       for (int k = 0; k < a.d; ++k) {
-        const __m512 x = _mm512_set1_ps(q[k] * a.scale);
+        const Vec x = Set(q[k] * a.scale);
         const float* row = w + static_cast<size_t>(k) * a.e + c;
-        for (int v = 0; v < 4; ++v) acc[v] = _mm512_fmadd_ps(x, _mm512_loadu_ps(row + 16 * v), acc[v]);
+        for (int v = 0; v < V; ++v) acc[v] = Fma(x, Load(row + kLanes * v), acc[v]);
       }
-      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + c + 16 * v, acc[v]);
+      for (int v = 0; v < V; ++v) Store(out + c + kLanes * v, acc[v]);
     }
   }
 }
@@ -284,18 +311,20 @@ template <int R>
 void MemoryScores(const float* qp, const float* m, int keys, int e, float* scores, int stride) {
   int j = 0;
   for (; j + 4 <= keys; j += 4) {
-    __m512 acc[R][4];
+    Vec acc[R][4];
     for (int r = 0; r < R; ++r)
-      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_setzero_ps();
-    for (int c = 0; c < e; c += 16) {
-      __m512 key[4];
+      for (int k = 0; k < 4; ++k) acc[r][k] = Zero();
+    for (int c = 0; c < e; c += kLanes) {
+      Vec key[4];
       for (int k = 0; k < 4; ++k) {
-        key[k] = _mm512_loadu_ps(m + static_cast<size_t>(j + k) * e + c);
-        _mm_prefetch(reinterpret_cast<const char*>(m + static_cast<size_t>(j + 8 + k) * e + c), _MM_HINT_T0);
+        key[k] = Load(m + static_cast<size_t>(j + k) * e + c);
+        if (kAvx512 || c % 16 == 0) {  // each 64-byte line once
+          _mm_prefetch(reinterpret_cast<const char*>(m + static_cast<size_t>(j + 8 + k) * e + c), _MM_HINT_T0);
+        }
       }
       for (int r = 0; r < R; ++r) {
-        const __m512 x = _mm512_loadu_ps(qp + static_cast<size_t>(r) * e + c);
-        for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_fmadd_ps(x, key[k], acc[r][k]);
+        const Vec x = Load(qp + static_cast<size_t>(r) * e + c);
+        for (int k = 0; k < 4; ++k) acc[r][k] = Fma(x, key[k], acc[r][k]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -303,41 +332,42 @@ void MemoryScores(const float* qp, const float* m, int keys, int e, float* score
     }
   }
   for (; j < keys; ++j) {
-    __m512 acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-    for (int c = 0; c < e; c += 16) {
-      const __m512 key = _mm512_loadu_ps(m + static_cast<size_t>(j) * e + c);
-      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qp + static_cast<size_t>(r) * e + c), key, acc[r]);
+    Vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = Zero();
+    for (int c = 0; c < e; c += kLanes) {
+      const Vec key = Load(m + static_cast<size_t>(j) * e + c);
+      for (int r = 0; r < R; ++r) acc[r] = Fma(Load(qp + static_cast<size_t>(r) * e + c), key, acc[r]);
     }
-    for (int r = 0; r < R; ++r) scores[static_cast<size_t>(r) * stride + j] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < R; ++r) scores[static_cast<size_t>(r) * stride + j] = ReduceAdd(acc[r]);
   }
 }
 
-// out[r] = sum over the keys of weights[r, key] * m[key] for R rows (row stride `stride`), 64 columns at a
-// time: each pass reads a quarter-kilobyte column strip of every key row, so m is read once overall.
+// out[r] = sum over the keys of weights[r, key] * m[key] for R rows (row stride `stride`), kSumColumns columns
+// at a time: each pass reads a column strip (a quarter kilobyte, AVX2 half that) of every key row, so m is
+// read once overall.
 // While it runs (compute on rows already in L2), it brings `ahead` (the next unit's rows, `ahead_lines` cache
 // lines) from memory into L2, spread evenly over its iterations.
 template <int R>
 void MemorySums(const float* weights, int stride, const float* m, int keys, int e, float* out, int out_stride,
                 const char* ahead, int ahead_lines) {
-  const int iterations = e / 64 * keys;
+  const int iterations = e / kSumColumns * keys;
   const int per_iteration = iterations > 0 ? (ahead_lines + iterations - 1) / iterations : 0;
   const char* const ahead_end = ahead + static_cast<size_t>(ahead_lines) * 64;
-  for (int c = 0; c < e; c += 64) {
-    __m512 acc[R][4];
+  for (int c = 0; c < e; c += kSumColumns) {
+    Vec acc[R][4];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+      for (int v = 0; v < 4; ++v) acc[r][v] = Zero();
     for (int j = 0; j < keys; ++j) {
-      __m512 row[4];
-      for (int v = 0; v < 4; ++v) row[v] = _mm512_loadu_ps(m + static_cast<size_t>(j) * e + c + 16 * v);
+      Vec row[4];
+      for (int v = 0; v < 4; ++v) row[v] = Load(m + static_cast<size_t>(j) * e + c + kLanes * v);
       for (int p = 0; p < per_iteration && ahead < ahead_end; ++p, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
       for (int r = 0; r < R; ++r) {
-        const __m512 w = _mm512_set1_ps(weights[static_cast<size_t>(r) * stride + j]);
-        for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(w, row[v], acc[r][v]);
+        const Vec w = Set(weights[static_cast<size_t>(r) * stride + j]);
+        for (int v = 0; v < 4; ++v) acc[r][v] = Fma(w, row[v], acc[r][v]);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 4; ++v) _mm512_storeu_ps(out + static_cast<size_t>(r) * out_stride + c + 16 * v, acc[r][v]);
+      for (int v = 0; v < 4; ++v) Store(out + static_cast<size_t>(r) * out_stride + c + kLanes * v, acc[r][v]);
   }
 }
 
@@ -353,6 +383,17 @@ void MemoryBlock(const float* qp, const float* m, int keys, int e, float* scores
     out[static_cast<size_t>(r) * (e + 2) + e + 1] = ExpInPlace(row, keys, top);
   }
   MemorySums<R>(scores, stride, m, keys, e, out, e + 2, ahead, ahead_lines);
+}
+
+// MemoryBlock<R> for R = count rows (1 to Most).
+template <int Most>
+void MemoryBlockOf(int count, const float* qp, const float* m, int keys, int e, float* scores, int stride, float* out,
+                   const char* ahead, int ahead_lines) {
+  if (count == Most) {
+    MemoryBlock<Most>(qp, m, keys, e, scores, stride, out, ahead, ahead_lines);
+  } else if constexpr (Most > 1) {
+    MemoryBlockOf<Most - 1>(count, qp, m, keys, e, scores, stride, out, ahead, ahead_lines);
+  }
 }
 
 // Pass 2, one unit per memory row and chunk of keys.
@@ -379,28 +420,24 @@ void RunMemoryChunks(const void* args, int u0, int u1) {
     for (int r = 0; r < rows; r += kMemoryRows) {
       const float* q = qp + static_cast<size_t>(r) * a.e;
       float* o = out + static_cast<size_t>(r) * (a.e + 2);
-      switch (std::min(kMemoryRows, rows - r)) {
-        case 1: MemoryBlock<1>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
-        case 2: MemoryBlock<2>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
-        case 3: MemoryBlock<3>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
-        case 4: MemoryBlock<4>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
-        case 5: MemoryBlock<5>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
-        default: MemoryBlock<6>(q, m, keys, a.e, scores.data(), stride, o, ahead, lines); break;
-      }
+      MemoryBlockOf<kMemoryRows>(std::min(kMemoryRows, rows - r), q, m, keys, a.e, scores.data(), stride, o,
+                                 ahead, lines);
     }
   }
 }
 
-// out[D = 16 DV] = u[e] @ w (row stride `stride`) + bias.
+// out[d] = u[e] @ w (row stride `stride`) + bias, DV vectors of columns at a time.
 template <int DV>
-void MemoryProject(const float* u, int e, const float* w, size_t stride, const float* bias, float* out) {
-  __m512 acc[DV];
-  for (int v = 0; v < DV; ++v) acc[v] = _mm512_loadu_ps(bias + 16 * v);
-  for (int c = 0; c < e; ++c) {
-    const __m512 x = _mm512_set1_ps(u[c]);
-    for (int v = 0; v < DV; ++v) acc[v] = _mm512_fmadd_ps(x, _mm512_loadu_ps(w + c * stride + 16 * v), acc[v]);
+void MemoryProject(const float* u, int e, const float* w, size_t stride, const float* bias, float* out, int d) {
+  for (int c0 = 0; c0 < d; c0 += kLanes * DV) {
+    Vec acc[DV];
+    for (int v = 0; v < DV; ++v) acc[v] = Load(bias + c0 + kLanes * v);
+    for (int c = 0; c < e; ++c) {
+      const Vec x = Set(u[c]);
+      for (int v = 0; v < DV; ++v) acc[v] = Fma(x, Load(w + c * stride + c0 + kLanes * v), acc[v]);
+    }
+    for (int v = 0; v < DV; ++v) Store(out + c0 + kLanes * v, acc[v]);
   }
-  for (int v = 0; v < DV; ++v) _mm512_storeu_ps(out + 16 * v, acc[v]);
 }
 
 // Pass 3, one unit per head and query row (head-major, so that consecutive units share the head's Wv).
@@ -423,23 +460,17 @@ void RunMemoryOutputs(const void* args, int u0, int u1) {
       const float* part = p + c * chunk_stride;
       const float weight = std::exp(part[a.e] - top);
       total += weight * part[a.e + 1];
-      const __m512 w = _mm512_set1_ps(weight);
-      for (int k = 0; k < a.e; k += 16) {
-        _mm512_storeu_ps(u.data() + k, _mm512_fmadd_ps(w, _mm512_loadu_ps(part + k), _mm512_loadu_ps(u.data() + k)));
-      }
+      const Vec w = Set(weight);
+      for (int k = 0; k < a.e; k += kLanes) Store(u.data() + k, Fma(w, Load(part + k), Load(u.data() + k)));
     }
-    const __m512 inverse = _mm512_set1_ps(1.0f / total);
-    for (int k = 0; k < a.e; k += 16) _mm512_storeu_ps(u.data() + k, _mm512_mul_ps(_mm512_loadu_ps(u.data() + k), inverse));
+    const Vec inverse = Set(1.0f / total);
+    for (int k = 0; k < a.e; k += kLanes) Store(u.data() + k, Mul(Load(u.data() + k), inverse));
     const float* w = a.wkv + hd + static_cast<size_t>(head) * a.d;
     const float* bias = a.bkv + hd + static_cast<size_t>(head) * a.d;
     float* out = a.out + (static_cast<size_t>(group) * a.queries + query) * hd + static_cast<size_t>(head) * a.d;
-    switch (a.d / 16) {
-      case 1: MemoryProject<1>(u.data(), a.e, w, 2 * hd, bias, out); break;
-      case 2: MemoryProject<2>(u.data(), a.e, w, 2 * hd, bias, out); break;
-      case 4: MemoryProject<4>(u.data(), a.e, w, 2 * hd, bias, out); break;
-      case 8: MemoryProject<8>(u.data(), a.e, w, 2 * hd, bias, out); break;
-      default: break;  // xlagen_memory_attention takes D = 16, 32, 64 or 128 only
-    }
+    ForHeadVectors(a.d, [&](auto vectors) {
+      MemoryProject<decltype(vectors)::value>(u.data(), a.e, w, 2 * hd, bias, out, a.d);
+    });
   }
 }
 

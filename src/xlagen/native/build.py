@@ -1,5 +1,9 @@
 """Building the native kernel library into its cache folder, and opening a cached build only if it is safe.
 
+The kernels are compiled for one instruction set at a time (`ISAS`): AVX-512 or AVX2 with FMA, the one the
+CPU runs (`host_isa`) unless asked for another. Each has its own library in the cache, named by the
+instruction set and a hash of the sources and flags.
+
 A shared library runs code as the process that loads it, so a cached build is loaded only when nobody but
 this user can have written it, and only the exact bytes recorded when it was built:
 
@@ -33,11 +37,17 @@ import secrets
 import shutil
 import stat
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 SOURCES = Path(__file__).parent  # the C++ kernels: every *.cc, compiled into one library, and the *.h
-FLAGS = ("-O3", "-mavx512f", "-mfma", "-std=c++17", "-fPIC", "-shared", "-pthread")
+FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread")  # and the instruction set's (ISAS)
+# The instruction sets the kernels are written for (simd.h), the most capable first: the compiler flags of
+# each and the /proc/cpuinfo flags a CPU needs to run its build.
+ISAS = {
+    "avx512": {"flags": ("-mavx512f", "-mfma"), "cpu": ("avx512f",)},
+    "avx2": {"flags": ("-mavx2", "-mfma"), "cpu": ("avx2", "fma")},
+}
 RECORD_SUFFIX = ".sha256"  # beside the library: its SHA-256, written when it was built
 NO_COMPILER = ("xlagen's native kernels need a C++ compiler to build them once (set CXX, or install g++, "
                "e.g. `apt-get install g++`)")
@@ -66,34 +76,86 @@ def _compiler() -> str | None:
     return None
 
 
+def choose_isa(cpu_flags: Iterable[str]) -> str | None:
+    """The instruction set of `ISAS` whose kernels a CPU with these /proc/cpuinfo flags runs: "avx512" with
+    avx512f, else "avx2" with avx2 and fma; None with neither."""
+    flags = set(cpu_flags)
+    return next((isa for isa, needs in ISAS.items() if flags.issuperset(needs["cpu"])), None)
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines()
+                           if line.startswith("flags")), []))
+
+
+def host_isa() -> str | None:
+    """The instruction set this CPU runs the kernels with (`choose_isa` of its flags), or None."""
+    return choose_isa(cpu_flags())
+
+
+def _isa(isa: str | None) -> str:
+    """`isa` checked, or this CPU's when None.
+
+    Raises:
+        ValueError: not one of `ISAS`.
+        NativeUnavailable: None, and this CPU runs none of them.
+    """
+    if isa is None:
+        isa = host_isa()
+        if isa is None:
+            raise NativeUnavailable("xlagen's native kernels need a CPU with AVX-512 (avx512f) or AVX2 and FMA "
+                                    "(avx2, fma); this CPU reports neither")
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {', '.join(ISAS)}, got {isa!r}")
+    return isa
+
+
 def cache_folder() -> Path:
     """The folder of cached builds: `$XLAGEN_CACHE/native`, default `~/.cache/xlagen/native`."""
     root = os.environ.get("XLAGEN_CACHE") or Path.home() / ".cache" / "xlagen"
     return Path(root) / "native"
 
 
-def library_name(sources: Path = SOURCES) -> str:
-    """The cached library's file name for the kernel sources in `sources`: a hash of their names and texts
-    (every *.cc and *.h) and of the flags."""
-    files = sorted(p for p in sources.iterdir() if p.suffix in (".cc", ".h"))
-    text = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in files)
-    key = hashlib.sha256(text + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return f"kernels-{key}.so"
+def _flags(isa: str) -> tuple[str, ...]:
+    return (*FLAGS, *ISAS[isa]["flags"])
 
 
-def compile_library(sources: Path, library: Path) -> None:
-    """Compiles the kernel sources in the folder `sources` (xlagen's, `SOURCES`, or a variant of them for
-    `benchmarks/kernel_variants.py`: every *.cc, with the *.h beside them) into the shared library `library`
-    with xlagen's flags.
+def library_name(sources: Path = SOURCES, isa: str | None = None) -> str:
+    """The cached library's file name for the kernel sources in `sources` built for `isa` (None: this CPU's):
+    the instruction set and a hash of the sources' names and texts (every *.cc and *.h) and of the flags.
 
     Raises:
-        NativeUnavailable: no compiler, or the compiler failed (its message is included).
+        ValueError, NativeUnavailable: as `compile_library`, before anything is built.
     """
+    isa = _isa(isa)
+    files = sorted(p for p in sources.iterdir() if p.suffix in (".cc", ".h"))
+    text = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in files)
+    key = hashlib.sha256(text + " ".join(_flags(isa)).encode()).hexdigest()[:16]
+    return f"kernels-{isa}-{key}.so"
+
+
+def compile_library(sources: Path, library: Path, isa: str | None = None) -> None:
+    """Compiles the kernel sources in the folder `sources` (xlagen's, `SOURCES`, or a variant of them for
+    `benchmarks/kernel_variants.py`: every *.cc, with the *.h beside them) into the shared library `library`
+    with xlagen's flags for the instruction set `isa` (one of `ISAS`; None: this CPU's). Any of them builds
+    on any x86-64 machine; only a CPU that has it can run it.
+
+    Raises:
+        ValueError: isa is not one of `ISAS`.
+        NativeUnavailable: isa is None and this CPU runs none of them, no compiler, or the compiler failed
+            (its message is included).
+    """
+    isa = _isa(isa)
     compiler = _compiler()
     if compiler is None:
         raise NativeUnavailable(NO_COMPILER)
     files = sorted(str(path) for path in Path(sources).glob("*.cc"))
-    command = [compiler, *FLAGS, *files, "-o", str(library), "-ldl"]
+    command = [compiler, *_flags(isa), *files, "-o", str(library), "-ldl"]
     try:
         result = subprocess.run(command, capture_output=True, text=True)
     except OSError as error:
@@ -103,37 +165,38 @@ def compile_library(sources: Path, library: Path) -> None:
                                 f"{result.stderr[-2000:]}")
 
 
-def build(sources: Path = SOURCES) -> Path:
-    """Builds the kernel sources in `sources` into the cache folder unless a verified build is there; returns
-    the library's path.
+def build(sources: Path = SOURCES, isa: str | None = None) -> Path:
+    """Builds the kernel sources in `sources` for `isa` (None: this CPU's) into the cache folder unless a
+    verified build is there; returns the library's path.
 
     Raises:
-        NativeUnavailable: the folder is unsafe or not writable, or the build failed (the message says
-            which and what to do).
+        ValueError: isa is not one of `ISAS`.
+        NativeUnavailable: isa is None and this CPU runs none of them, the folder is unsafe or not writable, or
+            the build failed (the message says which and what to do).
     """
-    with opened(sources):
+    with opened(sources, isa):
         pass
-    return cache_folder() / library_name(sources)
+    return cache_folder() / library_name(sources, isa)
 
 
 @contextlib.contextmanager
-def opened(sources: Path = SOURCES) -> Iterator[str]:
-    """Yields a path for `ctypes.CDLL` (`/proc/self/fd/N`) naming the verified cached build of `sources`,
-    built first if needed; valid within the block.
+def opened(sources: Path = SOURCES, isa: str | None = None) -> Iterator[str]:
+    """Yields a path for `ctypes.CDLL` (`/proc/self/fd/N`) naming the verified cached build of `sources` for
+    `isa` (None: this CPU's), built first if needed; valid within the block.
 
     Raises:
-        NativeUnavailable: as `build`.
+        ValueError, NativeUnavailable: as `build`.
     """
-    fd = _library_descriptor(sources)
+    fd = _library_descriptor(sources, _isa(isa))
     try:
         yield f"/proc/self/fd/{fd}"
     finally:
         os.close(fd)
 
 
-def _library_descriptor(sources: Path) -> int:
-    """An open descriptor of the verified cached build of `sources` (built first if needed)."""
-    folder, name = cache_folder(), library_name(sources)
+def _library_descriptor(sources: Path, isa: str) -> int:
+    """An open descriptor of the verified cached build of `sources` for `isa` (built first if needed)."""
+    folder, name = cache_folder(), library_name(sources, isa)
     folder_fd = _open_folder(folder)
     try:
         with contextlib.suppress(_Unusable):
@@ -142,7 +205,7 @@ def _library_descriptor(sources: Path) -> int:
             try:  # another process may have built it while this one waited for the lock
                 return _open_verified(folder_fd, name)
             except _Unusable as problem:
-                return _build_into(folder_fd, folder, name, sources, problem)
+                return _build_into(folder_fd, folder, name, sources, isa, problem)
     except OSError as error:  # reading or cleaning up (the steps that can be fixed say so themselves)
         raise NativeUnavailable(f"using the kernel cache folder {folder} failed ({error}); set XLAGEN_CACHE to "
                                 "another folder of yours") from error
@@ -258,12 +321,12 @@ def _open_verified(folder_fd: int, name: str) -> int:
     return fd
 
 
-def _build_into(folder_fd: int, folder: Path, name: str, sources: Path, problem: _Unusable) -> int:
+def _build_into(folder_fd: int, folder: Path, name: str, sources: Path, isa: str, problem: _Unusable) -> int:
     """Compiles the kernel sources privately, records the library's hash, renames both into place; returns the
     build's descriptor.
     Says why the cached library (`problem`) was not used once: logged after a build, else in the error."""
     try:
-        fd = _build_privately(folder_fd, folder, name, sources)
+        fd = _build_privately(folder_fd, folder, name, sources, isa)
     except NativeUnavailable as error:
         if not problem.level:
             raise
@@ -273,7 +336,7 @@ def _build_into(folder_fd: int, folder: Path, name: str, sources: Path, problem:
     return fd
 
 
-def _build_privately(folder_fd: int, folder: Path, name: str, sources: Path) -> int:
+def _build_privately(folder_fd: int, folder: Path, name: str, sources: Path, isa: str) -> int:
     """Compiles the kernel sources in a scratch folder of its own and installs the result (`_install`)."""
     scratch = f".{name}.{secrets.token_hex(8)}"
     try:
@@ -283,7 +346,7 @@ def _build_privately(folder_fd: int, folder: Path, name: str, sources: Path) -> 
         raise NativeUnavailable(f"cannot write in the kernel cache folder {folder} ({error}); set XLAGEN_CACHE "
                                 "to a writable folder of yours") from error
     try:
-        compile_library(sources, folder / scratch / name)
+        compile_library(sources, folder / scratch / name, isa)
         return _install(folder_fd, scratch_fd, folder, name)
     finally:
         for entry in os.listdir(scratch_fd):

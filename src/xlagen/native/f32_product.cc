@@ -6,13 +6,12 @@
 // (RunF32Units). After each product the pool's idle workers read ahead the weights of the product expected
 // next (pool.h), while XLA runs the decoding step's other operations.
 
-#include <immintrin.h>
-
 #include <cstring>
 #include <vector>
 
 #include "f32_product.h"
 #include "pool.h"
+#include "simd.h"
 
 namespace xlagen {
 namespace {
@@ -31,53 +30,62 @@ namespace {
 // load: this CPU runs masked 512-bit loads at a fraction of their speed (the whole kernel at 13.4 GB/s on
 // one thread instead of 31.6).
 
-// acc[R rows][V vectors] += x[r0.., k0..k0+rows) @ w[k0.., 16 v0 .. 16 (v0 + V)) on a full block; y holds
-// the running sums (zero when first is set).
+// acc[R rows][V vectors] += x[r0.., k0..k0+rows) @ w[k0.., kLanes v0 .. kLanes (v0 + V)) on a full block; y
+// holds the running sums (zero when first is set).
 template <int R, int V>
 __attribute__((always_inline)) inline void F32Tile(const F32Product& a, const float* w, float* out, int r0, int v0,
                                                    int k0, int rows, bool first, const float* next) {
   // Two separate loops, not one with `first ? zero : load` per sum: GCC builds that one through the stack.
-  __m512 acc[R][V];
+  Vec acc[R][V];
   if (first) {
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+      for (int v = 0; v < V; ++v) acc[r][v] = Zero();
   } else {
     for (int r = 0; r < R; ++r) {
-      const float* y = out + static_cast<size_t>(r0 + r) * a.n + 16 * v0;
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_loadu_ps(y + 16 * v);
+      const float* y = out + static_cast<size_t>(r0 + r) * a.n + kLanes * v0;
+      for (int v = 0; v < V; ++v) acc[r][v] = Load(y + kLanes * v);
     }
   }
   const float* x = a.x + static_cast<size_t>(r0) * a.k + k0;
   for (int kk = 0; kk < rows; ++kk) {
-    const float* row = w + static_cast<size_t>(kk) * a.n + 16 * v0;
-    if (next != nullptr) {
-      const float* ahead = next + static_cast<size_t>(kk) * a.n + 16 * v0;
-      for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(ahead + 16 * v), _MM_HINT_T0);
+    const float* row = w + static_cast<size_t>(kk) * a.n + kLanes * v0;
+    if (next != nullptr) {  // each 64-byte line once
+      const float* ahead = next + static_cast<size_t>(kk) * a.n + kLanes * v0;
+      for (int f = 0; f < kLanes * V; f += 16) _mm_prefetch(reinterpret_cast<const char*>(ahead + f), _MM_HINT_T0);
     }
-    __m512 wv[V];
-    for (int v = 0; v < V; ++v) wv[v] = _mm512_loadu_ps(row + 16 * v);
+    Vec wv[V];
+    for (int v = 0; v < V; ++v) wv[v] = Load(row + kLanes * v);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[static_cast<size_t>(r) * a.k + kk]);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+      const Vec xv = Set(x[static_cast<size_t>(r) * a.k + kk]);
+      for (int v = 0; v < V; ++v) acc[r][v] = Fma(xv, wv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    float* y = out + static_cast<size_t>(r0 + r) * a.n + 16 * v0;
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + 16 * v, acc[r][v]);
+    float* y = out + static_cast<size_t>(r0 + r) * a.n + kLanes * v0;
+    for (int v = 0; v < V; ++v) Store(y + kLanes * v, acc[r][v]);
   }
 }
 
-// Row r's vectors v.. of a narrow block, `whole` of them complete: tiles of V, V / 2, ..., 1 vectors.
+// Row r's vectors v.. of a narrow block, `whole` of them complete: tiles of V, then V / 2, ..., 1 vectors.
 // Returns the first vector left (the partial one, if any).
 template <int V>
 int F32WholeVectors(const F32Product& a, const float* w, float* out, int r, int v, int whole, int k0, int rows,
                     bool first) {
-  if (whole - v >= V) {
-    F32Tile<1, V>(a, w, out, r, v, k0, rows, first, nullptr);
-    v += V;
-  }
+  for (; whole - v >= V; v += V) F32Tile<1, V>(a, w, out, r, v, k0, rows, first, nullptr);
   if constexpr (V > 1) return F32WholeVectors<V / 2>(a, w, out, r, v, whole, k0, rows, first);
   return v;
+}
+
+// A full block's rows of x from *r, R at a time, each in tiles of V vectors; *r is left at the first row not
+// done. Only the tiles of rows 0.. ask for the next chunk (`next`).
+template <int R, int V>
+__attribute__((always_inline)) inline void F32Rows(const F32Product& a, const float* w, float* out, int* r, int k0,
+                                                   int rows, bool first, const float* next) {
+  for (; *r + R <= a.m; *r += R) {
+    for (int v = 0; v < kBlock / kLanes; v += V) {
+      F32Tile<R, V>(a, w, out, *r, v, k0, rows, first, *r == 0 ? next : nullptr);
+    }
+  }
 }
 
 void RunF32Units(const void* args, int u0, int u1) {
@@ -95,35 +103,35 @@ void RunF32Units(const void* args, int u0, int u1) {
       // (asking for all 8 x 16 lines at the start of a chunk was no faster than not prefetching at 8 rows).
       const float* next = k0 + 2 * kChunk <= k_end ? w + static_cast<size_t>(kChunk) * a.n : nullptr;
       if (full) {
-        // Eight rows at a time read the chunk once per pass, so the next chunk's prefetches are spread
-        // over all the multiplications of this one.
+        // Eight rows at a time (AVX-512; four with AVX2's 16 registers) read the chunk once per pass, so
+        // the next chunk's prefetches are spread over all the multiplications of this one. Each tile keeps
+        // 16 sums (AVX-512) or 8 (AVX2) in registers.
         int r = 0;
-        for (; r + 8 <= a.m; r += 8) {
-          for (int v = 0; v < 16; v += 2) F32Tile<8, 2>(a, w, out, r, v, k0, rows, first, r == 0 ? next : nullptr);
+        if constexpr (kAvx512) {
+          F32Rows<8, 2>(a, w, out, &r, k0, rows, first, next);
+          F32Rows<4, 4>(a, w, out, &r, k0, rows, first, next);
+          F32Rows<2, 8>(a, w, out, &r, k0, rows, first, next);
+          F32Rows<1, 16>(a, w, out, &r, k0, rows, first, next);
+        } else {
+          F32Rows<4, 2>(a, w, out, &r, k0, rows, first, next);
+          F32Rows<2, 4>(a, w, out, &r, k0, rows, first, next);
+          F32Rows<1, 8>(a, w, out, &r, k0, rows, first, next);
         }
-        for (; r + 4 <= a.m; r += 4) {
-          for (int v = 0; v < 16; v += 4) F32Tile<4, 4>(a, w, out, r, v, k0, rows, first, r == 0 ? next : nullptr);
-        }
-        for (; r + 2 <= a.m; r += 2) {
-          for (int v = 0; v < 16; v += 8) F32Tile<2, 8>(a, w, out, r, v, k0, rows, first, r == 0 ? next : nullptr);
-        }
-        if (r < a.m) F32Tile<1, 16>(a, w, out, r, 0, k0, rows, first, r == 0 ? next : nullptr);
         continue;
       }
-      // The last, narrower block (fewer than 16 vectors): whole vectors, then one masked vector.
-      const int whole = (a.n - c0) / 16;
+      // The last, narrower block (fewer than kBlock columns): whole vectors, then one masked vector.
+      const int whole = (a.n - c0) / kLanes;
       for (int r = 0; r < a.m; ++r) {
         const int v = F32WholeVectors<8>(a, w, out, r, 0, whole, k0, rows, first);
-        if (v * 16 < a.n - c0) {
-          const __mmask16 mask = static_cast<__mmask16>((1u << (a.n - c0 - v * 16)) - 1);
-          float* y = out + static_cast<size_t>(r) * a.n + 16 * v;
+        if (v * kLanes < a.n - c0) {
+          const Mask mask = FirstLanes(a.n - c0 - v * kLanes);
+          float* y = out + static_cast<size_t>(r) * a.n + kLanes * v;
           const float* x = a.x + static_cast<size_t>(r) * a.k + k0;
-          __m512 acc = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, y);
+          Vec acc = first ? Zero() : LoadMasked(mask, y);
           for (int kk = 0; kk < rows; ++kk) {
-            acc = _mm512_fmadd_ps(_mm512_set1_ps(x[kk]),
-                                  _mm512_maskz_loadu_ps(mask, w + static_cast<size_t>(kk) * a.n + 16 * v), acc);
+            acc = Fma(Set(x[kk]), LoadMasked(mask, w + static_cast<size_t>(kk) * a.n + kLanes * v), acc);
           }
-          _mm512_mask_storeu_ps(y, mask, acc);
+          StoreMasked(y, mask, acc);
         }
       }
     }
@@ -138,9 +146,9 @@ void RunF32Units(const void* args, int u0, int u1) {
 // `benchmarks/kernel_variants.py`). The sums are in the same order: weight row by
 // weight row.
 // Up to this many rows of x, a pass covers two vectors of columns for every row; from one more, one vector
-// for all the rows (up to 16 sums in registers), so that each weight vector is read once per group. At 4 to
-// 16 rows one vector per pass read GPT-2's step 1.06-1.73x faster than two vectors for 8 rows at a time
-// (the rows beyond 8 in a second sweep over the same weights), at 1 and 2 rows no faster.
+// for all the rows (up to 16 sums in registers; see kPassRows), so that each weight vector is read once per
+// group. At 4 to 16 rows one vector per pass read GPT-2's step 1.06-1.73x faster than two vectors for 8 rows
+// at a time (the rows beyond 8 in a second sweep over the same weights), at 1 and 2 rows no faster.
 constexpr int kWideM = 3;
 // From this many rows of x, the multiply-adds take long enough per weight line that the hardware's own
 // prefetching leaves the loads waiting (memory and arithmetic took the sum of their times, not the larger):
@@ -149,8 +157,13 @@ constexpr int kWideM = 3;
 // (0.99-1.05x).
 constexpr int kPrefetchM = 4;
 // Up to this many rows of x, x's eight broadcast vectors per row stay in registers; beyond, they would be
-// spilled, and x is broadcast from memory instead (one row: 0.96-0.99x as fast from memory).
-constexpr int kVectorM = 2;
+// spilled, and x is broadcast from memory instead (one row: 0.96-0.99x as fast from memory). AVX2 has 16
+// registers: one row's eight.
+constexpr int kVectorM = kAvx512 ? 2 : 1;
+// Rows of x per pass over a group's weight vector: every row (AVX-512: up to 16 sums in registers), or up to
+// 8 with AVX2, whose 16 registers hold 8 sums, the weight vector and a broadcast; the rows beyond take a
+// second pass over the same vector, from L1.
+constexpr int kPassRows = kAvx512 ? kMaxStreamM : 8;
 // The packed sums: 32 columns at a time, each of the unit's rows of x 32 floats apart in them, so that a
 // pass reaches every sum it keeps at a fixed offset from one pointer (with y's rows N apart, the compiler
 // kept the sixteen row addresses of a pass in vector registers and moved them back one by one). Copied to
@@ -172,35 +185,52 @@ __attribute__((always_inline)) inline float* PackedAt(float* sums, int rows, int
 // x[i] as a vector: already broadcast (few rows: the vectors stay in registers), or broadcast from memory
 // (the caller hides x from the optimizer, which would otherwise hoist the values into registers and
 // broadcast them with shuffles on the FMA pipes).
-__attribute__((always_inline)) inline __m512 Lane(const __m512* x, int i) { return x[i]; }
-__attribute__((always_inline)) inline __m512 Lane(const float* x, int i) { return _mm512_set1_ps(x[i]); }
+__attribute__((always_inline)) inline Vec Lane(const Vec* x, int i) { return x[i]; }
+__attribute__((always_inline)) inline Vec Lane(const float* x, int i) { return Set(x[i]); }
 
-// R rows of packed sums, V vectors of columns from j (Masked: one vector under `mask`), `sums` at row 0 of
-// those columns: the running sums (zero when first is set) plus the weight rows w[s] times x[s * R + r];
-// with Ahead, each weight line of the next group (`ahead` floats down) is asked for.
-template <int R, int V, bool Ahead, bool Masked, typename X>
-__attribute__((always_inline)) inline void StreamVectors(const float* const* w, const X* x, float* sums, int j,
-                                                         bool first, __mmask16 mask, size_t ahead) {
-  __m512 acc[R][V];
-  for (int r = 0; r < R; ++r) {
+// Rows R0..R1 (of R) of packed sums, V vectors of columns from j (Masked: one vector under `mask`), `sums` at
+// row 0 of those columns: the running sums (zero when first is set) plus the weight rows w[s] times
+// x[s * R + r]; with Ahead, each weight line of the next group (`ahead` floats down) is asked for.
+template <int R, int R0, int R1, int V, bool Ahead, bool Masked, typename X>
+__attribute__((always_inline)) inline void StreamRows(const float* const* w, const X* x, float* sums, int j,
+                                                      bool first, Mask mask, size_t ahead) {
+  Vec acc[R1 - R0][V];
+  for (int r = R0; r < R1; ++r) {
     for (int v = 0; v < V; ++v) {
-      acc[r][v] = first ? _mm512_setzero_ps() : _mm512_load_ps(sums + kPackColumns * r + 16 * v);
+      acc[r - R0][v] = first ? Zero() : LoadAligned(sums + kPackColumns * r + kLanes * v);
     }
   }
 #pragma GCC unroll 8
   for (int s = 0; s < kStreamRows; ++s) {
-    __m512 wv[V];
+    Vec wv[V];
     for (int v = 0; v < V; ++v) {
-      if constexpr (Ahead) _mm_prefetch(reinterpret_cast<const char*>(w[s] + ahead + j + 16 * v), _MM_HINT_T0);
-      wv[v] = Masked ? _mm512_maskz_loadu_ps(mask, w[s] + j) : _mm512_loadu_ps(w[s] + j + 16 * v);
+      if constexpr (Ahead) {  // each 64-byte line once
+        if (kAvx512 || (j + kLanes * v) % 16 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(w[s] + ahead + j + kLanes * v), _MM_HINT_T0);
+        }
+      }
+      wv[v] = Masked ? LoadMasked(mask, w[s] + j) : Load(w[s] + j + kLanes * v);
     }
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = Lane(x, s * R + r);
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(xv, wv[v], acc[r][v]);
+    for (int r = R0; r < R1; ++r) {
+      const Vec xv = Lane(x, s * R + r);
+      for (int v = 0; v < V; ++v) acc[r - R0][v] = Fma(xv, wv[v], acc[r - R0][v]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) _mm512_store_ps(sums + kPackColumns * r + 16 * v, acc[r][v]);
+  for (int r = R0; r < R1; ++r) {
+    for (int v = 0; v < V; ++v) StoreAligned(sums + kPackColumns * r + kLanes * v, acc[r - R0][v]);
+  }
+}
+
+// All R rows of packed sums for V vectors of columns from j (see StreamRows): one pass over the weight
+// vectors for up to kPassRows rows, else two, each over half the rows.
+template <int R, int V, bool Ahead, bool Masked, typename X>
+__attribute__((always_inline)) inline void StreamVectors(const float* const* w, const X* x, float* sums, int j,
+                                                         bool first, Mask mask, size_t ahead) {
+  if constexpr (R <= kPassRows) {
+    StreamRows<R, 0, R, V, Ahead, Masked>(w, x, sums, j, first, mask, ahead);
+  } else {
+    StreamRows<R, 0, (R + 1) / 2, V, Ahead, Masked>(w, x, sums, j, first, mask, ahead);
+    StreamRows<R, (R + 1) / 2, R, V, false, Masked>(w, x, sums, j, first, mask, ahead);
   }
 }
 
@@ -208,11 +238,13 @@ __attribute__((always_inline)) inline void StreamVectors(const float* const* w, 
 // rest one by one for few rows; one for more), the last vector under `tail` if it is partial.
 template <int R, int V, bool Ahead, typename X>
 __attribute__((always_inline)) inline void StreamGroup(const float* const* w, const X* x, float* sums, int whole,
-                                                       int width, __mmask16 tail, bool first, size_t ahead) {
+                                                       int width, Mask tail, bool first, size_t ahead) {
   auto at = [&](int j) { return PackedAt(sums, R, 0, j); };
   int j = 0;
-  for (; j + 16 * V <= whole; j += 16 * V) StreamVectors<R, V, Ahead, false>(w, x, at(j), j, first, 0xFFFF, ahead);
-  for (; j < whole; j += 16) StreamVectors<R, 1, false, false>(w, x, at(j), j, first, 0xFFFF, 0);
+  for (; j + kLanes * V <= whole; j += kLanes * V) {
+    StreamVectors<R, V, Ahead, false>(w, x, at(j), j, first, tail, ahead);
+  }
+  for (; j < whole; j += kLanes) StreamVectors<R, 1, false, false>(w, x, at(j), j, first, tail, 0);
   if (j < width) StreamVectors<R, 1, false, true>(w, x, at(j), j, first, tail, 0);
 }
 
@@ -222,8 +254,8 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
   for (int u = u0; u < u1; ++u) {
     const Unit unit = UnitOf(a, u, a.span);
     const int width = unit.columns, k_begin = unit.k_begin, k_end = unit.k_end;
-    const int whole = width / 16 * 16;
-    const __mmask16 tail = static_cast<__mmask16>((1u << (width - whole)) - 1);
+    const int whole = width / kLanes * kLanes;
+    const Mask tail = FirstLanes(width - whole);
     const int packs = (width + kPackColumns - 1) / kPackColumns;
     float* sums = PackedSums(static_cast<size_t>(packs) * kPackColumns * R);
     for (int k0 = k_begin; k0 < k_end; k0 += kStreamRows) {
@@ -239,8 +271,8 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
       // The next group of this unit's weight rows, if any (a prefetch never faults, but would waste a read).
       const size_t ahead = R >= kPrefetchM && k0 + 2 * kStreamRows <= k_end ? size_t{kStreamRows} * a.n : 0;
       if constexpr (R <= kVectorM) {
-        __m512 xv[kStreamRows * R];
-        for (int i = 0; i < kStreamRows * R; ++i) xv[i] = _mm512_set1_ps(xs[i]);
+        Vec xv[kStreamRows * R];
+        for (int i = 0; i < kStreamRows * R; ++i) xv[i] = Set(xs[i]);
         StreamGroup<R, V, false>(w, xv, sums, whole, width, tail, first, 0);
       } else {
         const float* x = xs;
@@ -254,12 +286,12 @@ void StreamUnits(const F32Product& a, int u0, int u1) {
     }
     for (int r = 0; r < R; ++r) {  // the packed sums to the unit's rows of y (or of its split's partial sums)
       float* y = unit.out + static_cast<size_t>(r) * a.n;
-      for (int j = 0; j < width; j += 16) {
-        const __m512 v = _mm512_load_ps(PackedAt(sums, R, r, j));
+      for (int j = 0; j < width; j += kLanes) {
+        const Vec v = LoadAligned(PackedAt(sums, R, r, j));
         if (j < whole) {
-          _mm512_storeu_ps(y + j, v);
+          Store(y + j, v);
         } else {
-          _mm512_mask_storeu_ps(y + j, tail, v);
+          StoreMasked(y + j, tail, v);
         }
       }
     }

@@ -5,11 +5,13 @@
 // calls the same entry point. An entry point checks its sizes and returns nullptr when it ran, else a static
 // message saying what was wrong (nothing written); the XLA wrapper turns that message into an error status.
 //
-// Files: pool.{h,cc} (the thread pool and the read-ahead of the next float32 product), f32_product.{h,cc}
-// (the float32 product), packed_product.cc (bfloat16 and int8 weights), vector_math.h (exponentials,
-// maxima, dot products), attention.cc (the encoder attention, the decoding step's self-attention, the folded
-// cross-attention), argmax.cc, xla_calls.cc (the custom-call wrappers, registration, settings, constants).
-// All of them are compiled into one library by xlagen/native/build.py.
+// Files: simd.h (the vector operations, for AVX-512 or AVX2 with FMA), pool.{h,cc} (the thread pool and the
+// read-ahead of the next float32 product), f32_product.{h,cc} (the float32 product), packed_product.cc
+// (bfloat16 and int8 weights), vector_math.h (maxima, exponentials, dot products), attention.cc (the encoder
+// attention, the decoding step's self-attention, the folded cross-attention), argmax.cc, xla_calls.cc (the
+// custom-call wrappers, registration, settings, constants). All of them are compiled into one library per
+// instruction set by xlagen/native/build.py (-mavx512f or -mavx2, with -mfma); the same entry points, XLA
+// targets, constants and weight layouts in both.
 
 #ifndef XLAGEN_NATIVE_KERNELS_H_
 #define XLAGEN_NATIVE_KERNELS_H_
@@ -30,6 +32,7 @@ constexpr int kDefaultSpinMicroseconds = 600;
 // Bytes of the next float32 product each idle worker reads ahead, at most: they fill the core's L2 (1 MB
 // here) no more than the gap between two products lets them (xlagen_configure_pool, xlagen_set_lookahead).
 constexpr int kDefaultLookaheadKB = 768;
+// And "lanes": the float32 lanes of a vector in this build, simd.h's kLanes (16 with AVX-512, 8 with AVX2).
 
 }  // namespace xlagen
 

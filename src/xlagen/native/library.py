@@ -1,5 +1,6 @@
-"""Loading the native kernel library: whether this machine can run it, opening a verified build
-(`build.py`), registering its custom-call targets with XLA, its constants and its thread pool's settings."""
+"""Loading the native kernel library: whether this machine can run it and with which instruction set,
+opening a verified build (`build.py`), registering its custom-call targets with XLA, its constants and its
+thread pool's settings."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import ctypes
 import functools
 import logging
 import platform
-from pathlib import Path
 
 from xlagen.native import build
 from xlagen.native.build import NO_COMPILER, NativeUnavailable, _compiler
@@ -18,18 +18,20 @@ logger = logging.getLogger("xlagen.native")
 
 def hardware_reason() -> str | None:
     """Why this machine itself cannot run the native kernels (its system, architecture or CPU: nothing that
-    an install would change), or None if it can."""
+    an install would change), or None if it can: Linux on x86-64 with AVX-512 (avx512f) or AVX2 and FMA."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return (f"xlagen's native kernels need Linux on x86-64; this is {platform.system()} on "
                 f"{platform.machine()}")
-    try:
-        flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    if "avx512f" not in flags:
-        return "xlagen's native kernels need a CPU with AVX-512 (avx512f); this CPU does not report it"
+    if build.host_isa() is None:
+        return ("xlagen's native kernels need a CPU with AVX-512 (avx512f) or AVX2 and FMA (avx2, fma); this "
+                "CPU reports neither")
     return None
+
+
+def isa() -> str | None:
+    """The instruction set the kernels are built for and run with on this machine ("avx512" or "avx2", see
+    `build.ISAS`), or None where they cannot run (`hardware_reason`)."""
+    return None if hardware_reason() else build.host_isa()
 
 
 def unavailable_reason() -> str | None:

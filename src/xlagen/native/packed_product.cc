@@ -11,16 +11,25 @@
 //
 // int8: W quantized to int8 with one float32 scale per output column, in panels of kInt8Panel = 64 columns
 // followed by their scales (see RunInt8Panels): a quarter of float32's bytes.
+//
+// With AVX2's 8 lanes, a panel is read in passes over its row's halves (see RunPanels, RunInt8Panels); the
+// layouts are the same for both instruction sets.
 
-#include <immintrin.h>
+#include <type_traits>
 
 #include "kernels.h"
 #include "pool.h"
+#include "simd.h"
 
 namespace xlagen {
 namespace {
 
-constexpr int kRows = 8;  // rows of x per pass over a bfloat16 panel (2 * kRows accumulators stay in registers)
+// Rows of x per pass over a bfloat16 panel: 2 kRows accumulators stay in registers (of 32 with AVX-512, 16
+// with AVX2).
+constexpr int kRows = kAvx512 ? 8 : 4;
+// The 16 words of a panel's row are read kLanes at a time: word w of pass h is columns 32p + kLanes h + w
+// (low halves) and 32p + 16 + kLanes h + w (high halves).
+constexpr int kWordPasses = 16 / kLanes;
 
 struct Product {
   const float* x;
@@ -29,55 +38,61 @@ struct Product {
   int m, k, n, panels;
 };
 
-// y for R rows of x from m0 and one panel (lo: its first 16 columns, hi: the next 16), over all of K. R is
-// a compile-time count, so the 2 R sums stay in registers (with a run-time count GCC kept the sums of
-// rows past the first on the stack: GPT-2-small's products took 1.15x as long at 4 rows, 1.22x at 8).
+// Calls Tile<R> for the R = count rows of x from m0, count 1 to Most (a compile-time count for each).
+template <int Most, typename Tile>
+__attribute__((always_inline)) inline void ForRows(int count, const Tile& tile) {
+  if (count == Most) {
+    tile(std::integral_constant<int, Most>());
+  } else if constexpr (Most > 1) {
+    ForRows<Most - 1>(count, tile);
+  }
+}
+
+// y for R rows of x from m0 and one panel's pass h (lo: kLanes of its first 16 columns from kLanes h, hi: the
+// same of the next 16), over all of K; nl and nh of those 16 + 16 columns are within y. R is a compile-time
+// count, so the 2 R sums stay in registers (with a run-time count GCC kept the sums of rows past the first
+// on the stack: GPT-2-small's products took 1.15x as long at 4 rows, 1.22x at 8).
 template <int R>
-inline void Bf16Tile(const Product& a, const uint32_t* w, int m0, int c0, int nl, int nh) {
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 lo[R], hi[R];
-  for (int i = 0; i < R; ++i) lo[i] = hi[i] = _mm512_setzero_ps();
+inline void Bf16Tile(const Product& a, const uint32_t* w, int m0, int c0, int nl, int nh, int h) {
+  Vec lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = Zero();
   const float* x = a.x + static_cast<size_t>(m0) * a.k;
+  w += kLanes * h;
   // Unrolled: one row of x alone was 4-8 % slower than the former run-time-count loop (which GCC unrolled).
 #pragma GCC unroll 4
   for (int kk = 0; kk < a.k; ++kk) {
-    const __m512i words = _mm512_loadu_si512(w + static_cast<size_t>(kk) * 16);
-    const __m512 wl = _mm512_castsi512_ps(_mm512_slli_epi32(words, 16));
-    const __m512 wh = _mm512_castsi512_ps(_mm512_and_si512(words, high));
+    const Words words = LoadWords(w + static_cast<size_t>(kk) * 16);
+    const Vec wl = LowHalves(words);
+    const Vec wh = HighHalves(words);
     for (int i = 0; i < R; ++i) {
-      const __m512 xv = _mm512_set1_ps(x[static_cast<size_t>(i) * a.k + kk]);
-      lo[i] = _mm512_fmadd_ps(xv, wl, lo[i]);
-      hi[i] = _mm512_fmadd_ps(xv, wh, hi[i]);
+      const Vec xv = Set(x[static_cast<size_t>(i) * a.k + kk]);
+      lo[i] = Fma(xv, wl, lo[i]);
+      hi[i] = Fma(xv, wh, hi[i]);
     }
   }
+  const int lanes_lo = nl - kLanes * h, lanes_hi = nh - kLanes * h;
   for (int i = 0; i < R; ++i) {
-    float* y = a.y + static_cast<size_t>(m0 + i) * a.n + c0;
-    _mm512_mask_storeu_ps(y, static_cast<__mmask16>((1u << nl) - 1), lo[i]);
-    if (nh) _mm512_mask_storeu_ps(y + 16, static_cast<__mmask16>((1u << nh) - 1), hi[i]);
+    float* y = a.y + static_cast<size_t>(m0 + i) * a.n + c0 + kLanes * h;
+    if (lanes_lo > 0) StoreFirst(y, lo[i], lanes_lo < kLanes ? lanes_lo : kLanes);
+    if (lanes_hi > 0) StoreFirst(y + 16, hi[i], lanes_hi < kLanes ? lanes_hi : kLanes);
   }
 }
 
 void RunPanels(const void* args, int p0, int p1) {
   const Product& a = *static_cast<const Product*>(args);
   // Panels outside, blocks of rows inside: a panel (K * 64 bytes) comes from memory once and stays in the
-  // core's cache for the other blocks, so the weights are streamed once whatever the number of rows.
+  // core's cache for the other blocks (and passes), so the weights are streamed once whatever the number of
+  // rows.
   for (int p = p0; p < p1; ++p) {
     const uint32_t* w = a.w + static_cast<size_t>(p) * a.k * 16;
     const int c0 = p * kPanel;
     const int nl = a.n - c0 < 16 ? a.n - c0 : 16;
     int nh = a.n - c0 - 16;
     nh = nh < 0 ? 0 : (nh > 16 ? 16 : nh);
-    int m0 = 0;
-    for (; m0 + kRows <= a.m; m0 += kRows) Bf16Tile<kRows>(a, w, m0, c0, nl, nh);
-    switch (a.m - m0) {
-      case 7: Bf16Tile<7>(a, w, m0, c0, nl, nh); break;
-      case 6: Bf16Tile<6>(a, w, m0, c0, nl, nh); break;
-      case 5: Bf16Tile<5>(a, w, m0, c0, nl, nh); break;
-      case 4: Bf16Tile<4>(a, w, m0, c0, nl, nh); break;
-      case 3: Bf16Tile<3>(a, w, m0, c0, nl, nh); break;
-      case 2: Bf16Tile<2>(a, w, m0, c0, nl, nh); break;
-      case 1: Bf16Tile<1>(a, w, m0, c0, nl, nh); break;
-      default: break;
+    for (int h = 0; h < kWordPasses && kLanes * h < nl; ++h) {
+      int m0 = 0;
+      for (; m0 + kRows <= a.m; m0 += kRows) Bf16Tile<kRows>(a, w, m0, c0, nl, nh, h);
+      ForRows<kRows - 1>(a.m - m0, [&](auto rows) { Bf16Tile<decltype(rows)::value>(a, w, m0, c0, nl, nh, h); });
     }
   }
 }
@@ -87,7 +102,11 @@ void RunPanels(const void* args, int p0, int p1) {
 // scales (4 more rows' worth). A row is one 64-byte load, widened 16 weights at a time in registers
 // (sign-extend, convert) and multiplied in float32; the panel's sums are multiplied by the scales once at
 // the end, so y = (x @ Q) * s, which is x @ (Q * s) up to rounding.
-constexpr int kInt8Rows = 4;    // rows of x per pass over a panel (16 accumulators)
+// Rows of x per pass over a panel's kInt8Vectors vectors of columns (AVX-512: the whole panel, 16
+// accumulators; AVX2: half of it, 8 accumulators, the passes over the two halves reading it once from memory).
+constexpr int kInt8Rows = kAvx512 ? 4 : 2;
+constexpr int kInt8Vectors = 4;
+constexpr int kInt8Passes = kInt8Panel / (kLanes * kInt8Vectors);
 
 struct Int8Product {
   const float* x;
@@ -96,31 +115,33 @@ struct Int8Product {
   int m, k, n, panels;
 };
 
+// y for R rows of x from m0 and the panel's columns c0 + 4 kLanes h ... (pass h), over all of K.
 template <int R>
-inline void Int8Tile(const Int8Product& a, const int8_t* w, const float* scales, int m0, int c0) {
-  __m512 acc[R][4];
+inline void Int8Tile(const Int8Product& a, const int8_t* w, const float* scales, int m0, int c0, int h) {
+  constexpr int G = kInt8Vectors;
+  Vec acc[R][G];
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int g = 0; g < G; ++g) acc[r][g] = Zero();
   const float* x = a.x + static_cast<size_t>(m0) * a.k;
+  w += kLanes * G * h;
+  scales += kLanes * G * h;
   for (int kk = 0; kk < a.k; ++kk) {
     const int8_t* row = w + static_cast<size_t>(kk) * kInt8Panel;
-    __m512 wv[4];
-    for (int g = 0; g < 4; ++g) {
-      wv[g] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * g))));
-    }
+    Vec wv[G];
+    for (int g = 0; g < G; ++g) wv[g] = LoadInt8(row + kLanes * g);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(x[static_cast<size_t>(r) * a.k + kk]);
-      for (int g = 0; g < 4; ++g) acc[r][g] = _mm512_fmadd_ps(xv, wv[g], acc[r][g]);
+      const Vec xv = Set(x[static_cast<size_t>(r) * a.k + kk]);
+      for (int g = 0; g < G; ++g) acc[r][g] = Fma(xv, wv[g], acc[r][g]);
     }
   }
-  const int columns = a.n - c0 < kInt8Panel ? a.n - c0 : kInt8Panel;
-  for (int g = 0; g < 4; ++g) {
-    const int left = columns - 16 * g;
+  const int columns = (a.n - c0 < kInt8Panel ? a.n - c0 : kInt8Panel) - kLanes * G * h;
+  for (int g = 0; g < G; ++g) {
+    const int left = columns - kLanes * g;
     if (left <= 0) break;
-    const __m512 s = _mm512_loadu_ps(scales + 16 * g);
-    const __mmask16 mask = left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+    const Vec s = Load(scales + kLanes * g);
     for (int r = 0; r < R; ++r) {
-      _mm512_mask_storeu_ps(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + 16 * g, mask, _mm512_mul_ps(acc[r][g], s));
+      StoreFirst(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + kLanes * (G * h + g), Mul(acc[r][g], s),
+                 left < kLanes ? left : kLanes);
     }
   }
 }
@@ -132,13 +153,10 @@ void RunInt8Panels(const void* args, int p0, int p1) {
     const int8_t* w = a.w + static_cast<size_t>(p) * (a.k + 4) * kInt8Panel;
     const float* scales = reinterpret_cast<const float*>(w + static_cast<size_t>(a.k) * kInt8Panel);
     const int c0 = p * kInt8Panel;
-    int m0 = 0;
-    for (; m0 + kInt8Rows <= a.m; m0 += kInt8Rows) Int8Tile<kInt8Rows>(a, w, scales, m0, c0);
-    switch (a.m - m0) {
-      case 3: Int8Tile<3>(a, w, scales, m0, c0); break;
-      case 2: Int8Tile<2>(a, w, scales, m0, c0); break;
-      case 1: Int8Tile<1>(a, w, scales, m0, c0); break;
-      default: break;
+    for (int h = 0; h < kInt8Passes && c0 + kLanes * kInt8Vectors * h < a.n; ++h) {
+      int m0 = 0;
+      for (; m0 + kInt8Rows <= a.m; m0 += kInt8Rows) Int8Tile<kInt8Rows>(a, w, scales, m0, c0, h);
+      ForRows<kInt8Rows - 1>(a.m - m0, [&](auto rows) { Int8Tile<decltype(rows)::value>(a, w, scales, m0, c0, h); });
     }
   }
 }

@@ -17,6 +17,7 @@
 
 #include "kernels.h"
 #include "pool.h"
+#include "simd.h"
 
 // XLA's custom-call status (xla/service/custom_call_status_internal.h): a message present means failure.
 // TensorFlow does not export XlaCustomCallStatusSetFailure, so the wrappers write the message through this
@@ -230,6 +231,7 @@ extern "C" int xlagen_constant(const char* name, long* value) {
       {"max_default_threads", xlagen::kMaxDefaultThreads},
       {"default_spin_us", xlagen::kDefaultSpinMicroseconds},
       {"default_lookahead_kb", xlagen::kDefaultLookaheadKB},
+      {"lanes", xlagen::kLanes},
   };
   for (const Constant& constant : kConstants) {
     if (std::strcmp(constant.name, name) == 0) {
