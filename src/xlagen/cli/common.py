@@ -14,8 +14,8 @@ from typing import Any
 SEED_MAX = 2**31 - 1  # seeds are int32 tensors
 WEIGHT_DTYPE_HELP = ("bfloat16 / int8: the matrix products read their weights rounded to bfloat16 (about twice as "
                      "fast per token as float32 at batch 1) or quantized to int8 with a scale per output column "
-                     "(2-5x, with a larger change to the logits), computing in float32, on a CPU with AVX-512 "
-                     "(builds a C++ kernel once, on first use); default: float32")
+                     "(2-5x, with a larger change to the logits), computing in float32, on a CPU with AVX-512 or "
+                     "AVX2 + FMA (builds a C++ kernel once, on first use); default: float32")
 
 
 class UsageError(ValueError):

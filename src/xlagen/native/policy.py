@@ -175,9 +175,10 @@ class Kernels:
 
     def use_step_attention(self, query, keys) -> bool:
         """Whether a decoding step's self-attention (`xlagen.layers.attention.Attention._step`) should be
-        `ops.step_attention`: float32 `[G, H, K, D]` queries and `[G, H, S', D]` cache keys of static shapes,
-        at least `step_attention_min_rows` queries (G x K), D at most the kernel's largest head size, in a
-        decoding step compiled by XLA, and the kernels loadable."""
+        `ops.step_attention`: float32 `[G, H, K, D]` queries and `[G, Hkv, S', D]` cache keys of static shapes
+        (Hkv = H, or fewer key/value heads under grouped-query attention, whose caller then folds each
+        key/value head's queries into its rows), at least `step_attention_min_rows` queries (G x K), D at most
+        the kernel's largest head size, in a decoding step compiled by XLA, and the kernels loadable."""
         if not self._static_float32(4, query, keys) or keys.shape[3] != query.shape[3]:
             return False
         if query.shape[0] * query.shape[2] < self.step_attention_min_rows:
