@@ -22,7 +22,7 @@ import numpy as np
 from xlagen.generation.row_sampling import RowOptions
 from xlagen.generation.slots import SlotDecoder
 from xlagen.models.base import EncoderDecoderLM
-from xlagen.serving.streams import Completion, EngineClosed, EventStream, QueueFull, TokenEvent
+from xlagen.serving.streams import Completion, ContextTooLong, EngineClosed, EventStream, QueueFull, TokenEvent
 from xlagen.serving.options import RequestOptions
 from xlagen.serving.prompts import Prepared, Prompts
 from xlagen.serving.text import TokenText
@@ -67,7 +67,8 @@ class Engine:
         tokenizer: Its tokenizer (`encode`, `decode`).
         slots: Requests decoded together (each slot holds one request's KV cache in variables).
         max_length: Columns one request may use: its prompt's real tokens plus its new tokens (default: the
-            model's positions, at most 1024). A request ends with "length" when it reaches them.
+            model's positions, at most 1024). A request whose prompt and `max_new_tokens` exceed them is refused
+            (`ContextTooLong`); `max_new_tokens=None` asks for as many as fit.
         prompt_buckets: Lengths (decoder prompts of decoder-only models, encoder inputs of encoder-decoder
             models) are padded up to these; each compiles one prefill and one insert program. Default: the
             powers of two from 16 below `max_length`.
@@ -212,6 +213,7 @@ class Engine:
         Raises:
             TypeError, ValueError: for a bad option (named) or prompt, or `num_beams` > 1 (beam search
                 is not decoded on slots: use `CompiledGenerator`).
+            ContextTooLong: (a ValueError) when the prompt's tokens plus `max_new_tokens` exceed `max_length`.
             QueueFull: when `max_queue` requests are waiting.
             EngineClosed: after `close`.
         """
@@ -269,12 +271,14 @@ class Engine:
                              f"{self._start_column} the slots leave for it")
         room = self.max_length - prepared.real_length
         if room < 1:
-            raise ValueError(f"prompt of {prepared.real_length} tokens leaves no room for new tokens within "
-                             f"max_length {self.max_length}")
+            raise ContextTooLong(prepared.real_length, None, self.max_length)
+        budget = room if options.max_new_tokens is None else options.max_new_tokens
+        if budget > room:
+            raise ContextTooLong(prepared.real_length, budget, self.max_length)
         seed = options.seed if options.seed is not None else int(self._rng.integers(0, 2**63 - 1))
         now = time.monotonic()
         text = TokenText(self.tokenizer, prepared.context, self._eos_ids | set(options.stop_token_ids), options.stop)
-        request = _Request(prepared, options, _seed_words(seed), min(options.max_new_tokens, room), deliver, text,
+        request = _Request(prepared, options, _seed_words(seed), budget, deliver, text,
                            now, None if options.deadline is None else now + options.deadline)
         with self._lock:
             if self._closing:
@@ -392,8 +396,9 @@ class Engine:
             self._counters["tokens"] += 1
         text, stopped = request.text.add(token)
         finish = "stop" if stopped else "length" if len(request.token_ids) >= request.budget else None
-        if finish == "length":
-            text += request.text.finish()
+        if finish == "length":  # the held-back text may complete a stop string
+            rest, stopped = request.text.finish()
+            text, finish = text + rest, "stop" if stopped else finish
         self._deliver(request, TokenEvent(token, text, logprob if request.options.logprobs else None, finish))
         if finish is not None:
             self._finish(request, finish, event=False)
@@ -416,7 +421,7 @@ class Engine:
         if request.finished:
             return
         if event:
-            text = request.text.finish() if reason == "deadline" else ""
+            text = request.text.finish()[0] if reason == "deadline" else ""
             self._deliver(request, TokenEvent(None, text, None, reason))
         request.finished = True
         if request.slot is not None and self._active.get(request.slot) is request:
