@@ -81,6 +81,17 @@ def test_greedy_among_15_others_equals_generate(engine, gpt2_model):
     assert stats["active_slots"] == 0 and stats["queue_depth"] == 0
 
 
+def test_a_request_left_alone_moves_to_the_first_slot(engine, gpt2_model):
+    """Two prompts prefilled together take slots 0 and 1; when the first ends, the second is moved to slot 0
+    and decoded by the one-row step, with the same tokens."""
+    before = engine.stats()
+    prompts = [random_ids((n,), 300, seed=90 + n).tolist() for n in (4, 9)]
+    completions = run(engine, (prompts[0], dict(max_new_tokens=2)), (prompts[1], dict(max_new_tokens=16)))
+    assert [list(c.token_ids) for c in completions] == references(gpt2_model, prompts, [2, 16])
+    stats = engine.stats()
+    assert stats["moves"] == before["moves"] + 1 and stats["prefills"] == before["prefills"] + 2
+
+
 def test_text_is_the_decoded_tokens(engine, tokenizer):
     completions = run(engine, *((text, dict(max_new_tokens=12)) for text in TEXTS[:3]))
     for completion in completions:
