@@ -42,7 +42,7 @@ def text_server(gpt2_model, tokenizer):
     from xlagen.serving.batcher import RequestBatcher
     from xlagen.serving.server import Backends, ServerSettings, create_app
 
-    engine = Engine(gpt2_model, tokenizer, slots=4, prompt_buckets=(16,))
+    engine = Engine(gpt2_model, tokenizer, slots=4, prompt_buckets=(16,), prefill_batch=1)  # batching: test_engine
     beams = RequestBatcher(gpt2_model, tokenizer, max_batch=4)
     with running(create_app(Backends(tokenizer, text=engine, beams=beams, warmup=engine.warmup),
                             ServerSettings("tiny-gpt2"))) as (url, _):
