@@ -1,6 +1,6 @@
 """The slot engine's aggregate tokens/s at 1, 4 and 16 concurrent requests, against the same requests one at
-a time through `CompiledGenerator` and in static batches of 8; and one step of 4 tokens per call against
-single steps.
+a time through `CompiledGenerator` and in static batches of 8; the cost of its programs (a step of 1, 4 and 16
+rows, a prefill of 1 and `--prefill-batch` prompts); and one step of 4 tokens per call against single steps.
 
     python benchmarks/serving_engine.py --out benchmarks/results/serving-engine-gpt2-small.json
 
@@ -99,12 +99,45 @@ def _chunk_comparison(model, slots: int, max_length: int, rounds: int) -> dict:
             for steps, values in times.items()}
 
 
+def _step_costs(model, slots: int, max_length: int, bucket: int, prefill_batch: int, repeats: int) -> dict:
+    """Median ms of one `SlotDecoder` call: the step at each width (greedy), and the prefill of 1 and
+    `prefill_batch` prompts of `bucket` tokens; what bounds the engine's throughput and latencies."""
+    from xlagen.generation.row_sampling import RowOptions
+    from xlagen.generation.slots import SlotDecoder
+
+    def options(rows: int) -> RowOptions:
+        return RowOptions(np.zeros(rows, bool), np.ones(rows, np.float32), np.zeros(rows, np.int32),
+                          np.ones(rows, np.float32), np.ones(rows, np.float32), np.zeros((rows, 2), np.int32),
+                          np.zeros(rows, np.int32))
+
+    def median_ms(call) -> float:
+        call()  # compile
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            call()
+            times.append(1000 * (time.perf_counter() - started))
+        return round(statistics.median(times), 1)
+
+    decoder = SlotDecoder(model, slots, max_length)
+    costs = {f"step_width_{w}_ms": median_ms(lambda w=w: decoder.step(bucket, options(w), w))
+             for w in sorted({1, 4, slots})}
+    for rows in sorted({1, prefill_batch}):
+        ids = np.ones((rows, bucket), np.int32)
+        costs[f"prefill_{rows}x{bucket}_ms"] = median_ms(lambda ids=ids: decoder.prefill(ids, ids, {},
+                                                                                           options(len(ids))))
+    return costs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=128, help="columns per request (prompt + new tokens)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--chunk-rounds", type=int, default=6)
+    parser.add_argument("--prefill-batch", type=int, default=4, help="the engine's prefill_batch")
+    parser.add_argument("--cost-repeats", type=int, default=5, help="calls per program in the step-cost table "
+                        "(0: no table)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write the JSON here too")
@@ -122,12 +155,14 @@ def main() -> None:
     vocab = model.config.vocab_size
     record = {"model": "gpt2 (GPT-2 small shapes, random weights)", "dtype": "float32", "slots": args.slots,
               "max_length": args.max_length, "threads": threads, "machine": bench.machine_info(),
-              "load_average_1min_start": bench._load_average(), "runs": {}}
+              "load_average_1min_start": bench.load_average(), "runs": {}}
 
     generator = CompiledGenerator(model, Buckets(batch_sizes=(1, 8), prompt_lengths=(32,), new_tokens=(48,)))
     for batch in (1, 8):  # compile
         _generator_run(generator, _workload(batch, 99, vocab), batch)
-    engine = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length, prompt_buckets=(32,))
+    engine = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length, prompt_buckets=(32,),
+                    prefill_batch=args.prefill_batch)
+    record["prefill_batch"] = args.prefill_batch
     record["engine_warmup_s"] = round(engine.warmup(), 1)
     engine.start()
     _engine_run(engine, _workload(2, 98, vocab))
@@ -143,8 +178,13 @@ def main() -> None:
         print(f"concurrency {count}: {json.dumps(run)}", flush=True)
     engine.close()
     record["engine_stats"] = engine.stats()
-    record["step_chunks"] = _chunk_comparison(model, args.slots, args.max_length, args.chunk_rounds)
-    record["load_average_1min_end"] = bench._load_average()
+    if args.cost_repeats:
+        record["program_costs"] = _step_costs(model, args.slots, args.max_length, 32, args.prefill_batch,
+                                              args.cost_repeats)
+        print(json.dumps(record["program_costs"]), flush=True)
+    if args.chunk_rounds:
+        record["step_chunks"] = _chunk_comparison(model, args.slots, args.max_length, args.chunk_rounds)
+    record["load_average_1min_end"] = bench.load_average()
     text = json.dumps(record, indent=1)
     print(text)
     if args.out:

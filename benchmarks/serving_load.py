@@ -9,9 +9,13 @@ run of a level stops after `--level-seconds`. Measured: requests/s, output token
 and inter-token gaps (p50, p99) as the client sees them, 429s, and whether each accepted request got the
 complete, correct answer (its text equals the greedy continuation `CompiledGenerator` gives alone).
 Also measured: the time from launch to `/health` 200 with an empty compile cache (cold) and with the
-cache the first launch filled (warm). With --whisper, a second server transcribes concurrent uploads.
+cache the first launch filled (warm). With --whisper-uploads N, a second server (a tiny random Whisper)
+transcribes N uploads of 1-20 s (speech from espeak-ng when installed, else synthesised tones): each alone
+(the reference transcripts), then from concurrent clients, measured on a second pass after a first that
+compiles the batch shapes (requests/s, latency p50/p99, 429s, whether each answer equals the one it got
+alone).
 
-    python benchmarks/serving_load.py --backend batcher --requests 64 \\
+    python benchmarks/serving_load.py --requests 64 --concurrency 1,16,64 --whisper-uploads 16 \\
         --out benchmarks/results/serving-load-gpt2-small.json
 """
 
@@ -165,7 +169,7 @@ def baselines(folder: Path, jobs: list) -> tuple[dict, list[str], list[int]]:
     eos = tokenizer.eos_token_id
     options = dict(do_sample=False, repetition_penalty=1.0, eos_token_id=eos, pad_token_id=eos)
 
-    def one_at_a_time() -> tuple[list[str], list[int]]:
+    def one_at_a_time(jobs=jobs) -> tuple[list[str], list[int]]:
         texts, counts = [], []
         for prompt, max_tokens in jobs:
             out = generator.generate(np.array([prompt], np.int32), max_new_tokens=max_tokens, **options).numpy()[0]
@@ -175,7 +179,7 @@ def baselines(folder: Path, jobs: list) -> tuple[dict, list[str], list[int]]:
             texts.append(tokenizer.decode(new, skip_special_tokens=True))
         return texts, counts
 
-    def static_batches() -> None:
+    def static_batches(jobs=jobs) -> None:
         for start in range(0, len(jobs), 8):
             batch = jobs[start:start + 8]
             length = max(len(p) for p, _ in batch)
@@ -185,8 +189,9 @@ def baselines(folder: Path, jobs: list) -> tuple[dict, list[str], list[int]]:
                 ids[row, length - len(prompt):], mask[row, length - len(prompt):] = prompt, 1
             generator.generate(ids, attention_mask=mask, max_new_tokens=max(m for _, m in batch), **options).numpy()
 
-    one_at_a_time()  # compiles: both are timed warm, as the server is
-    static_batches()
+    shapes = len(PROMPT_LENGTHS) * len(MAX_TOKENS)  # the first jobs hold every shape of the workload
+    one_at_a_time(jobs[:shapes])  # compiles: both are timed warm, as the server is
+    static_batches(jobs[:2 * shapes])
     started = time.perf_counter()
     expected, counts = one_at_a_time()
     single = time.perf_counter() - started
@@ -197,6 +202,91 @@ def baselines(folder: Path, jobs: list) -> tuple[dict, list[str], list[int]]:
     return ({"requests": len(jobs), "output_tokens": tokens,
              "one_at_a_time": {"wall_s": single, "tokens_per_s": tokens / single},
              "static_batches_of_8": {"wall_s": static, "tokens_per_s": tokens / static}}, expected, counts)
+
+
+def build_whisper(folder: Path, clips: int, seed: int = 0) -> list[bytes]:
+    """A tiny random Whisper checkpoint (the tests' builders) and `clips` WAV uploads of 1-20 s: synthesised tones
+    (espeak-ng speech when it is installed)."""
+    import io
+
+    import soundfile
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from models.test_whisper import save_tiny_whisper
+    from whisper_fixtures import build_whisper_tokenizer, save_feature_extractor, synthetic_audio
+
+    save_tiny_whisper(folder, seed=2, max_length=64)
+    build_whisper_tokenizer(folder)
+    save_feature_extractor(folder, 80)
+    uploads = []
+    for number in range(clips):
+        seconds = 1.0 + 19.0 * number / max(clips - 1, 1)
+        data = io.BytesIO()
+        espeak = shutil.which("espeak-ng")
+        if espeak:
+            words = " ".join(["the quick brown fox jumps over the lazy dog"] * max(1, int(seconds / 3)))
+            data.write(subprocess.run([espeak, "--stdout", words], capture_output=True, check=True).stdout)
+        else:
+            soundfile.write(data, synthetic_audio(seconds, seed=seed + number), 16000, format="WAV")
+        uploads.append(data.getvalue())
+    return uploads
+
+
+async def transcribe(client, audio: bytes, number: int) -> dict:
+    sent = time.perf_counter()
+    response = await client.post("/v1/audio/transcriptions", files={"file": (f"clip{number}.wav", audio)},
+                                 data={"language": "en"})
+    return {"status": response.status_code, "seconds": time.perf_counter() - sent,
+            "text": response.json().get("text") if response.status_code == 200 else None}
+
+
+async def run_uploads(url: str, uploads: list[bytes], concurrency: int, expected: list[str] | None) -> dict:
+    """`uploads` sent by `concurrency` clients; with `expected`, each accepted answer is checked against it."""
+    import httpx
+
+    queue = list(enumerate(uploads))
+    results = []
+
+    async def client_loop(client):
+        while queue:
+            number, audio = queue.pop(0)
+            results.append((number, await transcribe(client, audio, number)))
+
+    started = time.perf_counter()
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(concurrency)))
+    wall = time.perf_counter() - started
+    accepted = [(n, r) for n, r in results if r["status"] == 200]
+    seconds = [r["seconds"] for _, r in accepted]
+    return {"concurrency": concurrency, "sent": len(results), "accepted": len(accepted),
+            "rejected_429": sum(r["status"] == 429 for _, r in results),
+            "other_errors": sum(r["status"] not in (200, 429) for _, r in results),
+            "complete_and_correct": sum(expected is not None and r["text"] == expected[n] for n, r in accepted),
+            "wall_s": wall, "requests_per_s": len(accepted) / wall, "latency_p50_s": percentile(seconds, 50),
+            "latency_p99_s": percentile(seconds, 99), "texts": [r["text"] for _, r in sorted(accepted)]}
+
+
+def whisper_load(work: Path, args, port: int) -> dict:
+    """The Whisper server under uploads: each clip alone (the reference transcripts), then concurrent clients."""
+    uploads = build_whisper(work / "whisper", args.whisper_uploads)
+    process, ready = start_server(work / "whisper", args, port, work / "whisper-cache")
+    try:
+        alone = asyncio.run(run_uploads(f"http://127.0.0.1:{port}", uploads, 1, None))
+        expected = alone.pop("texts")
+        levels = []
+        for concurrency in (int(c) for c in args.whisper_concurrency.split(",")):
+            # A first pass compiles the batch shapes this concurrency makes (not measured).
+            asyncio.run(run_uploads(f"http://127.0.0.1:{port}", uploads, concurrency, expected))
+            level = asyncio.run(run_uploads(f"http://127.0.0.1:{port}", uploads, concurrency, expected))
+            level.pop("texts")
+            levels.append(level)
+            print(json.dumps(level), flush=True)
+    finally:
+        stop_server(process)
+    return {"model": "tiny random Whisper (the tests' builder), 80 mel bins",
+            "audio": "espeak-ng speech" if shutil.which("espeak-ng") else "synthesised tones (espeak-ng not installed)",
+            "clips": len(uploads), "clip_seconds": [1.0, 20.0], "ready_s": ready, "one_at_a_time": alone,
+            "levels": levels}
 
 
 def free_port() -> int:
@@ -218,6 +308,10 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=256, help="the engine's columns per slot")
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=32)
+    parser.add_argument("--whisper-uploads", type=int, default=0, help="also load a tiny Whisper server with this "
+                        "many uploads (0: no)")
+    parser.add_argument("--whisper-concurrency", default="4,16", help="concurrent upload clients")
+    parser.add_argument("--skip-cold", action="store_true", help="measure the ready time with a warm cache only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT / "src"))
@@ -227,8 +321,10 @@ def main() -> None:
         jobs = workload(args.requests, vocab)
         baseline, expected, counts = baselines(work / "model", jobs)
         port = free_port()
-        process, cold = start_server(work / "model", args, port, work / "cache")
-        stop_server(process)
+        cold = None
+        if not args.skip_cold:
+            process, cold = start_server(work / "model", args, port, work / "cache")
+            stop_server(process)
         process, warm = start_server(work / "model", args, port, work / "cache")
         levels = []
         try:
@@ -238,12 +334,13 @@ def main() -> None:
                 print(json.dumps(levels[-1]), flush=True)
         finally:
             stop_server(process)
+        whisper = whisper_load(work, args, port) if args.whisper_uploads else None
         result = {"what": "xlagen serve under concurrent streaming clients vs CompiledGenerator", "backend": args.backend, "slots": args.slots, "max_length": args.max_length,
                   "model": {"layers": args.layers, "width": args.width, "heads": args.heads, "vocab": vocab},
                   "workload": {"prompt_lengths": PROMPT_LENGTHS, "max_tokens": MAX_TOKENS, "requests": len(jobs),
                                "greedy": True},
                   "ready_s": {"cold_compile_cache": cold, "warm_compile_cache": warm},
-                  "levels": levels, "baselines": baseline,
+                  "levels": levels, "baselines": baseline, "whisper": whisper,
                   "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg(), "python": platform.python_version()}}
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result["ready_s"]), json.dumps(baseline))

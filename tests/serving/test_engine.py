@@ -13,7 +13,7 @@ from conftest import CORPUS, random_ids, tiny_family_model
 
 TEXTS = [text[:24] for text in CORPUS[:5]]  # prompts within the 16-token bucket
 from xlagen import AutoTokenizer
-from xlagen.serving import Completion, Engine, QueueFull, RequestOptions, TokenEvent
+from xlagen.serving import Completion, ContextTooLong, Engine, QueueFull, RequestOptions, TokenEvent
 from xlagen.serving.engine import EngineClosed
 
 # 16 requests of different prompt lengths and token counts (more requests than slots, so some wait).
@@ -81,6 +81,17 @@ def test_greedy_among_15_others_equals_generate(engine, gpt2_model):
     assert stats["active_slots"] == 0 and stats["queue_depth"] == 0
 
 
+def test_a_request_left_alone_moves_to_the_first_slot(engine, gpt2_model):
+    """Two prompts prefilled together take slots 0 and 1; when the first ends, the second is moved to slot 0
+    and decoded by the one-row step, with the same tokens."""
+    before = engine.stats()
+    prompts = [random_ids((n,), 300, seed=90 + n).tolist() for n in (4, 9)]
+    completions = run(engine, (prompts[0], dict(max_new_tokens=2)), (prompts[1], dict(max_new_tokens=16)))
+    assert [list(c.token_ids) for c in completions] == references(gpt2_model, prompts, [2, 16])
+    stats = engine.stats()
+    assert stats["moves"] == before["moves"] + 1 and stats["prefills"] == before["prefills"] + 2
+
+
 def test_text_is_the_decoded_tokens(engine, tokenizer):
     completions = run(engine, *((text, dict(max_new_tokens=12)) for text in TEXTS[:3]))
     for completion in completions:
@@ -146,19 +157,46 @@ def test_stop_strings_are_trimmed(engine):
     assert stopped.text == full.text[:full.text.index(stop)]
 
 
-def test_length_is_capped_by_max_length(engine):
+def test_prompt_and_max_new_tokens_beyond_max_length_are_refused(engine):
     prompt = random_ids((16,), 300, seed=8).tolist()
-    (completion,) = run(engine, (prompt, dict(max_new_tokens=100)))
-    assert completion.finish_reason in ("length", "stop") and len(completion.token_ids) <= 40 - 16
+
+    async def submit(**options):
+        engine.stream(prompt, **options)
+
+    with pytest.raises(ContextTooLong, match=r"16 tokens \+ max_new_tokens 25 = 41 exceed max_length 40.* at most 24"):
+        asyncio.run(submit(max_new_tokens=25))
+    (exact,), (fitting,) = run(engine, (prompt, dict(max_new_tokens=24))), run(engine, (prompt, dict(max_new_tokens=None)))
+    assert fitting == exact and len(exact.token_ids) <= 24  # None: as many as fit
+    assert exact.finish_reason == ("length" if len(exact.token_ids) == 24 else "stop")
+
+
+def test_a_stop_string_completed_by_the_final_flush_is_a_stop(engine, tokenizer):
+    """The last token leaves an incomplete character, held back until the request ends; a stop string that the
+    flushed text completes ends the request with "stop", like one found earlier."""
+    ascii_ids = [i for i in range(2, 300) if tokenizer.decode([i]).isascii()]
+    for seed in range(40):
+        prompt = [ascii_ids[i] for i in random_ids((6,), len(ascii_ids), seed=60 + seed)]
+        (full,) = run(engine, (prompt, dict(max_new_tokens=20)))
+        texts = [tokenizer.decode(full.token_ids[:n], skip_special_tokens=True)
+                 for n in range(1, len(full.token_ids) + 1)]
+        ends = [n for n, text in enumerate(texts, 1) if len(text) > 1 and text.endswith("\ufffd")
+                and text.index(text[-2:]) == len(text) - 2]
+        if ends:
+            break
+    else:
+        pytest.fail("no greedy output ends with an incomplete character")
+    new, text = ends[0], texts[ends[0] - 1]
+    (stopped,) = run(engine, (prompt, dict(max_new_tokens=new, stop=[text[-2:]])))
+    assert stopped.finish_reason == "stop" and stopped.text == text[:-2]
 
 
 def test_cancelling_frees_the_slot(engine):
     async def main():
-        events = engine.stream(TEXTS[4], max_new_tokens=30, stop_token_ids=[])
+        events = engine.stream(TEXTS[4], max_new_tokens=24, stop_token_ids=[])
         first = await events.__anext__()
         await events.aclose()
         submitted = engine.stats()["requests_submitted"]
-        task = asyncio.ensure_future(engine.generate(TEXTS[3], max_new_tokens=30))
+        task = asyncio.ensure_future(engine.generate(TEXTS[3], max_new_tokens=24))
         for _ in range(3000):  # until the engine has the request (a loaded machine may take seconds)
             await asyncio.sleep(0.01)
             if engine.stats()["requests_submitted"] > submitted:

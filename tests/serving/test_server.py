@@ -42,7 +42,7 @@ def text_server(gpt2_model, tokenizer):
     from xlagen.serving.batcher import RequestBatcher
     from xlagen.serving.server import Backends, ServerSettings, create_app
 
-    engine = Engine(gpt2_model, tokenizer, slots=4, prompt_buckets=(16,))
+    engine = Engine(gpt2_model, tokenizer, slots=4, prompt_buckets=(16,), prefill_batch=1)  # batching: test_engine
     beams = RequestBatcher(gpt2_model, tokenizer, max_batch=4)
     with running(create_app(Backends(tokenizer, text=engine, beams=beams, warmup=engine.warmup),
                             ServerSettings("tiny-gpt2"))) as (url, _):
@@ -184,7 +184,12 @@ def test_other_errors(text_server):
     wrong_model = httpx.post(url + "/v1/completions", json={"model": "gpt-4", "prompt": "Hi"}, timeout=30)
     assert wrong_model.status_code == 404 and wrong_model.json()["error"]["param"] == "model"
     too_long = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 500, "num_beams": 2}, timeout=30)
-    assert too_long.status_code == 400 and "max_new_tokens" in too_long.json()["error"]["message"]
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    for body in ({"prompt": "Hi", "max_tokens": 70}, {"prompt": "Hi", "max_tokens": 70, "stream": True}):
+        refused = httpx.post(url + "/v1/completions", json=body, timeout=30)  # the engine: max_length 64
+        error = refused.json()["error"]
+        assert refused.status_code == 400 and error["code"] == "context_length_exceeded", refused.text
+        assert error["param"] == "max_tokens" and "maximum context length is 64" in error["message"]
     chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]}, timeout=30)
     assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
 

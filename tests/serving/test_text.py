@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from xlagen import AutoTokenizer
+from xlagen.serving.events import token_events
+from xlagen.serving.options import RequestOptions
 from xlagen.serving.text import IncrementalDecoder, StopStrings, TokenText
 
 
@@ -64,4 +66,12 @@ def test_token_text_stop_ids_and_strings(tokenizer):
     released, stopped = zip(*(text.add(i) for i in ids))
     assert any(stopped) and "".join(released) == "hello world"
     text = TokenText(tokenizer, stops=["xyz"])
-    assert "".join(text.add(i)[0] for i in ids) + text.finish() == "hello world, hello"
+    assert "".join(text.add(i)[0] for i in ids) + text.finish()[0] == "hello world, hello"
+
+
+def test_a_stop_string_completed_by_the_flushed_bytes_is_a_stop(tokenizer):
+    ids = tokenizer.encode("ok 🙂")[:-1]  # the last token leaves the emoji incomplete: held back to the end
+    text = TokenText(tokenizer, stops=["k \ufffd"])
+    assert "".join(text.add(i)[0] for i in ids) == "o" and text.finish() == ("", True)
+    events = token_events(tokenizer, (), ids, None, RequestOptions(stop=("k \ufffd",)), eos_ids=())
+    assert events[-1].finish_reason == "stop" and "".join(e.text for e in events) == "o"

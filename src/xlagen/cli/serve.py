@@ -51,6 +51,8 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     engine.add_argument("--slots", type=positive_int, default=8, help="decode slots of the engine (default: 8)")
     engine.add_argument("--max-length", type=positive_int, metavar="TOKENS",
                         help="prompt + new tokens per slot (default: the model's positions, at most 1024)")
+    engine.add_argument("--prefill-batch", type=positive_int, default=4,
+                        help="slots: most waiting prompts prefilled together (default: 4)")
     engine.add_argument("--max-batch", type=positive_int, default=8,
                         help="requests per batch of the batcher and of transcriptions (default: 8)")
     engine.add_argument("--max-queue", type=positive_int, default=64,
@@ -131,7 +133,8 @@ def build_backends(args: argparse.Namespace, tokenizer, model, speech: bool):
         from xlagen.serving import Engine
 
         text = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length,
-                      prompt_buckets=tuple(args.prompt_buckets), max_queue=args.max_queue)
+                      prompt_buckets=tuple(args.prompt_buckets), max_queue=args.max_queue,
+                      prefill_batch=args.prefill_batch)
     else:
         text = beams
 

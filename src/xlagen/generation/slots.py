@@ -90,6 +90,7 @@ class SlotDecoder:
         self._insert = self._compiled(self._insert_program)
         self._step = self._compiled(self._step_program)
         self._shift = self._compiled(self._shift_program)
+        self._move = self._compiled(self._move_program)
 
     def _ban_mask(self, ids) -> np.ndarray | None:
         """bool `[V]`, True at `ids` (None without any)."""
@@ -121,22 +122,21 @@ class SlotDecoder:
     # -- prefill --------------------------------------------------------------------------------------
 
     def prefill(self, ids: np.ndarray, mask: np.ndarray, extra: dict, options: RowOptions):
-        """Runs one prompt and chooses its first token.
+        """Runs P prompts of one bucket together (one program per bucket and P) and chooses their first tokens.
 
         Args:
-            ids: int32 `[1, Pb]`, the (decoder) prompt left-padded to its bucket.
-            mask: int32 `[1, Pb]`.
-            extra: The model's other inputs (an encoder's, padded to their bucket), each `[1, ...]`.
-            options: The request's options, each with 1 row.
+            ids: int32 `[P, Pb]`, the (decoder) prompts left-padded to their bucket.
+            mask: int32 `[P, Pb]`.
+            extra: The model's other inputs (an encoder's, padded to their bucket), each `[P, ...]`.
+            options: The requests' options, each with P rows.
 
         Returns:
-            An opaque prefill result for `insert`, and `(token, logprob)` as Python numbers.
+            An opaque prefill result for `insert`, and `(tokens, logprobs)` as numpy arrays `[P]`.
         """
         result = self._prefill(tf.constant(ids, tf.int32), tf.constant(mask, tf.int32),
                                {name: tf.constant(value) for name, value in extra.items()},
                                RowOptions(*(tf.constant(value) for value in options)))
-        token, logprob = result[0], result[1]
-        return result, (int(token[0]), float(logprob[0]))
+        return result, (result[0].numpy(), result[1].numpy())
 
     def _prefill_program(self, ids, mask, extra, options: RowOptions):
         self._traced()
@@ -166,17 +166,25 @@ class SlotDecoder:
 
     # -- insert ---------------------------------------------------------------------------------------
 
-    def insert(self, prefilled, ids: np.ndarray, mask: np.ndarray, slot: int, index: int) -> None:
+    def insert(self, prefilled, ids: np.ndarray, mask: np.ndarray, slot: int, index: int, row: int = 0) -> None:
         """Writes a prefilled prompt into `slot`, ending at column `index` (its first token is decoded at
         `index` by the next `step`).
 
         Args:
             prefilled: From `prefill`.
-            ids, mask: The same `[1, Pb]` prompt as given to `prefill`.
+            ids, mask: The same `[P, Pb]` prompts as given to `prefill`.
             slot: Which slot (any earlier content is dropped).
             index: The current write column, >= Pb.
+            row: Which of the P prompts.
         """
         token, _, cache, context = prefilled
+        if ids.shape[0] > 1:  # one program per bucket inserts one row: take it out of the batch
+            def one(tensor):
+                return tensor[row:row + 1]
+
+            token, cache, context = one(token), keras.tree.map_structure(one, cache), keras.tree.map_structure(
+                one, context)
+            ids, mask = ids[row:row + 1], mask[row:row + 1]
         if isinstance(context, EncoderContext) and not isinstance(self._context, EncoderContext):
             self._context = self._context_variables(context)
         self._insert(tf.constant(ids, tf.int32), tf.constant(mask, tf.int32), token, cache, context,
@@ -270,11 +278,34 @@ class SlotDecoder:
         else:
             loop = tf.while_loop(lambda i, *_: i < steps, body, loop, maximum_iterations=steps)
         _, last, cache, history, tokens, logprobs = loop
-        for variable, new in zip(keras.tree.flatten(self._cache), keras.tree.flatten(cache)):
-            write(variable, new)
-        write(self._history, history)
+        if everything:
+            for variable, new in zip(keras.tree.flatten(self._cache), keras.tree.flatten(cache)):
+                write(variable, new)
+            write(self._history, history)
+        else:  # only the columns this step wrote go back (the rest of the rows is unchanged)
+            zero = tf.zeros((), tf.int32)
+            written = index + tf.range(steps)  # a gather: a dynamic slice's start would be a compile-time constant
+            for variable, new in zip(keras.tree.flatten(self._cache), keras.tree.flatten(cache)):  # [W, H, S, D]
+                variable.assign(ops.slice_update(variable, [zero, zero, index, zero], tf.gather(new, written, axis=2)))
+            self._history.assign(ops.slice_update(self._history, [zero, index], tf.gather(history, written, axis=1)))
         write(self._last, last)
         return tokens, logprobs
+
+    # -- move ------------------------------------------------------------------------------------------
+
+    def move(self, source: int, target: int) -> None:
+        """Copies slot `source`'s state (cache, mask, history, pending token, encoder memory) into slot `target`,
+        so that the requests left can be packed into the first slots and decoded by a narrower step."""
+        if not (0 <= source < self.slots and 0 <= target < self.slots):
+            raise ValueError(f"slots must be in [0, {self.slots}), got {source} -> {target}")
+        self._move(tf.constant(source, tf.int32), tf.constant(target, tf.int32))
+
+    def _move_program(self, source, target):
+        self._traced()
+        for variable in keras.tree.flatten((self._cache, self._mask, self._history, self._last, self._context)):
+            zero = [tf.zeros((), tf.int32)] * (variable.shape.rank - 1)
+            row = tf.gather(tf.convert_to_tensor(variable), source[None])  # a gather: the index stays dynamic
+            variable.assign(ops.slice_update(variable, [target, *zero], row))
 
     # -- shift ----------------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ _EXPORTS = {
     "Completion": "xlagen.serving.streams",
     "QueueFull": "xlagen.serving.streams",
     "EngineClosed": "xlagen.serving.streams",
+    "ContextTooLong": "xlagen.serving.streams",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from xlagen.serving.streams import Completion, EngineClosed, QueueFull, TokenEvent
+from xlagen.serving.streams import Completion, ContextTooLong, EngineClosed, QueueFull, TokenEvent
 from xlagen.serving.events import completion_of, token_events
 from xlagen.serving.options import RequestOptions
 
@@ -269,10 +269,16 @@ class RequestBatcher:
         vocab = self.model.config.vocab_size
         if not all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) and 0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
-        limit = self.model.config.max_positions
-        if limit is not None and not self.encoder_decoder and len(ids) + opts.max_new_tokens > limit:
-            raise ValueError(f"the prompt's {len(ids)} tokens + max_new_tokens {opts.max_new_tokens} exceed the "
-                             f"model's {limit} positions")
+        limit = None if self.encoder_decoder else self.model.config.max_positions
+        if opts.max_new_tokens is None:
+            if limit is None:
+                raise ValueError("max_new_tokens=None (as many as fit) needs a decoder-only model with learned "
+                                 "positions: give max_new_tokens")
+            if len(ids) >= limit:
+                raise ContextTooLong(len(ids), None, limit, "the model's positions")
+            opts = opts.update(max_new_tokens=limit - len(ids))
+        if limit is not None and len(ids) + opts.max_new_tokens > limit:
+            raise ContextTooLong(len(ids), opts.max_new_tokens, limit, "the model's positions")
         bucket = self.generator._buckets_for(len(ids), opts.max_new_tokens)[0]
         self._submitted += 1
         return _group_key(opts, bucket, self._submitted), _TextRequest(ids, opts), opts

@@ -22,7 +22,7 @@ import numpy as np
 from xlagen.generation.row_sampling import RowOptions
 from xlagen.generation.slots import SlotDecoder
 from xlagen.models.base import EncoderDecoderLM
-from xlagen.serving.streams import Completion, EngineClosed, EventStream, QueueFull, TokenEvent
+from xlagen.serving.streams import Completion, ContextTooLong, EngineClosed, EventStream, QueueFull, TokenEvent
 from xlagen.serving.options import RequestOptions
 from xlagen.serving.prompts import Prepared, Prompts
 from xlagen.serving.text import TokenText
@@ -67,7 +67,8 @@ class Engine:
         tokenizer: Its tokenizer (`encode`, `decode`).
         slots: Requests decoded together (each slot holds one request's KV cache in variables).
         max_length: Columns one request may use: its prompt's real tokens plus its new tokens (default: the
-            model's positions, at most 1024). A request ends with "length" when it reaches them.
+            model's positions, at most 1024). A request whose prompt and `max_new_tokens` exceed them is refused
+            (`ContextTooLong`); `max_new_tokens=None` asks for as many as fit.
         prompt_buckets: Lengths (decoder prompts of decoder-only models, encoder inputs of encoder-decoder
             models) are padded up to these; each compiles one prefill and one insert program. Default: the
             powers of two from 16 below `max_length`.
@@ -76,6 +77,8 @@ class Engine:
         step_widths: How many slots a step may advance (each width compiles one step program): a step runs
             on the first W slots for the smallest W that holds every active request, so a lone request does
             not pay for 16 rows. Default: 1, 4 and `slots`.
+        prefill_batch: Most waiting prompts of one bucket prefilled together in one program (each power of two
+            up to it compiles one prefill program per bucket); 1 prefills one prompt at a time.
         kernels: Where xlagen's native kernels run in the engine's programs (`xlagen.native.Kernels`; None:
             the policy in force when it is made).
 
@@ -93,7 +96,7 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, slots: int = 8, max_length: int | None = None,
                  prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 1,
-                 step_widths: Sequence[int] | None = None, kernels=None):
+                 step_widths: Sequence[int] | None = None, prefill_batch: int = 4, kernels=None):
         positions = getattr(model.config, "max_positions", None)
         if max_length is None:
             max_length = min(positions or 1024, 1024)
@@ -101,6 +104,11 @@ class Engine:
             raise ValueError(f"max_length {max_length} exceeds the model's {positions} positions")
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        if prefill_batch < 1:
+            raise ValueError(f"prefill_batch must be >= 1, got {prefill_batch}")
+        # Prompts prefilled together: powers of two up to prefill_batch (a group is split into them, unpadded).
+        self.prefill_sizes = tuple(sorted({min(2**k, prefill_batch) for k in range(prefill_batch.bit_length())},
+                                          reverse=True))
         self.model, self.tokenizer = model, tokenizer
         self.encoder_decoder = isinstance(model, EncoderDecoderLM)
         if prompt_buckets is None:
@@ -187,12 +195,16 @@ class Engine:
                 raise RuntimeError("Engine.warmup runs before requests arrive (requests are running or waiting)")
             for prompt in examples:
                 prepared = self._prompts.prepare(prompt)
-                prefilled, _ = self._decoder.prefill(prepared.ids, prepared.mask, prepared.extra,
-                                                     self._row_options(RequestOptions(), _seed_words(0), 0))
-                self._decoder.insert(prefilled, prepared.ids, prepared.mask, 0, self._index)
+                for size in self.prefill_sizes[::-1]:
+                    ids, mask, extra, options = self._batch([prepared] * size, [RequestOptions()] * size,
+                                                            [_seed_words(0)] * size)
+                    prefilled, _ = self._decoder.prefill(ids, mask, extra, options)
+                    self._decoder.insert(prefilled, ids, mask, 0, self._index, row=size - 1)
             for width in self.step_widths:
                 self._decoder.step(self._index, self._width_options(width), width)
             self._decoder.shift(1, self._index)
+            if len(self.step_widths) > 1:
+                self._decoder.move(1, 0)
         self._warm = True
         return time.perf_counter() - started
 
@@ -212,6 +224,7 @@ class Engine:
         Raises:
             TypeError, ValueError: for a bad option (named) or prompt, or `num_beams` > 1 (beam search
                 is not decoded on slots: use `CompiledGenerator`).
+            ContextTooLong: (a ValueError) when the prompt's tokens plus `max_new_tokens` exceed `max_length`.
             QueueFull: when `max_queue` requests are waiting.
             EngineClosed: after `close`.
         """
@@ -239,7 +252,8 @@ class Engine:
 
         Returns:
             A dict: `queue_depth`, `active_slots`, `slots`, `tokens_generated`, `requests_submitted`,
-            `requests_finished` (a dict by finish reason), `prefills`, `steps`, `shifts`, `compiles` (programs
+            `requests_finished` (a dict by finish reason), `prefills`, `steps`, `shifts`, `moves` (requests packed
+            into lower slots for a narrower step), `compiles` (programs
             traced and compiled so far), `warm` (whether `warmup` ran), `running` (the engine thread is
             alive).
         """
@@ -250,7 +264,8 @@ class Engine:
                     "requests_submitted": counters.get("submitted", 0),
                     "requests_finished": {reason: counters.get(reason, 0) for reason in FINISH_REASONS},
                     "prefills": counters.get("prefills", 0), "steps": counters.get("steps", 0),
-                    "shifts": counters.get("shifts", 0), "compiles": self._decoder.compiles,
+                    "shifts": counters.get("shifts", 0), "moves": counters.get("moves", 0),
+                    "compiles": self._decoder.compiles,
                     "warm": self._warm, "running": self._thread is not None and self._thread.is_alive()}
 
     # -- requests -------------------------------------------------------------------------------------
@@ -269,12 +284,14 @@ class Engine:
                              f"{self._start_column} the slots leave for it")
         room = self.max_length - prepared.real_length
         if room < 1:
-            raise ValueError(f"prompt of {prepared.real_length} tokens leaves no room for new tokens within "
-                             f"max_length {self.max_length}")
+            raise ContextTooLong(prepared.real_length, None, self.max_length)
+        budget = room if options.max_new_tokens is None else options.max_new_tokens
+        if budget > room:
+            raise ContextTooLong(prepared.real_length, budget, self.max_length)
         seed = options.seed if options.seed is not None else int(self._rng.integers(0, 2**63 - 1))
         now = time.monotonic()
         text = TokenText(self.tokenizer, prepared.context, self._eos_ids | set(options.stop_token_ids), options.stop)
-        request = _Request(prepared, options, _seed_words(seed), min(options.max_new_tokens, room), deliver, text,
+        request = _Request(prepared, options, _seed_words(seed), budget, deliver, text,
                            now, None if options.deadline is None else now + options.deadline)
         with self._lock:
             if self._closing:
@@ -343,26 +360,68 @@ class Engine:
 
     def _admit(self, now: float) -> None:
         free = [slot for slot in range(self.slots) if slot not in self._active]
-        while free:
+        admitted = []
+        while len(admitted) < len(free):
             request = self._take_waiting(now)
             if request is None:
                 break
+            admitted.append(request)
+        groups: dict[tuple, list[_Request]] = {}  # by shapes: the prompts of one prefill program
+        for request in admitted:
             prepared = request.prepared
-            prefilled, (token, logprob) = self._decoder.prefill(
-                prepared.ids, prepared.mask, prepared.extra, self._row_options(request.options, request.seed, 0))
-            slot = free.pop(0)
-            self._decoder.insert(prefilled, prepared.ids, prepared.mask, slot, self._index)
-            request.slot, request.start = slot, self._index - prepared.real_length
-            self._active[slot] = request
-            self._set_options(slot, request)
-            self._counters["prefills"] += 1
-            self._emit(request, token, logprob)
+            key = (prepared.ids.shape, *((name, value.shape) for name, value in sorted(prepared.extra.items())))
+            groups.setdefault(key, []).append(request)
+        for group in groups.values():
+            while group:
+                size = next(size for size in self.prefill_sizes if size <= len(group))
+                batch, group = group[:size], group[size:]
+                self._prefill(batch, [free.pop(0) for _ in batch])
         with self._lock:  # expire what still waits
             expired = [r for r in self._waiting if r.cancelled or (r.deadline_at is not None and now >= r.deadline_at)]
             for request in expired:
                 self._waiting.remove(request)
         for request in expired:
             self._finish(request, "cancelled" if request.cancelled else "deadline")
+
+    def _batch(self, prepared: list[Prepared], options: list[RequestOptions], seeds: list[np.ndarray]):
+        """The prompts and options of one prefill program: `(ids, mask, extra, RowOptions)` with a row each."""
+        extra = {name: np.concatenate([p.extra[name] for p in prepared]) for name in prepared[0].extra}
+        rows = [self._row_options(o, seed, 0) for o, seed in zip(options, seeds)]
+        return (np.concatenate([p.ids for p in prepared]), np.concatenate([p.mask for p in prepared]), extra,
+                RowOptions(*(np.concatenate(column) for column in zip(*rows))))
+
+    def _prefill(self, requests: list[_Request], slots: list[int]) -> None:
+        """Prefills `requests` (prompts of one shape) in one program, inserts them into `slots`, and sends each
+        its first token."""
+        ids, mask, extra, options = self._batch([r.prepared for r in requests], [r.options for r in requests],
+                                                [r.seed for r in requests])
+        prefilled, (tokens, logprobs) = self._decoder.prefill(ids, mask, extra, options)
+        for row, (request, slot) in enumerate(zip(requests, slots)):
+            self._decoder.insert(prefilled, ids, mask, slot, self._index, row=row)
+            request.slot, request.start = slot, self._index - request.prepared.real_length
+            self._active[slot] = request
+            self._set_options(slot, request)
+        self._counters["prefills"] += len(requests)
+        for row, request in enumerate(requests):
+            self._emit(request, int(tokens[row]), float(logprobs[row]))
+
+    def _compact(self) -> None:
+        """Moves the requests in the highest slots into free lower ones when that lets a narrower step program
+        decode them all (a lone request left in slot 15 would otherwise pay for 16 rows)."""
+        narrowest = next(w for w in self.step_widths if w >= len(self._active))
+        if max(self._active) < narrowest:
+            return
+        free = [slot for slot in range(narrowest) if slot not in self._active]
+        for source in sorted((s for s in self._active if s >= narrowest), reverse=True):
+            target = free.pop(0)
+            self._decoder.move(source, target)
+            request = self._active.pop(source)
+            request.slot = target
+            self._active[target] = request
+            for column in self._options:
+                column[target] = column[source]
+            self._reset_options(source)
+            self._counters["moves"] += 1
 
     def _step(self) -> None:
         decoder, steps = self._decoder, self._decoder.steps_per_call
@@ -373,6 +432,7 @@ class Engine:
             for request in self._active.values():
                 request.start -= amount
             self._counters["shifts"] += 1
+        self._compact()
         width = next(w for w in self.step_widths if w > max(self._active))
         tokens, logprobs = decoder.step(self._index, self._width_options(width), width)
         self._index += steps
@@ -392,8 +452,9 @@ class Engine:
             self._counters["tokens"] += 1
         text, stopped = request.text.add(token)
         finish = "stop" if stopped else "length" if len(request.token_ids) >= request.budget else None
-        if finish == "length":
-            text += request.text.finish()
+        if finish == "length":  # the held-back text may complete a stop string
+            rest, stopped = request.text.finish()
+            text, finish = text + rest, "stop" if stopped else finish
         self._deliver(request, TokenEvent(token, text, logprob if request.options.logprobs else None, finish))
         if finish is not None:
             self._finish(request, finish, event=False)
@@ -416,7 +477,7 @@ class Engine:
         if request.finished:
             return
         if event:
-            text = request.text.finish() if reason == "deadline" else ""
+            text = request.text.finish()[0] if reason == "deadline" else ""
             self._deliver(request, TokenEvent(None, text, None, reason))
         request.finished = True
         if request.slot is not None and self._active.get(request.slot) is request:

@@ -33,8 +33,9 @@ def token_events(tokenizer, prompt: Sequence[int], tokens: Sequence[int], logpro
         logprob = None if logprobs is None else float(logprobs[index])
         text, ended = text_rules.add(token)
         last = index == len(tokens) - 1
-        if last and not ended:
-            text += text_rules.finish()
+        if last and not ended:  # the held-back text may complete a stop string
+            rest, ended = text_rules.finish()
+            text += rest
         events.append(TokenEvent(int(token), text, logprob, "stop" if ended else "length" if last else None))
         if ended:
             break

@@ -34,8 +34,9 @@ class RequestOptions:
     """How one request is decoded on the engine's slots.
 
     Attributes:
-        max_new_tokens: Tokens to generate at most (>= 1); the request ends with finish reason "length"
-            when it reaches them (or the engine's `max_length`).
+        max_new_tokens: Tokens to generate at most (>= 1), or None for as many as fit: the request ends
+            with finish reason "length" when it reaches them. A prompt whose tokens plus `max_new_tokens`
+            exceed what a request may use (the engine's `max_length`) is refused (`ContextTooLong`).
         do_sample: Sample from the processed distribution instead of taking the argmax (greedy).
         temperature: Divides the logits when sampling (> 0 when `do_sample`; ignored by greedy decoding).
         top_p: Nucleus sampling: keep the smallest set of tokens whose probability reaches this, in (0, 1].
@@ -59,7 +60,7 @@ class RequestOptions:
         ValueError: if an option's value is out of range (the message names it and its value).
     """
 
-    max_new_tokens: int = 16
+    max_new_tokens: int | None = 16
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
@@ -77,7 +78,8 @@ class RequestOptions:
             object.__setattr__(self, name, value)
 
         for name in ("max_new_tokens", "top_k", "num_beams"):
-            set_(name, checked_int(name, getattr(self, name)))
+            if name != "max_new_tokens" or self.max_new_tokens is not None:
+                set_(name, checked_int(name, getattr(self, name)))
         for name in ("temperature", "top_p", "repetition_penalty"):
             set_(name, checked_float(name, getattr(self, name)))
         for name in ("do_sample", "logprobs"):
@@ -95,7 +97,7 @@ class RequestOptions:
         self._check_ranges()
 
     def _check_ranges(self):
-        if self.max_new_tokens < 1:
+        if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.do_sample and not self.temperature > 0.0:
             raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")

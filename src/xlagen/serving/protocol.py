@@ -35,7 +35,7 @@ class RequestError(ValueError):
 class Sampling:
     """The decoding fields shared by both routes, checked; `options()` gives the engine's options."""
 
-    max_tokens: int
+    max_tokens: int | None  # None: as many as fit the context
     temperature: float
     top_p: float
     top_k: int
@@ -48,6 +48,7 @@ class Sampling:
     logprobs: bool
     stream: bool
     include_usage: bool
+    max_tokens_name: str = "max_tokens"
 
     def options(self, choice: int, deadline: float | None) -> dict:
         """`RequestOptions` keywords of choice `choice` (of `n`): sampled choices get seeds seed, seed+1, ..."""
@@ -138,8 +139,9 @@ def check_fields(body: Any, allowed: frozenset[str]) -> dict:
 
 
 def parse_sampling(body: dict, *, max_n: int, vocab_size: int, logprobs: bool, max_tokens_name: str = "max_tokens",
-                   default_max_tokens: int = 16) -> Sampling:
-    """The decoding fields of a completions or chat body, checked.
+                   default_max_tokens: int | None = 16) -> Sampling:
+    """The decoding fields of a completions or chat body, checked (`default_max_tokens` None: as many new
+    tokens as fit the model's context, as OpenAI's chat completions do).
 
     Raises:
         RequestError: naming the first bad field.
@@ -170,7 +172,8 @@ def parse_sampling(body: dict, *, max_n: int, vocab_size: int, logprobs: bool, m
         top_k=max(top_k, 0), n=n, seed=_integer(body, "seed", None, 0, _SEED_LIMIT),
         stop=_stop(body), stop_token_ids=_stop_token_ids(body, vocab_size),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True),
-        num_beams=num_beams, logprobs=logprobs, stream=stream, include_usage=include_usage)
+        num_beams=num_beams, logprobs=logprobs, stream=stream, include_usage=include_usage,
+        max_tokens_name=max_tokens_name)
 
 
 def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:

@@ -29,7 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from xlagen.serving import protocol
-from xlagen.serving.streams import EngineClosed, QueueFull
+from xlagen.serving.streams import ContextTooLong, EngineClosed, QueueFull
 from xlagen.serving.metrics import CONTENT_TYPE, ServingMetrics
 from xlagen.serving.protocol import RequestError
 
@@ -241,6 +241,20 @@ class _App:
         prompts = protocol.parse_prompts(body, self._vocab_size())
         return await self._respond(request, "text_completion", prompts, sampling)
 
+    @staticmethod
+    def _too_long(error: ContextTooLong, kind: str, sampling: protocol.Sampling) -> RequestError:
+        """A prompt that does not fit, in the API's words (OpenAI's `context_length_exceeded`)."""
+        prompt = "messages" if kind == "chat.completion" else "prompt"
+        if error.max_new_tokens is None:
+            return RequestError(f"this model's maximum context length is {error.limit} tokens, and the {prompt} "
+                                f"alone has {error.prompt_tokens}: shorten the {prompt}", prompt,
+                                code="context_length_exceeded")
+        return RequestError(f"this model's maximum context length is {error.limit} tokens, but {error.prompt_tokens} "
+                            f"tokens in the {prompt} + {sampling.max_tokens_name} {error.max_new_tokens} = "
+                            f"{error.prompt_tokens + error.max_new_tokens} were requested: shorten the {prompt} or "
+                            f"set {sampling.max_tokens_name} to at most {error.limit - error.prompt_tokens}",
+                            sampling.max_tokens_name, code="context_length_exceeded")
+
     async def chat(self, request: Request) -> Response:
         body = protocol.check_fields(await _json_body(request), protocol.COMMON_FIELDS | {
             "messages", "max_completion_tokens", "top_logprobs", "response_format"})
@@ -255,7 +269,7 @@ class _App:
             raise RequestError("top_logprobs: only 0 is supported (no alternatives are reported)", "top_logprobs")
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         sampling = protocol.parse_sampling(body, max_n=self.settings.max_n, vocab_size=self._vocab_size(),
-                                           logprobs=logprobs, max_tokens_name=name, default_max_tokens=256)
+                                           logprobs=logprobs, max_tokens_name=name, default_max_tokens=None)
         messages = _check_messages(body.get("messages"))
         try:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -273,6 +287,12 @@ class _App:
                 for p, prompt in enumerate(prompts) for j in range(sampling.n)]
 
     async def _respond(self, request: Request, kind: str, prompts: list, sampling: protocol.Sampling) -> Response:
+        try:
+            return await self._answer(request, kind, prompts, sampling)
+        except ContextTooLong as error:
+            raise self._too_long(error, kind, sampling) from None
+
+    async def _answer(self, request: Request, kind: str, prompts: list, sampling: protocol.Sampling) -> Response:
         jobs = self._jobs(prompts, sampling)
         arrived = time.perf_counter()
         if sampling.stream:

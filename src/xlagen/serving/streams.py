@@ -15,6 +15,28 @@ class EngineClosed(RuntimeError):
     """The engine was closed (or is draining) and takes no new requests (HTTP 503)."""
 
 
+class ContextTooLong(ValueError):
+    """A prompt, or a prompt with the new tokens asked for, that does not fit the tokens a request may use (HTTP
+    400, as OpenAI's and vLLM's `context_length_exceeded`).
+
+    Attributes:
+        prompt_tokens: The prompt's tokens (the decoder prompt's, for an encoder-decoder model).
+        max_new_tokens: The new tokens asked for, or None when the prompt alone leaves no room.
+        limit: The tokens one request may use (the engine's `max_length`, the batcher's model positions).
+    """
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int | None, limit: int, what: str = "max_length"):
+        self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
+        if max_new_tokens is None:
+            message = (f"the prompt's {prompt_tokens} tokens leave no room for new tokens within {what} {limit}: "
+                       "shorten the prompt")
+        else:
+            message = (f"the prompt's {prompt_tokens} tokens + max_new_tokens {max_new_tokens} = "
+                       f"{prompt_tokens + max_new_tokens} exceed {what} {limit}: shorten the prompt or ask for at "
+                       f"most {limit - prompt_tokens} new tokens")
+        super().__init__(message)
+
+
 class TokenEvent(NamedTuple):
     """One step of a request's stream.
 

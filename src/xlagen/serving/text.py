@@ -105,10 +105,11 @@ class TokenText:
         """`(the text token_id releases, whether it ended the request)`: a stop id releases what was held
         back; a stop string releases the text before it."""
         if token_id in self.stop_ids:
-            return self.finish(), True
+            return self.finish()[0], True
         return self.stops.feed(self.decoder.add(token_id))
 
-    def finish(self) -> str:
-        """The text still held back, at the end of the request (no more tokens will come)."""
+    def finish(self) -> tuple[str, bool]:
+        """`(the text still held back, whether it completes a stop string)` at the end of the request (no more
+        tokens will come): the decoder's held-back bytes may complete a stop string only now."""
         text, found = self.stops.feed(self.decoder.flush())
-        return text if found else text + self.stops.flush()
+        return (text, True) if found else (text + self.stops.flush(), False)
