@@ -305,3 +305,39 @@ def test_bench_threads_are_set_before_tensorflow_starts():
     assert result.returncode == 0, result.stderr
     threads = json.loads(result.stdout.splitlines()[-1])
     assert (threads["requested"], threads["tf_intra_op"], threads["tf_inter_op"]) == (1, 1, 1)
+
+
+CHAT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_renders_each_prompt_with_the_template_and_prints_the_reply(gpt2_checkpoint, gpt2_model, tmp_path,
+                                                                          capsys):
+    import shutil
+
+    from xlagen import AutoTokenizer
+
+    folder = tmp_path / "chat"
+    shutil.copytree(gpt2_checkpoint[0], folder)
+    config_path = folder / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    config_path.write_text(json.dumps({**config, "chat_template": CHAT}))
+    code, out, err = run_cli(capsys, "generate", "--model", str(folder), "--chat", "--system", "Be brief.",
+                             *PROMPTS[:2], "--greedy", "--max-new-tokens", "4", "--eager")
+    assert code == 0, err
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), padding_side="left", pad_token="<|endoftext|>")
+    rendered = [f"<system>Be brief.\n<user>{prompt}\n<assistant>" for prompt in PROMPTS[:2]]
+    assert [tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": p}], add_generation_prompt=True,
+                                          tokenize=False) for p in PROMPTS[:2]] == rendered
+    encoding = tokenizer(rendered, padding=True, pad_to_multiple_of=8, return_tensors="tf", add_special_tokens=False)
+    sequences = gpt2_model.generate(**encoding, max_new_tokens=4, do_sample=False)
+    replies = tokenizer.batch_decode(sequences[:, encoding["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert out == "---\n".join(reply + "\n" for reply in replies)
+
+
+def test_chat_needs_a_template_and_system_needs_chat(gpt2_checkpoint, capsys):
+    code, _, err = run_cli(capsys, "generate", "--model", gpt2_checkpoint[0], "--chat", "Hello", "--eager")
+    assert code == 2 and "has no chat template" in err, err
+    code, _, err = run_cli(capsys, "generate", "--model", gpt2_checkpoint[0], "--system", "Be brief.", "Hello")
+    assert code == 2 and "add --chat" in err, err

@@ -12,6 +12,10 @@ records `{"prompt": ..., "generated": [...], <carried keys>}`. An output file is
 target under a temporary name and moved into place once every batch is done, so a failed or
 interrupted run leaves an existing file untouched.
 
+With `--chat`, each prompt is one user message (after `--system`, if given) rendered with the
+tokenizer's chat template (as the checkpoint's instruction-tuned model expects it) and encoded without
+adding special tokens (the template holds them); the reply is printed alone.
+
 Decoding options left unset keep the checkpoint's generation config (the built-in model samples).
 `--greedy` (or `--temperature 0`, as in other tools) turns sampling off, and so does `--num-beams K`
 with K > 1 unless `--do-sample` is given (which the library then refuses: beam sampling is not
@@ -69,6 +73,10 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     files.add_argument("--input-format", choices=("txt", "jsonl"),
                     help="format of --input (default: from its suffix; txt for stdin)")
     files.add_argument("--output", "-o", metavar="FILE.jsonl", help="write JSONL records here (- for stdout)")
+    files.add_argument("--chat", action="store_true",
+                       help="each prompt is a user message, rendered with the tokenizer's chat template "
+                            "(instruction-tuned checkpoints); prints the replies")
+    files.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each prompt")
     model = parser.add_argument_group("model")
     model.add_argument("--model", "-m", metavar="PATH_OR_ID",
                        help="Hugging Face checkpoint folder or Hub id (default: the built-in model, a small GPT-2 "
@@ -157,9 +165,13 @@ class Generator:
         use_xla: Generate through a `CompiledGenerator` (shape buckets, one XLA program per bucket);
             else run eagerly.
         seed: Base seed; batch i samples with seed `[seed, i]`. None for a fresh seed per batch.
+        chat: Render each prompt as a user message with the tokenizer's chat template (after a system
+            message, if `system` is given), encoded without adding special tokens; the output is the reply.
+        system: The system message of `chat`.
     """
 
-    def __init__(self, tokenizer, model, options: dict[str, Any], use_xla: bool, seed: int | None):
+    def __init__(self, tokenizer, model, options: dict[str, Any], use_xla: bool, seed: int | None,
+                 chat: bool = False, system: str | None = None):
         import tensorflow as tf
 
         from xlagen.generation.compiled import CompiledGenerator
@@ -174,6 +186,15 @@ class Generator:
         self.compiled = use_xla
         # An encoder-decoder model returns the decoder's tokens: its start token, then the new ones.
         self.continues_prompt = not getattr(model.config, "is_encoder_decoder", False)
+        self.chat, self.system = chat, system
+
+    def render(self, text: str) -> str:
+        """The prompt as the model gets it: `text` itself, or with `chat` the rendered conversation."""
+        if not self.chat:
+            return text
+        messages = ([{"role": "system", "content": self.system}] if self.system is not None else [])
+        messages.append({"role": "user", "content": text})
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
     def tracing_count(self) -> int:
         """How many programs have been traced (and compiled) so far; 0 when running eagerly."""
@@ -202,7 +223,9 @@ class Generator:
             ValueError: If the options or lengths do not suit the model.
         """
         tf = self._tf
-        encoding = self.tokenizer(texts, padding=True, pad_to_multiple_of=_PAD_TO_MULTIPLE_OF, return_tensors="tf")
+        encoding = self.tokenizer([self.render(text) for text in texts], padding=True,
+                                  pad_to_multiple_of=_PAD_TO_MULTIPLE_OF, return_tensors="tf",
+                                  add_special_tokens=not self.chat)
         lengths = tf.reduce_sum(encoding["attention_mask"], axis=1).numpy()
         if (lengths == 0).any():
             raise UsageError(f"prompt {texts[int(lengths.argmin())]!r} encodes to no tokens")
@@ -279,6 +302,8 @@ def prepare(args: argparse.Namespace) -> None:
     if args.model_name is None:
         raise UsageError(_NO_MODEL)
     decoding_options(args)
+    if args.system is not None and not args.chat:
+        raise UsageError("--system is a message of a chat: add --chat")
     args.prompt_records = read_prompts(args)
     check_output(args.output)
     if args.compile_cache:
@@ -308,7 +333,14 @@ def run(args: argparse.Namespace) -> int:
         config = model.generation_config.update(**options)  # Validates before anything is traced.
     except ValueError as error:
         raise UsageError(str(error)) from None
-    generator = Generator(tokenizer, model, options, use_xla=not args.eager, seed=args.seed)
+    if args.chat:
+        if getattr(model.config, "is_encoder_decoder", False):
+            raise UsageError(f"--chat needs a causal language model; {args.model_name} is an encoder-decoder model")
+        if tokenizer.chat_template is None:
+            raise UsageError(f"--chat: the tokenizer of {args.model_name} has no chat template "
+                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+    generator = Generator(tokenizer, model, options, use_xla=not args.eager, seed=args.seed, chat=args.chat,
+                          system=args.system)
     if args.warmup:
         started = time.perf_counter()
         generator.warmup(min(args.batch_size, len(prompts)), args.warmup)
@@ -341,8 +373,8 @@ def _generate_all(generator: Generator, prompts: list[Prompt], args: argparse.Na
             note = ", traced and compiled" if generator.tracing_count() > traced else ""
             logger.info("batch %d/%d: %d prompt(s), %d new tokens in %.2f s (%.1f tokens/s%s)", index + 1, total,
                         len(chunk), tokens, seconds, tokens / seconds, note)
-        _write(chunk, results, stream, as_jsonl=args.output is not None, continues_prompt=generator.continues_prompt,
-               first=index == 0)
+        _write(chunk, results, stream, as_jsonl=args.output is not None,
+               continues_prompt=generator.continues_prompt and not generator.chat, first=index == 0)
     if generator.compiled:
         logger.info("XLA programs compiled: %d", generator.tracing_count())
         for number, event in enumerate(generator.compiler.trace_log, 1):
