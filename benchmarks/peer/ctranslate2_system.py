@@ -10,8 +10,11 @@ environment; `compare.py --reference ctranslate2` runs this system's workers wit
 Generation makes exactly N new tokens: the end token cannot come earlier (Generator, Translator:
 `min_length` = `max_length` = N; Whisper, which has no minimum: the end token is suppressed). Greedy is
 `beam_size=1`. A Generator's prompt is forwarded at once (`include_prompt_in_result=False`, the faster
-prefill), and its `max_length` counts the new tokens only, as a Translator's `max_decoding_length` and
-Whisper's `max_length` (each call's result is checked to hold N tokens per row).
+prefill), and its `max_length` counts the new tokens only, as a Translator's `max_decoding_length`;
+Whisper's `generate` makes `max_length / 2` tokens (OpenAI's half-context sample length), so it is given
+2N. Each call's result is checked to hold N new tokens per row. Whisper decodes from its start token
+alone, as xlagen's bench does; CTranslate2 then applies its timestamp rules (a prompt without
+`<|notimestamps|>`), a logits mask per step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -52,10 +56,14 @@ MODELS: dict[str, tuple[str, str, dict, dict[str, int], str]] = {
                                                      "n_positions": 64, "bos_token_id": 63, "eos_token_id": 63}, {"bos": 63, "eos": 63, "unk": 63},
                   "generator"),
 }
-SPECIAL_NAMES = {"bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>", "pad": "<pad>",
-                 "start": "<|startoftranscript|>"}
+_NAMES = {"pad": "<pad>", "bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>"}
 _T5_NAMES = {"pad": "<pad>", "eos": "</s>", "unk": "<unk>"}
 _OPT_NAMES = {"pad": "<pad>", "bos": "</s>", "eos": "</s>", "unk": "<unk>"}
+# Whisper's special tokens that CTranslate2 looks up by name, at whisper-tiny's ids; timestamps follow them.
+_WHISPER_TOKENS = {50257: "<|endoftext|>", 50258: "<|startoftranscript|>", 50358: "<|translate|>",
+                   50359: "<|transcribe|>", 50360: "<|startoflm|>", 50361: "<|startofprev|>", 50362: "<|nospeech|>",
+                   50363: "<|notimestamps|>"}
+_WHISPER_TIMESTAMPS = 50364
 
 
 def paired_dtypes(dtype: str, compute_types: list[str] | None) -> list[str]:
@@ -73,7 +81,16 @@ def paired_dtypes(dtype: str, compute_types: list[str] | None) -> list[str]:
 
 
 def _token_names(model: str) -> dict[str, str]:
-    return _T5_NAMES if model == "t5" else _OPT_NAMES if model == "opt" else SPECIAL_NAMES
+    return _T5_NAMES if model == "t5" else _OPT_NAMES if model == "opt" else _NAMES
+
+
+def _vocabulary(model: str, size: int) -> dict[str, int]:
+    """One token per id: the model's special tokens at their ids (Whisper: its timestamps too), "tokN" else."""
+    names = {i: _token_names(model)[role] for role, i in MODELS[model][3].items() if role in _token_names(model)}
+    if model == "whisper":
+        names |= _WHISPER_TOKENS | {i: f"<|{(i - _WHISPER_TIMESTAMPS) * 0.02:.2f}|>"
+                                    for i in range(_WHISPER_TIMESTAMPS, size)}
+    return {names.get(i, f"tok{i}"): i for i in range(size)}
 
 
 def _save_random_model(model: str, folder: Path) -> None:
@@ -87,9 +104,8 @@ def _save_random_model(model: str, folder: Path) -> None:
     config = getattr(transformers, config_class)(**values)
     torch.manual_seed(0)
     getattr(transformers, model_class)(config).save_pretrained(folder)
-    names = {identifier: _token_names(model)[role] for role, identifier in specials.items()}
-    vocabulary = {names.get(i, f"tok{i}"): i for i in range(config.vocab_size)}
-    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocabulary, unk_token=names[specials["unk"]]))
+    unknown = _token_names(model)["unk"]
+    word_level = tokenizers.Tokenizer(tokenizers.models.WordLevel(_vocabulary(model, config.vocab_size), unknown))
     roles = {f"{role}_token": _token_names(model)[role] for role in specials if role != "start"}
     tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=word_level, **roles)
     tokenizer.save_pretrained(folder)
@@ -105,17 +121,22 @@ def converted_model(model: str, compute_type: str, cache: Path = MODEL_CACHE) ->
     if (target / "model.bin").is_file():
         return target
     source = cache / f"{model}-transformers"
-    if not (source / "config.json").is_file():
+    if not (source / "tokenizer.json").is_file():  # written last
         _save_random_model(model, source)
-    partial = cache / f"{model}-{compute_type}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f"{model}-{compute_type}.", dir=cache)) / "model"  # one per process
     converter = Path(sys.executable).with_name("ct2-transformers-converter")
     done = subprocess.run([str(converter), "--model", str(source), "--output_dir", str(partial), "--quantization",
                            compute_type], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"ct2-transformers-converter {model} --quantization {compute_type} failed: "
                            f"{done.stderr.strip()[-500:]}")
-    partial.rename(target)
+    try:
+        partial.rename(target)
+    except OSError:  # another process converted it meanwhile
+        if not (target / "model.bin").is_file():
+            raise
+    shutil.rmtree(partial.parent, ignore_errors=True)
     return target
 
 
@@ -196,7 +217,7 @@ class CTranslate2System(bench_timing.TFSystem):
             start = [[specials["start"]]] * scenario.batch_size
 
             def generate(input_features, max_new_tokens: int, **options):
-                results = model.generate(input_features, start, max_length=max_new_tokens, suppress_blank=False,
+                results = model.generate(input_features, start, max_length=2 * max_new_tokens, suppress_blank=False,
                                          suppress_tokens=[specials["eos"]], **options)
                 return _rows(start, [r.sequences_ids[0] for r in results])
 
