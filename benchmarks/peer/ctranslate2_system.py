@@ -52,9 +52,9 @@ MODELS: dict[str, tuple[str, str, dict, dict[str, int], str]] = {
            "translator"),
     "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", {},
                 {"bos": 50257, "eos": 50257, "unk": 50257, "start": 50258}, "whisper"),
-    "tiny-gpt2": ("GPT2Config", "GPT2LMHeadModel", {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4,
-                                                     "n_positions": 64, "bos_token_id": 63, "eos_token_id": 63}, {"bos": 63, "eos": 63, "unk": 63},
-                  "generator"),
+    "tiny-gpt2": ("GPT2Config", "GPT2LMHeadModel",
+                  {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64, "bos_token_id": 63,
+                   "eos_token_id": 63}, {"bos": 63, "eos": 63, "unk": 63}, "generator"),
 }
 _NAMES = {"pad": "<pad>", "bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>"}
 _T5_NAMES = {"pad": "<pad>", "eos": "</s>", "unk": "<unk>"}

@@ -4,18 +4,14 @@
 #
 #   bash benchmarks/peer/setup_ctranslate2.sh [VENV_DIR]     # default: benchmarks/.ct2-venv
 #
-# torch is pinned to the build this project's machines have in their wheel folder (any other version
-# is a multi-gigabyte download).
+# torch is pinned to 2.13.0, the version of the project's test environment (CPU build).
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${1:-$HERE/../.ct2-venv}"
-PYTHON="${PYTHON:-python3}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
+# shellcheck source=venv.sh
+. "$HERE/venv.sh"
+make_venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet "torch==2.13.0" "ctranslate2==4.8.5" "transformers" "numpy"
 
 "$VENV/bin/python" - <<'PY'

@@ -45,9 +45,9 @@ def derived(results: list[dict]) -> list[str]:
         if r["strategy"] != "greedy" and greedy:
             lines.append(f"- {where} n{r['new_tokens']}: {r['strategy']} / greedy ms/token = "
                          f"{r['ms_per_token'] / greedy['ms_per_token']:.2f}")
-        shortest = min(o["new_tokens"] for o in ok
-                       if (o["system"], o.get("paired_dtype", o["dtype"]), o["model"], o["strategy"], o["batch_size"],
-                           o["prompt_tokens"]) == (r["system"], dtype, r["model"], r["strategy"], r["batch_size"], prompt))
+        same = (r["system"], dtype, r["model"], r["strategy"], r["batch_size"], prompt)
+        shortest = min(o["new_tokens"] for o in ok if (o["system"], o.get("paired_dtype", o["dtype"]), o["model"],
+                                                       o["strategy"], o["batch_size"], o["prompt_tokens"]) == same)
         base = index.get((r["system"], dtype, r["model"], r["strategy"], r["batch_size"], shortest, "xla", prompt))
         if r["new_tokens"] > shortest and base:
             lines.append(f"- {where} {r['strategy']}: ms/token n{r['new_tokens']} / n{shortest} = "
