@@ -344,7 +344,9 @@ def markdown(report: dict) -> str:
     header = ["model", "dtype", "strategy", "batch", "new", "mode", *(name for name, _, _ in columns)]
     title = "xlagen bench"
     env = ""
-    legend = bench_report.LEGEND + " roofline: steps/s over BLAS bandwidth / weight bytes."
+    legend = (bench_report.LEGEND + " roofline: steps/s over BLAS bandwidth / weight bytes. new 1: the call makes "
+              "the first token only, so its ms/token is the time to first token (prefill of the prompt, or Whisper's "
+              "encoder, and one step).")
     if has_reference:
         module = reference_module(reference)
         header += [f"{module.TITLE} dtype", *(f"{module.TITLE} {name}" for name, _, _ in columns),
@@ -358,6 +360,8 @@ def markdown(report: dict) -> str:
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in rows:
         mine = [*bench_report.scenario_cells(result), *bench_report.cells(result, columns)]
+        if result["prompt_tokens"] != bench_timing.PROMPT_TOKENS:
+            mine[4] += f" (prompt {result['prompt_tokens']})"
         for other in beside.get(bench_timing.label(result), [None]) if has_reference else [None]:
             cells = list(mine)
             if has_reference:
