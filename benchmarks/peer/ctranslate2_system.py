@@ -35,6 +35,7 @@ NAME = "ctranslate2"
 TITLE = "CT2"  # the column heading of its figures in the reports
 DESCRIPTION = "CTranslate2"
 SETUP = "setup_ctranslate2.sh"
+COMPILES = False  # no trace or compile: "trace + compile s" does not apply
 VENV = ".ct2-venv"
 # Defaults of its workers' environment (the caller's variables and --reference-env win). GNU OpenMP's threads
 # spin while they wait by default; on a loaded machine that makes a 2-thread call up to 100x slower.

@@ -16,6 +16,7 @@ NAME = "transformers-tf"
 TITLE = "TF 4.57"  # the column heading of its figures in the reports
 DESCRIPTION = "transformers 4.57 TensorFlow"
 SETUP = "setup_transformers_tf.sh"
+COMPILES = True  # tf.function(jit_compile=True), as xlagen
 VENV = ".peer-venv"
 WORKER_ENV = {"TF_USE_LEGACY_KERAS": "1"}  # transformers' TF models need Keras 2 (tf-keras)
 
