@@ -130,6 +130,7 @@ def converted_model(model: str, compute_type: str, cache: Path = MODEL_CACHE) ->
     done = subprocess.run([str(converter), "--model", str(source), "--output_dir", str(partial), "--quantization",
                            compute_type], capture_output=True, text=True, check=False)
     if done.returncode != 0:
+        shutil.rmtree(partial.parent, ignore_errors=True)
         raise RuntimeError(f"ct2-transformers-converter {model} --quantization {compute_type} failed: "
                            f"{done.stderr.strip()[-500:]}")
     try:
