@@ -282,3 +282,59 @@ def test_kernel_variants_script_spins_between_products_and_sets_each_builds_look
     result = subprocess.run(command[:-4] + ["1", "2", "3", "--sources", source, source], capture_output=True,
                             text=True)
     assert result.returncode != 0 and "one value or one per source" in result.stderr, result.stderr
+
+
+def test_ctranslate2_runs_its_compute_types_beside_each_xlagen_dtype(peer, tmp_path):
+    """--reference ctranslate2: xlagen's int8 weights run beside both of CTranslate2's int8 compute types the CPU
+    supports, each in its own worker, and every one pairs with the xlagen scenario."""
+    compare, _ = peer
+    ct2 = compare.reference_module("ctranslate2")
+    cpu = ["float32", "int8", "int8_float32"]
+    assert ct2.paired_dtypes("float32", cpu) == ["float32"]
+    assert ct2.paired_dtypes(bench_timing.PACKED_BF16, cpu) == ["float32"]
+    assert ct2.paired_dtypes(bench_timing.PACKED_BF16, [*cpu, "bfloat16"]) == ["bfloat16", "float32"]
+    assert ct2.paired_dtypes(bench_timing.PACKED_INT8, ["float32", "int8_float32"]) == ["int8_float32"]
+    assert ct2.paired_dtypes(bench_timing.PACKED_INT8, None) == ["int8_float32", "int8"]
+    args = _stub_reference(peer, tmp_path, """
+        import json, sys
+        dtype = json.loads(sys.argv[sys.argv.index("--scenario") + 1])["dtype"]
+        assert dtype in ("int8_float32", "int8"), dtype
+    """ + _stub_header(compare, 1000) + """
+        for line in sys.stdin:
+            emit({"kind": "run", "seconds": 0.5 if dtype == "int8" else 1.0})
+    """, "--reference", "ctranslate2", "--repeats", "2")
+    scenario = bench_timing.Scenario("tiny-gpt2", "greedy", 1, 8, "xla", bench_timing.PACKED_INT8)
+    systems = {"ctranslate2": {"versions": {"compute_types": cpu}}}
+    beside = compare.run_interleaved(scenario, ["ctranslate2"], args, systems)
+    assert [(r["dtype"], r["paired_dtype"], r["median_s"]) for r in beside] == [
+        ("int8_float32", bench_timing.PACKED_INT8, 1.0), ("int8", bench_timing.PACKED_INT8, 0.5)]
+    assert "compile_s" not in beside[0]  # CTranslate2 compiles nothing: its first call is only a run
+
+    xlagen = dict(beside[0], system="xlagen", dtype=bench_timing.PACKED_INT8, tokens_per_s=32.0, first_call_s=1.0)
+    del xlagen["paired_dtype"]
+    ratios = {r["reference_dtype"]: (r["speed_ratio"], r["reference_best"]) for r in compare.ratios([xlagen, *beside])}
+    assert ratios == {"int8_float32": (pytest.approx(4.0), False), "int8": (pytest.approx(2.0), True)}
+    report = {"machine": {"env": {}}, "command": ["compare.py"], "bandwidth": _bandwidth_of(40.0),
+              "systems": {"xlagen": {"versions": {}, "threads": {"tf_intra_op": 2, "tf_inter_op": 2}},
+                          "ctranslate2": {"versions": {}, "threads": {"intra_threads": 2, "inter_threads": 1},
+                                          "env": {"OMP_WAIT_POLICY": "PASSIVE", "CT2_FORCE_CPU_ISA": None}}},
+              "results": [xlagen, *beside]}
+    text = compare.markdown(report)
+    assert "| CT2 dtype |" in text and "| 4.00x |" in text and "| 2.00x |" in text, text
+    assert "ctranslate2: intra 2 / inter 1" in text and "OMP_WAIT_POLICY=PASSIVE" in text
+
+
+def test_reference_options_are_settled_together(peer):
+    compare, _ = peer
+    args = compare.parse_arguments(["--tiny", "--systems", "ctranslate2", "--reference-env", "CT2_FORCE_CPU_ISA=AVX2",
+                                    "--prefill-tokens", "512", "--models", "gpt2", "whisper"])
+    assert args.reference == "ctranslate2" and args.systems == ["ctranslate2"]
+    assert args.reference_python.parts[-3:] == (".ct2-venv", "bin", "python")
+    _, env = compare._worker_command("ctranslate2", None, args)
+    assert env["CT2_FORCE_CPU_ISA"] == "AVX2" and "OMP_WAIT_POLICY" in env
+    labels = [s.label() for s in compare.prefill_scenarios(args)]
+    assert labels == ["gpt2 greedy b1 n1 p512 xla", "whisper greedy b1 n1 xla"]
+    assert compare.parse_arguments(["--tiny"]).systems == ["xlagen", "transformers-tf"]
+    for wrong in (["--reference", "transformers-tf", "--systems", "ctranslate2"], ["--reference-env", "CT2"]):
+        with pytest.raises(SystemExit):
+            compare.parse_arguments(["--tiny", *wrong])

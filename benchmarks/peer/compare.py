@@ -1,10 +1,16 @@
-"""xlagen beside transformers 4.57 TensorFlow on the scenarios of `xlagen bench`, against the machine's
-memory-bandwidth roofline.
+"""xlagen beside a reference (transformers 4.57 TensorFlow, or CTranslate2) on the scenarios of `xlagen bench`,
+against the machine's memory-bandwidth roofline.
 
     bash benchmarks/peer/setup_transformers_tf.sh      # once: the reference's environment
     python benchmarks/peer/compare.py --quick          # both systems, interleaved
     python benchmarks/peer/compare.py --models gpt2 opt t5 whisper --strategies greedy beam2 \
         --batch-sizes 1 8 --new-tokens 128 --modes xla --repeats 5 --threads 2
+    bash benchmarks/peer/setup_ctranslate2.sh          # once: CTranslate2's environment
+    python benchmarks/peer/compare.py --reference ctranslate2 --quick --dtype float32 int8-weights
+
+A reference is a module of this folder (`REFERENCES`) with its system class (`SYSTEM`), its titles, its
+environment (`VENV`, made by `SETUP`) and the dtypes it runs beside each of xlagen's (`paired_dtypes`:
+CTranslate2 runs both its int8 compute types beside xlagen's int8 weights, for instance).
 
 Every scenario gets a fresh worker process per system (this script with `--worker`; the reference's
 runs with the python of its environment). The workers start one after the other (model build and
@@ -43,20 +49,26 @@ from xlagen.cli.common import positive_int  # noqa: E402
 logger = logging.getLogger("compare")
 SCHEMA = "xlagen-comparison/1"
 RESULT_PREFIX = "XLAGEN_BENCH "  # marks the workers' JSON lines on stdout
-REFERENCE = "transformers-tf"  # transformers_tf.NAME, without importing it here
-REFERENCE_TITLE = "TF 4.57"
-SYSTEMS = ("xlagen", REFERENCE)
+# reference name -> its module in this folder (imported by the driver too: they import only the standard library)
+REFERENCES = {"transformers-tf": "transformers_tf", "ctranslate2": "ctranslate2_system"}
+SYSTEMS = ("xlagen", *REFERENCES)
 BANDWIDTH_DEFAULTS = {"bandwidth_mib": 2048, "bandwidth_repeats": 3}
 BANDWIDTH_TINY = {"bandwidth_mib": 64, "bandwidth_repeats": 1}
 COLUMNS = [*bench_report.COLUMNS[:4], ("roofline", "roofline_fraction", "{:.2f}"), *bench_report.COLUMNS[4:]]
 
 
-def system(name: str) -> bench_timing.TFSystem:
-    if name == REFERENCE:
-        import transformers_tf
+def reference_module(name: str):
+    """The module of reference `name` (a key of `REFERENCES`)."""
+    return importlib.import_module(REFERENCES[name])
 
-        return transformers_tf.TransformersTF()
-    return bench_timing.XlagenSystem()
+
+def system(name: str) -> bench_timing.TFSystem:
+    return bench_timing.XlagenSystem() if name == "xlagen" else reference_module(name).SYSTEM()
+
+
+def reference_of(results: list[dict]) -> str | None:
+    """The reference system of a run's results (the system that is not xlagen), or None."""
+    return next((r["system"] for r in results if r["system"] != "xlagen"), None)
 
 
 # ----------------------------------------------------------------------------- worker
@@ -68,19 +80,23 @@ def _emit(record: dict) -> None:
 def worker_main(args: argparse.Namespace) -> int:
     """`--worker SYSTEM --scenario JSON`: one scenario as a server for the driver (`Worker`).
 
-    Prints (prefixed JSON lines) the system's versions and threads, then, after building the model
-    and the first call, "ready" with its seconds; then times one call per stdin line giving the new
-    tokens, answering "run" with the seconds, until stdin closes. A failure answers "error".
+    Prints (prefixed JSON lines) the system's versions and threads (and stops there without --scenario),
+    then, after building the model and the first call, "ready" with its seconds; then times one call per
+    stdin line giving the new tokens, answering "run" with the seconds, until stdin closes. A failure
+    answers "error".
     """
     under_test = system(args.worker)
     _emit({"kind": "system", "system": under_test.name, "versions": under_test.versions(),
-           "threads": bench_timing.configure_threads(args.threads), "env": bench_timing.environment()})
+           "threads": under_test.configure_threads(args.threads), "env": under_test.environment()})
+    if args.scenario is None:
+        return 0
     try:
         scenario = bench_timing.Scenario(**json.loads(args.scenario))
         model = under_test.build(scenario.model, scenario.dtype)
-        function, inputs, options = bench_timing.prepare(under_test, model, scenario)
+        function, inputs, options = under_test.prepare(model, scenario)
         first = bench_timing.timed(function, inputs, options, scenario.new_tokens)
-        _emit({"kind": "ready", "first_call_s": first, "weight_bytes": bandwidth.weight_bytes(model)})
+        weight_bytes = getattr(under_test, "weight_bytes", bandwidth.weight_bytes)(model)
+        _emit({"kind": "ready", "first_call_s": first, "weight_bytes": weight_bytes})
         for line in sys.stdin:
             _emit({"kind": "run", "seconds": bench_timing.timed(function, inputs, options, int(line))})
     except Exception as error:  # Reported to the driver, which records it.
@@ -92,12 +108,14 @@ def worker_main(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------- driver
 
-def _worker_command(name: str, scenario: bench_timing.Scenario, args: argparse.Namespace) -> tuple[list[str], dict]:
-    worker = ["--worker", name, "--threads", str(args.threads), "--scenario", json.dumps(asdict(scenario))]
+def _worker_command(name: str, scenario: bench_timing.Scenario | None,
+                    args: argparse.Namespace) -> tuple[list[str], dict]:
+    worker = ["--worker", name, "--threads", str(args.threads)]
+    worker += ["--scenario", json.dumps(asdict(scenario))] if scenario else []
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
     if name == "xlagen":
         return [sys.executable, __file__, *worker], env
-    env["TF_USE_LEGACY_KERAS"] = "1"
+    env = {**reference_module(name).WORKER_ENV, **env, **args.reference_env}
     return [str(args.reference_python), str(args.reference_script), *worker], env
 
 
@@ -108,14 +126,14 @@ class Worker:
     call of n new tokens. Raises RuntimeError with the worker's error or the end of its stderr.
     """
 
-    def __init__(self, name: str, scenario: bench_timing.Scenario, args: argparse.Namespace):
+    def __init__(self, name: str, scenario: bench_timing.Scenario | None, args: argparse.Namespace):
         command, env = _worker_command(name, scenario, args)
         self.system = name
         self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the worker; see close().
         self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=self.stderr, text=True, bufsize=1)
         self.info = self._expect("system")
-        self.ready = self._expect("ready")
+        self.ready = self._expect("ready") if scenario else None
 
     def _expect(self, kind: str) -> dict:
         for line in self.process.stdout:
@@ -146,45 +164,56 @@ class Worker:
         self.stderr.close()
 
 
-def _as_run_by(name: str, scenario: bench_timing.Scenario) -> bench_timing.Scenario:
-    """The scenario as system `name` runs it: the reference has no packed weights and runs float32, so that
-    the ratio of a packed scenario is against the reference's float32."""
-    return replace(scenario, dtype="float32") if name != "xlagen" and scenario.dtype in bench_timing.PACKED_DTYPES \
-        else scenario
+def probe(name: str, args: argparse.Namespace) -> dict:
+    """System `name`'s versions, threads and environment, from a worker started without a scenario."""
+    worker = Worker(name, None, args)
+    worker.close()
+    return {k: v for k, v in worker.info.items() if k != "kind"}
+
+
+def _as_run_by(name: str, scenario: bench_timing.Scenario, systems: dict[str, dict]) -> list[bench_timing.Scenario]:
+    """The scenarios system `name` runs beside xlagen's `scenario`: its dtypes by the reference's `paired_dtypes`
+    (given the compute types of its probe in `systems`, when it has any)."""
+    if name == "xlagen":
+        return [scenario]
+    compute_types = systems.get(name, {}).get("versions", {}).get("compute_types")
+    return [replace(scenario, dtype=d) for d in reference_module(name).paired_dtypes(scenario.dtype, compute_types)]
 
 
 def run_interleaved(scenario: bench_timing.Scenario, names: list[str], args: argparse.Namespace,
                     systems: dict[str, dict]) -> list[dict]:
-    """Runs one scenario with a worker per system, alternating their timed calls (A B, B A, A B, ...).
+    """Runs one scenario with a worker per system and dtype it runs (`_as_run_by`), alternating their timed
+    calls (A B C, C B A, A B C, ...).
 
     The workers start (build, first call) one after the other, so no compile overlaps a timed run;
-    then every timed call of one system sits between calls of the other.
+    then every timed call of one worker sits between calls of the others.
     """
-    workers, results, errors = {}, {}, {}
-    run_as = {name: _as_run_by(name, scenario) for name in names}
+    run_as = [(name, run) for name in names for run in _as_run_by(name, scenario, systems)]
+    workers: dict[int, Worker] = {}
+    errors: dict[int, str] = {}
     try:
-        for name in names:
+        for index, (name, run) in enumerate(run_as):
             try:
-                workers[name] = Worker(name, run_as[name], args)
-                systems.setdefault(name, {k: v for k, v in workers[name].info.items() if k != "kind"})
+                workers[index] = Worker(name, run, args)
+                systems.setdefault(name, {k: v for k, v in workers[index].info.items() if k != "kind"})
             except RuntimeError as error:
-                errors[name] = str(error)
+                errors[index] = str(error)
         repeats, warmup = bench_timing.repeats_of(scenario, args)
-        runs: dict[str, list[float]] = {name: [] for name in workers}
-        short: dict[str, list[float]] = {name: [] for name in workers}
+        runs: dict[int, list[float]] = {index: [] for index in workers}
+        short: dict[int, list[float]] = {index: [] for index in workers}
 
-        def alternate(new_tokens: int, count: int, store: dict[str, list[float]] | None) -> None:
-            for index in range(count):
-                for name in list(workers)[::-1 if index % 2 else 1]:
-                    if name in errors:
+        def alternate(new_tokens: int, count: int, store: dict[int, list[float]] | None) -> None:
+            for turn in range(count):
+                for index in list(workers)[::-1 if turn % 2 else 1]:
+                    if index in errors:
                         continue
                     try:
-                        seconds = workers[name].run(new_tokens)
+                        seconds = workers[index].run(new_tokens)
                     except RuntimeError as error:
-                        errors[name] = str(error)
+                        errors[index] = str(error)
                         continue
                     if store is not None:
-                        store[name].append(seconds)
+                        store[index].append(seconds)
 
         alternate(scenario.new_tokens, warmup, None)
         alternate(scenario.new_tokens, repeats, runs)
@@ -194,30 +223,47 @@ def run_interleaved(scenario: bench_timing.Scenario, names: list[str], args: arg
     finally:
         for worker in workers.values():
             worker.close()
-    for name in names:
-        if name in errors:
-            results[name] = {"system": name, **asdict(run_as[name]), "error": errors[name]}
+    results = []
+    for index, (name, run) in enumerate(run_as):
+        if index in errors:
+            result = {"system": name, **asdict(run), "error": errors[index]}
         else:
-            ready = workers[name].ready
-            results[name] = bench_timing.summarise(name, run_as[name], ready["first_call_s"], runs[name], short[name])
-            results[name]["weight_bytes"] = ready["weight_bytes"]
-        if run_as[name] != scenario:  # Paired with xlagen's scenario of this dtype.
-            results[name]["paired_dtype"] = scenario.dtype
-    return [results[name] for name in names]
+            ready = workers[index].ready
+            result = bench_timing.summarise(name, run, ready["first_call_s"], runs[index], short[index])
+            result["weight_bytes"] = ready["weight_bytes"]
+            if name != "xlagen" and not reference_module(name).COMPILES:  # its first call is a run like the others
+                del result["compile_s"]
+        if run != scenario:  # Paired with xlagen's scenario of this dtype.
+            result["paired_dtype"] = scenario.dtype
+        results.append(result)
+    return results
+
+
+def _beside(results: list[dict]) -> dict[str, list[dict]]:
+    """The reference's results by the label of the xlagen scenario they ran beside."""
+    reference = reference_of(results)
+    beside: dict[str, list[dict]] = {}
+    for result in results:
+        if result["system"] == reference:
+            beside.setdefault(bench_timing.label(result), []).append(result)
+    return beside
 
 
 def ratios(results: list[dict]) -> list[dict]:
-    """xlagen / reference for each scenario both systems measured (the float32 reference against any xlagen
-    dtype, from the reference run interleaved with that scenario)."""
-    reference = {bench_timing.label(r): r for r in results if r["system"] == REFERENCE and "error" not in r}
+    """xlagen / reference for each scenario both systems measured, one per reference dtype run beside it
+    (`reference_best` marks the reference's fastest of them)."""
     paired = []
-    for result in results:
-        other = reference.get(bench_timing.label(result))
-        if result["system"] != "xlagen" or "error" in result or other is None:
-            continue
-        paired.append({**{k: result[k] for k in ("model", "strategy", "batch_size", "new_tokens", "mode")},
-                       "dtype": result["dtype"], "speed_ratio": result["tokens_per_s"] / other["tokens_per_s"],
-                       "first_call_ratio": result["first_call_s"] / other["first_call_s"]})
+    for key, others in _beside(results).items():
+        others = [o for o in others if "error" not in o]
+        best = max(others, key=lambda o: o["tokens_per_s"], default=None)
+        for result in results:
+            if result["system"] != "xlagen" or "error" in result or bench_timing.label(result) != key:
+                continue
+            paired += [{**{k: result[k] for k in ("model", "strategy", "batch_size", "new_tokens", "mode",
+                                                  "prompt_tokens")},
+                        "dtype": result["dtype"], "reference_dtype": other["dtype"], "reference_best": other is best,
+                        "speed_ratio": result["tokens_per_s"] / other["tokens_per_s"],
+                        "first_call_ratio": result["first_call_s"] / other["first_call_s"]} for other in others]
     return paired
 
 
@@ -235,13 +281,13 @@ def git_commit() -> str | None:
 
 def run_comparison(args: argparse.Namespace) -> int:
     """Measures bandwidth, runs every scenario in interleaved workers, writes the reports."""
-    scenarios = bench.scenarios_from(args)
+    scenarios = bench.scenarios_from(args) + prefill_scenarios(args)
     started, load_start = datetime.datetime.now(datetime.timezone.utc), bench_timing.load_average()
     bench.progress(args, f"bandwidth: reading {args.bandwidth_mib} MiB x {args.bandwidth_repeats} ...")
     measured = [bandwidth.measure_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)]
     native = bandwidth.measure_native_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
     results: list[dict] = []
-    systems: dict[str, dict] = {}
+    systems = {name: probe(name, args) for name in args.systems if name != "xlagen"}  # its compute types
     for index, scenario in enumerate(scenarios):
         names = args.systems if index % 2 == 0 else args.systems[::-1]  # Alternate who compiles and runs first.
         bench.progress(args, f"[{index + 1}/{len(scenarios)}] {scenario.label()} ...")
@@ -253,14 +299,19 @@ def run_comparison(args: argparse.Namespace) -> int:
     machine["load_average_1min"] = {"start": load_start, "end": bench_timing.load_average()}
     machine["git_commit"] = git_commit()
     command = bench.command_line(args, ["python", "benchmarks/peer/compare.py"])
-    command += ["--systems", *args.systems, "--bandwidth-mib", str(args.bandwidth_mib), "--bandwidth-repeats",
-                str(args.bandwidth_repeats)]
+    command += ["--reference", args.reference, "--systems", *args.systems, "--bandwidth-mib", str(args.bandwidth_mib),
+                "--bandwidth-repeats", str(args.bandwidth_repeats)]
+    command += ["--prefill-tokens", str(args.prefill_tokens)] if args.prefill_tokens else []
+    command += ["--reference-env", *(f"{k}={v}" for k, v in args.reference_env.items())] if args.reference_env else []
     report = {"schema": SCHEMA, "created": started.isoformat(timespec="seconds"),
               "seconds": round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1),
               "command": command, "machine": machine, "systems": systems,
               "bandwidth": bandwidth.combine(measured, native),
               "options": {k: getattr(args, k) for k in bench.DEFAULTS} | {"threads": args.threads, "dtype": args.dtype,
-                                                                           "ttft": args.ttft},
+                                                                           "ttft": args.ttft,
+                                                                           "reference": args.reference,
+                                                                           "prefill_tokens": args.prefill_tokens,
+                                                                           "reference_env": args.reference_env},
               "results": results}
     bandwidth.add_rooflines(report)
     report["ratios"] = ratios(results)
@@ -271,32 +322,55 @@ def run_comparison(args: argparse.Namespace) -> int:
     return 1 if any("error" in r for r in results) else 0
 
 
+def prefill_scenarios(args: argparse.Namespace) -> list[bench_timing.Scenario]:
+    """With --prefill-tokens P: time to first token, one greedy call of 1 new token at batch 1 per model and
+    dtype, from a P-token prompt (Whisper: from its 30 s of audio features, i.e. encoder and first step)."""
+    if not args.prefill_tokens:
+        return []
+    return [bench_timing.Scenario(model, "greedy", 1, 1, "xla", dtype,
+                                  bench_timing.PROMPT_TOKENS if model == "whisper" else args.prefill_tokens)
+            for model in args.models for dtype in args.dtype]
+
+
 # ----------------------------------------------------------------------------- reports
 
 def markdown(report: dict) -> str:
-    """The report as markdown: machine, bandwidth, one row per xlagen scenario with the reference's figures
-    beside it (when measured) and the ratio of tokens/s."""
+    """The report as markdown: machine, bandwidth, one row per xlagen scenario and reference dtype run beside it,
+    with the reference's figures (when measured) and the ratio of tokens/s."""
     results = report["results"]
     columns = bench_report.columns_of(results, COLUMNS)
-    by_system = {(r["system"], bench_timing.label(r)): r for r in results}
-    rows = [r for r in results if r["system"] != REFERENCE] or results
-    has_reference = rows is not results
+    reference = reference_of(results)
+    beside = _beside(results)
+    rows = [r for r in results if r["system"] == "xlagen"] or results
+    has_reference = reference is not None and rows is not results
     header = ["model", "dtype", "strategy", "batch", "new", "mode", *(name for name, _, _ in columns)]
+    title = "xlagen bench"
+    env = ""
+    legend = (bench_report.LEGEND + " roofline: steps/s over BLAS bandwidth / weight bytes. new 1: the call makes "
+              "the first token only, so its ms/token is the time to first token (prefill of the prompt, or Whisper's "
+              "encoder, and one step).")
     if has_reference:
-        header += [f"{REFERENCE_TITLE} {name}" for name, _, _ in columns] + [f"xlagen / {REFERENCE_TITLE} tokens/s"]
-    legend = (bench_report.LEGEND + " roofline: steps/s over BLAS bandwidth / weight bytes. "
-              f"{REFERENCE_TITLE}: transformers 4.57 TensorFlow.")
-    lines = [*bench_report.header_lines(report, f"xlagen and transformers 4.57 TensorFlow ({REFERENCE_TITLE})"),
+        module = reference_module(reference)
+        header += [f"{module.TITLE} dtype", *(f"{module.TITLE} {name}" for name, _, _ in columns),
+                   f"xlagen / {module.TITLE} tokens/s"]
+        title = f"xlagen and {module.DESCRIPTION} ({module.TITLE})"
+        legend += f" {module.TITLE}: {module.DESCRIPTION}; its dtype: the one it ran beside xlagen's."
+        env = f"- {reference} environment: " + ", ".join(
+            f"{k}={v}" for k, v in report["systems"].get(reference, {}).get("env", {}).items() if v is not None)
+    lines = [*bench_report.header_lines(report, title), *([env] if env else []),
              bandwidth.describe(report["bandwidth"], report["machine"]["env"]), "", legend, "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in rows:
-        cells = [*bench_report.scenario_cells(result), *bench_report.cells(result, columns)]
-        if has_reference:
-            other = by_system.get((REFERENCE, bench_timing.label(result)))
-            both = other is not None and "error" not in other and "error" not in result
-            cells += [*bench_report.cells(other, columns),
-                      f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x" if both else ""]
-        lines.append("| " + " | ".join(cells) + " |")
+        mine = [*bench_report.scenario_cells(result), *bench_report.cells(result, columns)]
+        if result["prompt_tokens"] != bench_timing.PROMPT_TOKENS:
+            mine[4] += f" (prompt {result['prompt_tokens']})"
+        for other in beside.get(bench_timing.label(result), [None]) if has_reference else [None]:
+            cells = list(mine)
+            if has_reference:
+                both = other is not None and "error" not in other and "error" not in result
+                cells += [other["dtype"] if other else "", *bench_report.cells(other, columns),
+                          f"{result['tokens_per_s'] / other['tokens_per_s']:.2f}x" if both else ""]
+            lines.append("| " + " | ".join(cells) + " |")
     lines += bench_report.derived(results)
     failed = [r for r in results if "error" in r]
     lines += ["", *(f"- FAILED {r['system']} {bench_timing.label(r)}: {r['error']}" for r in failed)]
@@ -304,17 +378,23 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> bool:
-    """Tokens/s (log scale, roofline marked, xlagen / reference above xlagen's bars) and first-call seconds."""
-    names = list(dict.fromkeys(r["system"] for r in report["results"] if "error" not in r))
-    charts = bench_report.bar_charts(report, names, {REFERENCE: "transformers 4.57 TensorFlow"})
+    """Tokens/s (log scale, roofline marked, xlagen / the reference's best above xlagen's bars) and first-call
+    seconds; a reference that ran several dtypes has a bar per dtype."""
+    results = [r for r in report["results"] if "error" not in r]
+    reference = reference_of(results)
+    if len({r["dtype"] for r in results if r["system"] == reference}) > 1:
+        results = [dict(r, system=f"{reference} {r['dtype']}") if r["system"] == reference else r for r in results]
+    names = list(dict.fromkeys(r["system"] for r in results))
+    titles = {reference: reference_module(reference).DESCRIPTION} if reference in names else {}
+    charts = bench_report.bar_charts(dict(report, results=results), names, titles)
     if charts is None:
         return False
     figure, speed, compile_, centres, labels = charts
-    by = {(r["system"], bench_timing.label(r)): r for r in report["results"] if "error" not in r}
+    by = {(r["system"], bench_timing.label(r)): r for r in results}
     width = 0.8 / len(names)
     for ratio in report.get("ratios", []):
         key = bench_timing.label(ratio)
-        if ("xlagen", key) in by:
+        if ("xlagen", key) in by and ratio.get("reference_best", True):
             speed.annotate(f"{ratio['speed_ratio']:.2f}x", (labels.index(key) + names.index("xlagen") * width,
                            by["xlagen", key]["tokens_per_s"]), ha="center", va="bottom", fontsize=8)
     speed.scatter(centres, [max(r["roofline_tokens_per_s_blas"] for (_, k), r in by.items() if k == key)
@@ -335,13 +415,22 @@ def build_parser() -> argparse.ArgumentParser:
     machine.add_argument("--bandwidth-mib", type=positive_int, help="array read for the bandwidth (default: 2048)")
     machine.add_argument("--bandwidth-repeats", type=positive_int,
                          help="runs over each of 3 fresh arrays, before and after the scenarios (default: 3)")
-    machine.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS),
-                         help="the systems to run, each scenario in interleaved workers (default: both)")
-    machine.add_argument("--reference-python", type=Path, default=REPOSITORY / "benchmarks" / ".peer-venv" / "bin" /
-                         "python", help="python of the reference's environment (default: benchmarks/.peer-venv/bin/"
-                         "python, made by benchmarks/peer/setup_transformers_tf.sh)")
+    machine.add_argument("--reference", choices=REFERENCES, help="the system xlagen is compared with (default: "
+                         "the one named in --systems, else transformers-tf)")
+    machine.add_argument("--systems", nargs="+", choices=SYSTEMS,
+                         help="the systems to run, each scenario in interleaved workers (default: xlagen and the "
+                         "reference)")
+    machine.add_argument("--reference-python", type=Path, help="python of the reference's environment (default: "
+                         "benchmarks/.peer-venv/bin/python for transformers-tf, made by setup_transformers_tf.sh; "
+                         "benchmarks/.ct2-venv/bin/python for ctranslate2, made by setup_ctranslate2.sh)")
     machine.add_argument("--reference-script", type=Path, default=Path(__file__),
                          help="the worker script the reference's python runs (default: this file)")
+    machine.add_argument("--reference-env", nargs="+", default=[], metavar="NAME=VALUE",
+                         help="environment variables of the reference's workers, e.g. CT2_FORCE_CPU_ISA=AVX2 "
+                         "CT2_USE_EXPERIMENTAL_PACKED_GEMM=1 OMP_WAIT_POLICY=PASSIVE (recorded in the report)")
+    machine.add_argument("--prefill-tokens", type=positive_int, metavar="P",
+                         help="also time the first token (greedy, batch 1, 1 new token) from a P-token prompt per "
+                         "model and dtype (Whisper: from its 30 s of audio)")
     bench.add_output_arguments(parser, "benchmarks/results")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
@@ -357,6 +446,27 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [model for model in args.models if model not in bench_timing.ARCHITECTURES]
     if unknown:  # a checkpoint would need the reference to load it too
         build_parser().error(f"--models: unknown {' '.join(unknown)} (known: {', '.join(bench_timing.ARCHITECTURES)})")
+    return resolve_reference(args)
+
+
+def resolve_reference(args: argparse.Namespace) -> argparse.Namespace:
+    """Settles --reference, --systems, --reference-python and --reference-env (a dict) with each other.
+
+    Raises:
+        SystemExit: (usage error) for two references, or a --systems reference other than --reference.
+    """
+    named = [name for name in args.systems or [] if name != "xlagen"]
+    if len(set(named)) > 1 or (named and args.reference not in (None, named[0])):
+        build_parser().error(f"--systems {' '.join(args.systems)}: one reference at a time, the one of --reference "
+                             f"({args.reference or 'transformers-tf'})")
+    args.reference = args.reference or (named[0] if named else "transformers-tf")
+    args.systems = args.systems or ["xlagen", args.reference]
+    module = reference_module(args.reference)
+    args.reference_python = args.reference_python or REPOSITORY / "benchmarks" / module.VENV / "bin" / "python"
+    malformed = [item for item in args.reference_env if "=" not in item or item.startswith("=")]
+    if malformed:
+        build_parser().error(f"--reference-env: {' '.join(malformed)}: give NAME=VALUE")
+    args.reference_env = dict(item.split("=", 1) for item in args.reference_env)
     return args
 
 
@@ -365,11 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     if args.worker:
         return worker_main(args)
-    if REFERENCE in args.systems and not args.reference_python.exists():
+    if args.reference in args.systems and not args.reference_python.exists():
         print(f"compare.py: error: {args.reference_python} not found: run `bash benchmarks/peer/"
-              "setup_transformers_tf.sh` first or give --reference-python", file=sys.stderr)
+              f"{reference_module(args.reference).SETUP}` first or give --reference-python", file=sys.stderr)
         return 2
-    if REFERENCE in args.systems and not args.reference_script.is_file():
+    if args.reference in args.systems and not args.reference_script.is_file():
         print(f"compare.py: error: {args.reference_script} not found: give --reference-script", file=sys.stderr)
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

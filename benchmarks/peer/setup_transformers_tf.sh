@@ -10,12 +10,9 @@ set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 VENV="${1:-$HERE/../.peer-venv}"
-PYTHON="${PYTHON:-python3}"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PYTHON" -m venv "$VENV"
-fi
-"$VENV/bin/python" -m pip install --quiet --upgrade pip
+# shellcheck source=venv.sh
+. "$HERE/venv.sh"
+make_venv "$VENV"
 "$VENV/bin/python" -m pip install --quiet "tensorflow-cpu==2.21.0" "transformers==4.57.6"
 "$VENV/bin/python" -m pip install --quiet --no-deps "tf-keras==2.21.0"
 

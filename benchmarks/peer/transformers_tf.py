@@ -14,6 +14,11 @@ from xlagen.cli import bench_timing  # the standard library only: importable wit
 
 NAME = "transformers-tf"
 TITLE = "TF 4.57"  # the column heading of its figures in the reports
+DESCRIPTION = "transformers 4.57 TensorFlow"
+SETUP = "setup_transformers_tf.sh"
+COMPILES = True  # tf.function(jit_compile=True), as xlagen
+VENV = ".peer-venv"
+WORKER_ENV = {"TF_USE_LEGACY_KERAS": "1"}  # transformers' TF models need Keras 2 (tf-keras)
 
 MODELS = {
     "gpt2": ("TFGPT2LMHeadModel", "GPT2Config", {}),
@@ -34,7 +39,7 @@ def _random_model(model_class: str, config_class: str, dtype: str, **config):
         **config: Config values; the config class's defaults are the smallest public checkpoint's shapes
             (gpt2, opt-125m, t5-small, whisper-tiny).
     """
-    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # transformers' TF models need Keras 2 (tf-keras).
+    os.environ.update({k: os.environ.get(k, v) for k, v in WORKER_ENV.items()})
     import transformers
 
     if dtype != "float32":
@@ -53,3 +58,12 @@ class TransformersTF(bench_timing.TFSystem):
     models: ClassVar[dict] = {
         name: (lambda dtype, spec=spec: _random_model(spec[0], spec[1], dtype, **spec[2])) for name, spec in MODELS.items()}
     distributions: ClassVar[tuple[str, ...]] = ("tensorflow-cpu", "tensorflow", "tf-keras", "transformers", "numpy")
+
+
+def paired_dtypes(dtype: str, compute_types: list[str] | None) -> list[str]:
+    """The dtype this reference runs beside xlagen's `dtype`: float32 beside packed weights (it has none)."""
+    del compute_types  # TensorFlow's dtypes are the same on every CPU
+    return ["float32"] if dtype in bench_timing.PACKED_DTYPES else [dtype]
+
+
+SYSTEM = TransformersTF

@@ -12,7 +12,7 @@ from xlagen.cli.bench_timing import PACKED_DTYPES, label
 
 logger = logging.getLogger("xlagen.cli.bench")
 
-_KEY = ("model", "strategy", "batch_size", "new_tokens", "mode")
+_KEY = ("model", "strategy", "batch_size", "new_tokens", "mode", "prompt_tokens")
 COLUMNS = [("first call s", "first_call_s", "{:.2f}"), ("trace + compile s", "compile_s", "{:.2f}"),
            ("ms/token", "ms_per_token", "{:.2f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
            ("TTFT ms", "ttft_ms", "{:.1f}"), ("decode ms/token", "decode_ms_per_token", "{:.2f}")]
@@ -40,14 +40,15 @@ def derived(results: list[dict]) -> list[str]:
         where = f"{r['system']} {r['model']} {r['dtype']} b{r['batch_size']}" + (
             f" (run beside {r['paired_dtype']})" if "paired_dtype" in r else "")
         dtype = r.get("paired_dtype", r["dtype"])
-        greedy = index.get((r["system"], dtype, r["model"], "greedy", r["batch_size"], r["new_tokens"], "xla"))
+        prompt = r["prompt_tokens"]
+        greedy = index.get((r["system"], dtype, r["model"], "greedy", r["batch_size"], r["new_tokens"], "xla", prompt))
         if r["strategy"] != "greedy" and greedy:
             lines.append(f"- {where} n{r['new_tokens']}: {r['strategy']} / greedy ms/token = "
                          f"{r['ms_per_token'] / greedy['ms_per_token']:.2f}")
-        shortest = min(o["new_tokens"] for o in ok
-                       if (o["system"], o.get("paired_dtype", o["dtype"]), o["model"], o["strategy"], o["batch_size"])
-                       == (r["system"], dtype, r["model"], r["strategy"], r["batch_size"]))
-        base = index.get((r["system"], dtype, r["model"], r["strategy"], r["batch_size"], shortest, "xla"))
+        same = (r["system"], dtype, r["model"], r["strategy"], r["batch_size"], prompt)
+        shortest = min(o["new_tokens"] for o in ok if (o["system"], o.get("paired_dtype", o["dtype"]), o["model"],
+                                                       o["strategy"], o["batch_size"], o["prompt_tokens"]) == same)
+        base = index.get((r["system"], dtype, r["model"], r["strategy"], r["batch_size"], shortest, "xla", prompt))
         if r["new_tokens"] > shortest and base:
             lines.append(f"- {where} {r['strategy']}: ms/token n{r['new_tokens']} / n{shortest} = "
                          f"{r['ms_per_token'] / base['ms_per_token']:.2f}")
@@ -64,13 +65,14 @@ def header_lines(report: dict, title: str) -> list[str]:
     machine = report["machine"]
     versions = "; ".join(f"{s}: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
                          for s, info in report["systems"].items())
-    threads = "; ".join(f"{s}: intra {info['threads']['tf_intra_op']} / inter {info['threads']['tf_inter_op']}"
-                        for s, info in report["systems"].items())
+    pools = [(s, info["threads"]) for s, info in report["systems"].items()]  # TensorFlow's, or another library's
+    threads = "; ".join(f"{s}: intra {t.get('tf_intra_op', t.get('intra_threads'))} / inter "
+                        f"{t.get('tf_inter_op', t.get('inter_threads'))}" for s, t in pools)
     return [f"# {title}", "",
             (f"- Machine: {machine.get('cpu')}, {machine.get('usable_cores')} cores, "
              f"{machine.get('memory_gib')} GiB; flags: {' '.join(machine.get('cpu_flags', []))}; load average "
              f"(1 min) at start / end: {' / '.join(map(str, machine.get('load_average_1min', {}).values()))}"),
-            f"- Versions: {versions}", f"- TensorFlow threads: {threads}", f"- Command: `{' '.join(report['command'])}`"]
+            f"- Versions: {versions}", f"- Threads: {threads}", f"- Command: `{' '.join(report['command'])}`"]
 
 
 LEGEND = ("first call: trace + compile + one run (eager: the first run); trace + compile: the first call minus the "

@@ -64,7 +64,8 @@ class Scenario:
 
     def label(self) -> str:
         dtype = "" if self.dtype == "float32" else f" {self.dtype}"
-        return f"{self.model} {self.strategy} b{self.batch_size} n{self.new_tokens} {self.mode}{dtype}"
+        prompt = "" if self.prompt_tokens == PROMPT_TOKENS else f" p{self.prompt_tokens}"
+        return f"{self.model} {self.strategy} b{self.batch_size} n{self.new_tokens}{prompt} {self.mode}{dtype}"
 
 
 # ----------------------------------------------------------------------------- systems under test
@@ -99,6 +100,16 @@ class TFSystem:
         import tensorflow as tf
 
         return tf.function(model.generate, jit_compile=True) if mode == "xla" else model.generate
+
+    # A library that is not TensorFlow's overrides the three below (its threads, variables and calls).
+    def configure_threads(self, threads: int) -> dict[str, Any]:
+        return configure_threads(threads)
+
+    def environment(self) -> dict[str, str | None]:
+        return environment()
+
+    def prepare(self, model, scenario: Scenario) -> tuple[Callable, dict, dict]:
+        return prepare(self, model, scenario)
 
 
 def _xlagen_gpt2(dtype: str, **config):
