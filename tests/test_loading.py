@@ -71,8 +71,8 @@ def test_tensor_problems_are_reported_together(tmp_path):
 def test_unknown_model_type_and_missing_folder(tmp_path):
     save_tiny_gpt2(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
-    with pytest.raises(ValueError, match="model_type 'llama' is not supported"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "mamba"}))
+    with pytest.raises(ValueError, match="model_type 'mamba' is not supported"):
         TFAutoModelForCausalLM.from_pretrained(tmp_path)
     with pytest.raises(OSError):
         TFAutoModelForCausalLM.from_pretrained(tmp_path / "nope")
