@@ -14,6 +14,18 @@ def hf_generate(model, ids, mask=None, **options):
     return out if options.get("return_dict_in_generate") else out.numpy()
 
 
+def torch_logits(model, ids, mask) -> np.ndarray:
+    """A transformers causal LM's logits on numpy inputs."""
+    with torch.no_grad():
+        return model(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
+
+
+def max_logit_diff(reference, model, ids, mask) -> float:
+    """Max |ours - transformers| of a causal LM's logits over the real (unmasked) positions of a batch."""
+    ours = model(ids, attention_mask=mask).logits.numpy()
+    return float(np.abs(ours - torch_logits(reference, ids, mask))[mask.astype(bool)].max())
+
+
 def assert_same_tokens(ours, theirs, pad_id: int):
     """Equal on transformers' (possibly shorter) output, and only padding after it."""
     ours = np.asarray(ours)

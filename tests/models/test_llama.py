@@ -14,7 +14,8 @@ import torch
 import transformers
 
 from conftest import random_ids, requires_kernels
-from generation.helpers import assert_same_tokens, eos_that_occurs, hf_generate, left_pad
+from generation.helpers import (assert_same_tokens, eos_that_occurs, hf_generate, left_pad, max_logit_diff,
+                                torch_logits)
 from xlagen import (LlamaConfig, TFAutoModelForCausalLM, TFLlamaForCausalLM, TFMistralForCausalLM,
                     TFQwen2ForCausalLM, TFQwen3ForCausalLM)
 
@@ -88,17 +89,6 @@ def tiny(tmp_path_factory):
         return built[variant]
 
     return get
-
-
-def _torch_logits(model, ids, mask):
-    with torch.no_grad():
-        return model(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
-
-
-def max_logit_diff(reference, model, ids, mask) -> float:
-    """Max |ours - transformers| over the real (unmasked) positions of a batch."""
-    ours = model(ids, attention_mask=mask).logits.numpy()
-    return float(np.abs(ours - _torch_logits(reference, ids, mask))[mask.astype(bool)].max())
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -208,8 +198,8 @@ def test_save_pretrained_round_trip_and_training_loss(tiny, tmp_path):
     model.save_pretrained(tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     ids = random_ids((2, 9), VOCAB, seed=3)
-    np.testing.assert_allclose(_torch_logits(reloaded, ids, np.ones_like(ids)),
-                               _torch_logits(reference, ids, np.ones_like(ids)), atol=1e-5)
+    np.testing.assert_allclose(torch_logits(reloaded, ids, np.ones_like(ids)),
+                               torch_logits(reference, ids, np.ones_like(ids)), atol=1e-5)
     with torch.no_grad():
         theirs = reference(torch.tensor(ids, dtype=torch.long), labels=torch.tensor(ids, dtype=torch.long)).loss.item()
     ours = model({"input_ids": ids})
@@ -239,7 +229,7 @@ def test_half_precision_and_sharded_checkpoints_load(tmp_path):
         assert max_logit_diff(reference, model, ids, mask) <= 1e-4  # the same rounded weights, in float32
     narrow = TFAutoModelForCausalLM.from_pretrained(folder, dtype="bfloat16")
     assert narrow.compute_dtype == "bfloat16"
-    assert np.abs(narrow(ids).logits.numpy() - _torch_logits(reference, ids, mask)).max() < 1.0
+    assert np.abs(narrow(ids).logits.numpy() - torch_logits(reference, ids, mask)).max() < 1.0
 
 
 @requires_kernels

@@ -14,7 +14,7 @@ import transformers
 from transformers.models.opt import modeling_opt
 
 from conftest import random_ids
-from generation.helpers import assert_same_tokens, eos_that_occurs, hf_generate, left_pad
+from generation.helpers import assert_same_tokens, eos_that_occurs, hf_generate, left_pad, max_logit_diff
 from xlagen import OPTConfig, TFAutoModelForCausalLM, TFOPTForCausalLM
 
 PAD = 1  # OPT's own pad id; differs from the tiny models' EOS 0 (see generation/test_generate.py)
@@ -78,17 +78,6 @@ def opt(tmp_path_factory):
         return built[variant]
 
     return get
-
-
-def _torch_logits(model, ids, mask):
-    with torch.no_grad():
-        return model(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask)).logits.numpy()
-
-
-def max_logit_diff(reference, model, ids, mask) -> float:
-    """Max |ours - transformers| over the real (unmasked) positions of a batch."""
-    ours = model(ids, attention_mask=mask).logits.numpy()
-    return float(np.abs(ours - _torch_logits(reference, ids, mask))[mask.astype(bool)].max())
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
