@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import shutil
 import statistics
 import sys
 import tempfile
@@ -77,11 +78,17 @@ def stored(w: np.ndarray, weights: str) -> tuple[np.ndarray, np.ndarray]:
     return native.pack_int8(w), np.rint(w / scale) * scale
 
 
-def build(source: Path, folder: Path) -> Path:
+def build(source: Path, folder: Path, built: dict) -> Path:
+    """Compiles `source` into `folder`; a source named again is copied from its first build (its own file, so
+    that it loads as a library of its own) instead of compiled again."""
     from xlagen import native
 
     library = folder / f"{len(list(folder.iterdir()))}-{source.name}.so"
-    native.compile_library(source, library)
+    first = built.setdefault(source.resolve(), library)
+    if first is library:
+        native.compile_library(source, library)
+    else:
+        shutil.copyfile(first, library)
     return library
 
 
@@ -118,7 +125,8 @@ def main(argv=None) -> int:
     step_bytes = sum(packed.nbytes for packed in kernels)
     with tempfile.TemporaryDirectory() as scratch:
         names = [str(source) for source in args.sources]
-        libraries = [build(source, Path(scratch)) for source in args.sources]
+        built = {}
+        libraries = [build(source, Path(scratch), built) for source in args.sources]
         functions = [entry(library, args.weights) for library in libraries]
         if args.lookahead is not None:
             for library, kib in zip(libraries, args.lookahead * len(libraries) if len(args.lookahead) == 1

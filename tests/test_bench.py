@@ -251,14 +251,17 @@ def test_profile_step_script_sums_xla_instructions_per_step():
 @requires_kernels
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
 def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
-    # benchmarks/kernel_variants.py compiles each source, checks its products against numpy, and times them;
-    # a build whose products are wrong is refused.
+    # benchmarks/kernel_variants.py compiles each source, checks its products against numpy, and times them.
+    # Each weight type runs two builds beside numpy; the refusal of a wrong build is checked once (float32),
+    # since every compilation of the sources costs tens of seconds.
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_variants.py")
     source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native")
     command = [sys.executable, script, "--model", "tiny", "--weights", weights, "--rows", "1", "3", "8",
                "--rounds", "2", "--repeats", "1", "--blas", "--sources", source, source]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     assert out.count("first / this") == 3 * 3 and "rows 8:" in out and "numpy:" in out, out
+    if weights != "float32":
+        return
     broken = tmp_path / "broken"
     broken.mkdir()
     for path in pathlib.Path(source).iterdir():
