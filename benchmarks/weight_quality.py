@@ -3,6 +3,11 @@
 Loads the checkpoint in float32 and once per weight dtype (its matrix products reading bfloat16 weights,
 or int8 weights with a scale per output column), then, for each against float32:
 
+int8 weights are multiplied in float32 by few rows and in integers (activations quantized to int8 per row)
+from `Kernels.int8_integer_min_rows` rows: "int8" is that default; "int8-float32-compute" multiplies in
+float32 at every row count (`int8_integer_min_rows=None`), "int8-integer" in integers at every row count,
+batch-1 decoding steps included (`int8_integer_min_rows=1`).
+
 * teacher-forced logits over some texts: max and mean |difference|, the logits' own spread (std) for
   scale, the mean KL divergence of the packed model's next-token distribution from float32's, and how
   often the top-1 token agrees;
@@ -35,8 +40,22 @@ TEXTS = (
 )
 
 
-def outputs(model, tokenizer, new_tokens: int, prompt_words: int) -> list[tuple]:
-    """(teacher-forced logits, greedy new tokens) of `model` for each of TEXTS."""
+# --weight-dtypes choice -> (the model's weight_dtype, the changes to the default kernel policy)
+VARIANTS = {"bfloat16": ("bfloat16", {}), "int8": ("int8", {}),
+            "int8-float32-compute": ("int8", {"int8_integer_min_rows": None}),
+            "int8-integer": ("int8", {"int8_integer_min_rows": 1})}
+
+
+def outputs(model, tokenizer, new_tokens: int, prompt_words: int, kernels=None) -> list[tuple]:
+    """(teacher-forced logits, greedy new tokens) of `model` for each of TEXTS, traced under the kernel
+    policy `kernels` (None: the default)."""
+    from xlagen import native
+
+    with native.tracing(kernels):
+        return _outputs(model, tokenizer, new_tokens, prompt_words)
+
+
+def _outputs(model, tokenizer, new_tokens: int, prompt_words: int) -> list[tuple]:
     import numpy as np
     import tensorflow as tf
 
@@ -90,15 +109,18 @@ def compare(full: list[tuple], packed: list[tuple]) -> dict:
 
 def measure(model_name: str, weight_dtypes: list[str], new_tokens: int, prompt_words: int) -> list[dict]:
     """One `compare` per weight dtype, against float32 outputs computed once."""
-    from xlagen import AutoTokenizer, TFAutoModelForCausalLM
+    from xlagen import AutoTokenizer, TFAutoModelForCausalLM, native
 
     tokenizer = AutoTokenizer.from_pretrained(model_name)
     full = outputs(TFAutoModelForCausalLM.from_pretrained(model_name), tokenizer, new_tokens, prompt_words)
-    return [{"model": model_name, "weight_dtype": weight_dtype, "new_tokens": new_tokens,
-             "prompt_words": prompt_words,
-             **compare(full, outputs(TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype=weight_dtype),
-                                     tokenizer, new_tokens, prompt_words))}
-            for weight_dtype in weight_dtypes]
+    results = []
+    for variant in weight_dtypes:
+        weight_dtype, changes = VARIANTS[variant]
+        packed = TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype=weight_dtype)
+        found = outputs(packed, tokenizer, new_tokens, prompt_words, native.Kernels().replace(**changes))
+        results.append({"model": model_name, "weight_dtype": variant, "new_tokens": new_tokens,
+                        "prompt_words": prompt_words, **compare(full, found)})
+    return results
 
 
 def markdown(results: list[dict], model: str, arguments: str) -> str:
@@ -127,7 +149,7 @@ def main() -> int:
     parser.add_argument("--model", help="checkpoint folder or Hub id (default: the built-in default model)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=4, help="words of each text that prompt greedy runs")
-    parser.add_argument("--weight-dtypes", nargs="+", choices=["bfloat16", "int8"], default=["bfloat16", "int8"])
+    parser.add_argument("--weight-dtypes", nargs="+", choices=list(VARIANTS), default=["bfloat16", "int8"])
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")

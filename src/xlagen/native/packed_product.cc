@@ -170,7 +170,7 @@ void RunInt8Panels(const void* args, int p0, int p1) {
 // the panel it takes into quads, quads[q][c][j] = Q[4q + j, c] (rows past K zero), so one 32-byte load
 // holds 4 rows of 8 columns, the 4 bytes DotQuads multiplies by 4 of a row of Qx. Qx is [M, Kq], K rounded
 // up to a multiple of 4 with zeros.
-constexpr int kIntRows = 4;                                     // rows of x per tile
+constexpr int kIntRows = kAvx512 ? 8 : 4;                       // rows of x per tile (2 kIntRows accumulators)
 constexpr int kIntVectors = 2;                                  // vectors of 8 columns per tile
 constexpr int kIntPasses = kInt8Panel / (8 * kIntVectors);      // tiles across a panel
 constexpr int kIntRowChunk = 64;                                // rows of x per pass over a panel's tiles

@@ -1,5 +1,6 @@
 // The vector operations the kernels use, for the instruction set the library is compiled for: AVX-512
-// (-mavx512f: 16 float32 lanes, 32 registers) or AVX2 with FMA (-mavx2 -mfma: 8 lanes, 16 registers).
+// (-mavx512f: 16 float32 lanes, 32 registers; with -mavx512vnni too, the int8 x int8 product's VNNI form) or
+// AVX2 with FMA (-mavx2 -mfma: 8 lanes, 16 registers).
 // xlagen/native/build.py compiles every kernel once per instruction set; xlagen/native/library.py loads the
 // build the CPU can run. The kernels are written against these functions and `kLanes`; where the register
 // count matters (tile sizes), they choose by `kAvx512`.
