@@ -45,6 +45,13 @@ def memory_attention(query, states, kv_kernel, kv_bias, heads, scale):
     return out.transpose(0, 2, 1, 3).reshape(groups, queries, width)
 
 
+def int8_parts(packed, k, n):
+    """(Q int8 [k, n], s float32 [n]) of int8 panels packed by `pack_int8` (read here, not by the library)."""
+    quantized = packed[:, :k, :].transpose(1, 0, 2).reshape(k, -1)[:, :n]
+    scales = np.ascontiguousarray(packed[:, k:, :]).view(np.float32).reshape(-1)[:n]  # 4 rows of bytes: floats
+    return quantized, scales
+
+
 def quantize_rows(x):
     """(Qx int8, sx float32): each row of float32 x quantized symmetrically as the integer product does,
     Qx = round(x * (127 / max |x|)) ties to even, sx = max |x| / 127 (a row of zeros: 0 and 0)."""

@@ -106,8 +106,7 @@ def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     packed = native.pack_int8(w)
-    quantized = packed[:, :k, :].transpose(1, 0, 2).reshape(k, -1)[:, :n]
-    scales = np.ascontiguousarray(packed[:, k:, :]).view(np.float32).reshape(-1)[:n]
+    quantized, scales = kernel_reference.int8_parts(packed, k, n)
     words = tf.constant(packed)
     function = tf.function(lambda x: native.matmul(x, words, n), jit_compile=True)
     assert f'custom_call_target="{native.INT8_INTEGER_TARGET}"' in function.experimental_get_compiler_ir(x)(

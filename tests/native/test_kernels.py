@@ -75,12 +75,9 @@ def test_packed_products_match_numpy(weights, m, k, n):
 
 
 def _int8_weights(w):
-    """pack_int8(w), and the Q and s packed (the unpacked panels)."""
+    """pack_int8(w), and the Q and s packed."""
     stored = native.pack_int8(w)
-    k, n = w.shape
-    quantized = stored[:, :k, :].transpose(1, 0, 2).reshape(k, -1)[:, :n]
-    scales = np.ascontiguousarray(stored[:, k:, :]).view(np.float32).reshape(-1)[:n]  # rows of 4 bytes as floats
-    return stored, quantized, scales
+    return (stored, *kernel_reference.int8_parts(stored, *w.shape))
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES + [(4, 4, 64), (5, 6, 65), (70, 31, 130), (64, 8, 16), (3, 2, 7)])
