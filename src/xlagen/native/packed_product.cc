@@ -174,6 +174,7 @@ constexpr int kIntRows = kAvx512 ? 8 : 4;                       // rows of x per
 constexpr int kIntVectors = 2;                                  // vectors of 8 columns per tile
 constexpr int kIntPasses = kInt8Panel / (8 * kIntVectors);      // tiles across a panel
 constexpr int kIntRowChunk = 64;                                // rows of x per pass over a panel's tiles
+constexpr long kQuantizeAlone = 32768;                          // elements of x the caller quantizes alone
 
 struct QuantizedRows {
   const float* x;
@@ -221,25 +222,27 @@ struct IntegerProduct {
   int m, k, n, kq;
 };
 
-// A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4].
+// A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4]. 32 columns at a time: the byte and
+// word interleaves work within 128-bit halves (columns 0-15 and 16-31), which the last step puts in order.
 void Quads(const int8_t* panel, int k, int kq, int8_t* quads) {
-  const __m128i zero = _mm_setzero_si128();
+  const __m256i zero = _mm256_setzero_si256();
   for (int q = 0; q < kq / 4; ++q) {
-    for (int c = 0; c < kInt8Panel; c += 16) {
-      __m128i rows[4];
+    for (int c = 0; c < kInt8Panel; c += 32) {
+      __m256i rows[4];
       for (int j = 0; j < 4; ++j) {
         const int kk = 4 * q + j;
-        rows[j] = kk < k ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(panel + static_cast<size_t>(kk) *
-                                                                                         kInt8Panel + c))
-                         : zero;
+        rows[j] = kk < k ? LoadInts(panel + static_cast<size_t>(kk) * kInt8Panel + c) : zero;
       }
-      const __m128i t0 = _mm_unpacklo_epi8(rows[0], rows[1]), t1 = _mm_unpackhi_epi8(rows[0], rows[1]);
-      const __m128i t2 = _mm_unpacklo_epi8(rows[2], rows[3]), t3 = _mm_unpackhi_epi8(rows[2], rows[3]);
-      __m128i* out = reinterpret_cast<__m128i*>(quads + static_cast<size_t>(q) * 4 * kInt8Panel + 4 * c);
-      _mm_storeu_si128(out, _mm_unpacklo_epi16(t0, t2));
-      _mm_storeu_si128(out + 1, _mm_unpackhi_epi16(t0, t2));
-      _mm_storeu_si128(out + 2, _mm_unpacklo_epi16(t1, t3));
-      _mm_storeu_si128(out + 3, _mm_unpackhi_epi16(t1, t3));
+      const __m256i t0 = _mm256_unpacklo_epi8(rows[0], rows[1]), t1 = _mm256_unpackhi_epi8(rows[0], rows[1]);
+      const __m256i t2 = _mm256_unpacklo_epi8(rows[2], rows[3]), t3 = _mm256_unpackhi_epi8(rows[2], rows[3]);
+      // columns 0-3 | 16-19, 4-7 | 20-23, 8-11 | 24-27, 12-15 | 28-31
+      const __m256i o0 = _mm256_unpacklo_epi16(t0, t2), o1 = _mm256_unpackhi_epi16(t0, t2);
+      const __m256i o2 = _mm256_unpacklo_epi16(t1, t3), o3 = _mm256_unpackhi_epi16(t1, t3);
+      __m256i* out = reinterpret_cast<__m256i*>(quads + static_cast<size_t>(q) * 4 * kInt8Panel + 4 * c);
+      _mm256_storeu_si256(out, _mm256_permute2x128_si256(o0, o1, 0x20));
+      _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(o2, o3, 0x20));
+      _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(o0, o1, 0x31));
+      _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(o2, o3, 0x31));
     }
   }
 }
@@ -328,7 +331,11 @@ extern "C" const char* xlagen_int8_integer_product(const float* x, const int8_t*
   xq.resize(static_cast<size_t>(m) * kq);
   xs.resize(m);
   QuantizedRows rows{x, xq.data(), xs.data(), k, kq};
-  GetPool().Run(Task{&rows, QuantizeRows, m});
+  if (static_cast<long>(m) * k <= kQuantizeAlone) {
+    QuantizeRows(&rows, 0, m);  // a decoding step's few rows: not worth waking the pool
+  } else {
+    GetPool().Run(Task{&rows, QuantizeRows, m});
+  }
   IntegerProduct a{xq.data(), xs.data(), w, y, m, k, n, kq};
   GetPool().Run(Task{&a, RunIntegerPanels, (n + kInt8Panel - 1) / kInt8Panel});
   return nullptr;
