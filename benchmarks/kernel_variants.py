@@ -173,12 +173,12 @@ def main(argv=None) -> int:
                     _spin(gap)
 
             steps = [lambda f=f: kernel_step(f) for f in functions] + ([blas_step] if args.blas else [])
-            for name, step, weights in zip(names, steps, entries + ["float32"]):
+            for name, step, product in zip(names, steps, entries + ["float32"]):
                 step()
                 for (x, w, y, _, _), reference in zip(calls, references):
                     expected = x.astype(np.float64) @ (reference if step is not blas_step else w).astype(np.float64)
                     # int8 activations: each row's rounding, at most max |x| / 254 per element
-                    atol = 0.02 * np.abs(expected).max() if weights == "int8-integer" else 1e-3 * np.sqrt(x.shape[1])
+                    atol = 0.02 * np.abs(expected).max() if product == "int8-integer" else 1e-3 * np.sqrt(x.shape[1])
                     if not np.allclose(y, expected, rtol=1e-4, atol=atol):
                         raise SystemExit(f"{name}: wrong product for {x.shape} @ {w.shape}")
             # numpy's BLAS is timed after the builds' rounds, not among them: its threads spin after a
