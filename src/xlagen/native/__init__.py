@@ -17,7 +17,7 @@ xlagen brings its own product for the few rows of a decoding step, in three form
 - int8 weights with one float32 scale per output column (`matmul`, `pack_int8`): a quarter of float32's
   bytes, widened in registers and multiplied in float32; `x @ (Q * s)` up to float32 rounding. From
   `Kernels.int8_integer_min_rows` rows (batch decoding, prompts, encoders) the activations are quantized
-  to int8 per row as well and multiplied in integers (int32 sums), which takes a quarter of the instructions.
+  to int8 per row as well and multiplied in integers (int32 sums), about half the instructions.
 
 And one fused attention (`attention`): `softmax(scale * q k^T) v` over every key, for long unmasked
 float32 attention under XLA: Whisper's encoder (1500 positions), whose scores XLA writes out and reads
