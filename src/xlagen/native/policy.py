@@ -63,11 +63,12 @@ class Kernels:
             (`xlagen_int8_imatmul`: activations quantized to int8 per row, int8 x int8 sums in int32), which
             does about half the float32 kernel's instructions per multiply-add but first quantizes x and
             interleaves each panel; fewer rows (batch-1 decoding, bandwidth-bound) keep the float32-compute
-            int8 kernel. None: never. The int8 x int8 kernel alone against the float32-compute one
-            (GPT-2-small's 768 x 2304 and 3072 x 768, 2 threads, AVX2): 0.63-0.88x as fast at 1-2 rows,
-            1.05-1.25x at 4, 1.17-1.30x at 8, 1.8x at 512; in `generate` (`benchmarks/ab.py --compare
-            integer --weights int8`, greedy): GPT-2-small 1.16x at batch 4, 1.23x at batch 8, T5-small
-            1.21x at batch 8.
+            int8 kernel. None: never. The int8 x int8 kernel alone against the float32-compute one, all of
+            GPT-2-small's decoding products (`benchmarks/kernel_variants.py --model gpt2 --weights int8
+            int8-integer`, AVX2, 2 threads, a loaded machine): 0.94x as fast at 1 row, 1.09x at 2, 1.05x
+            at 4, 1.35x at 8, 1.40x at 64, 1.77x at 512 (per product, mostly idle, 1.05-1.25x at 4 rows
+            and 0.63-0.88x at 1-2); in `generate` (`benchmarks/ab.py --compare integer --weights int8`,
+            greedy): GPT-2-small 1.16x at batch 4, 1.23x at batch 8, T5-small 1.21x at batch 8.
         attention_min_keys: Unmasked float32 attention over at least this many keys runs as the fused kernel
             under XLA: Whisper's encoder and its decoder's cross-attention (1500 positions).
         cross_attention: Whether a decoder's cross-attention over keys projected once and kept transposed
