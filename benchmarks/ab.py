@@ -26,6 +26,10 @@
   lookahead        the kernel's idle workers reading nothing ahead (A) against the start of the next
                    product's weights (B, the default; `xlagen.native.set_lookahead`). One program: the choice
                    is made at run time, before each call.
+  integer          int8 weights (with --weights int8) multiplied in float32 at every row count
+                   (`int8_integer_min_rows=None`) against int8 x int8 products from `int8_integer_min_rows`
+                   rows (activations quantized per row); the two generate different tokens when the
+                   quantization of the activations changes a choice.
 
 --weights bfloat16 or int8 packs the model's weights (`pack_weights`), whose products then run on the packed
 kernel under any policy but `off`.
@@ -59,6 +63,7 @@ POLICIES = {  # --compare: (name A, changes from the default for A), (name B, ch
     "argmax": (("xla_argmax", {"argmax": False}), ("native_argmax", {})),
     "fold": (("projected_memory", {"memory_attention_min_bytes": UNREACHABLE}), ("folded_memory", {})),
     "lookahead": (("no_lookahead", {}), ("lookahead", {})),
+    "integer": (("float32_compute", {"int8_integer_min_rows": None}), ("integer", {})),
 }
 RUN_TIME = {"lookahead"}  # choices made before each call rather than at the trace
 

@@ -17,6 +17,14 @@ the first build's time over each other's (above 1: that build is faster).
 numpy's BLAS on the same products is printed too (`--blas`), timed after the builds, as a yardstick;
 XLA's own dot is another program (see `ab.py --compare kernel` for the kernel against it inside `generate`).
 
+`--weights int8-integer` is the int8 x int8 product (`xlagen_int8_integer_product`: activations quantized
+to int8 per row) on the same packed int8 weights; its output is checked against numpy within the rounding
+of the activations. `--weights` takes one value, or one per source, of one packed layout, so that the two
+int8 products of one source can be compared:
+
+    python benchmarks/kernel_variants.py --model gpt2 --rows 4 8 512 --weights int8 int8-integer \
+        --sources src/xlagen/native src/xlagen/native
+
 `--gap-us G` spins the calling thread for G microseconds after each product, as XLA's other operations of
 a decoding step do (GPT-2-small greedy: about 2.3 ms in 49 gaps); the GB/s are then those of the step
 without its gaps. `--lookahead KIB [KIB ...]` sets each build's read-ahead (`xlagen_set_lookahead`; one
@@ -53,7 +61,9 @@ MODELS = {
 }
 
 
-ENTRY_POINTS = {"float32": "xlagen_f32_product", "bfloat16": "xlagen_bf16_product", "int8": "xlagen_int8_product"}
+ENTRY_POINTS = {"float32": "xlagen_f32_product", "bfloat16": "xlagen_bf16_product", "int8": "xlagen_int8_product",
+                "int8-integer": "xlagen_int8_integer_product"}
+LAYOUTS = {"int8-integer": "int8"}  # entry points that read another's packed weights
 
 
 def _spin(seconds: float) -> None:
@@ -106,7 +116,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8], help="rows of x (batch x beams)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=3, help="steps per build and round")
-    parser.add_argument("--weights", choices=sorted(ENTRY_POINTS), default="float32")
+    parser.add_argument("--weights", choices=sorted(ENTRY_POINTS), nargs="+", default=["float32"],
+                        help="the entry point of each source (one value for all, or one per source), all of "
+                        "one packed layout")
     parser.add_argument("--blas", action="store_true", help="also time numpy's matmul on the same products "
                         "(in float32)")
     parser.add_argument("--gap-us", type=float, default=0.0, help="microseconds the calling thread spins after "
@@ -116,18 +128,27 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.lookahead is not None and len(args.lookahead) not in (1, len(args.sources)):
         parser.error("--lookahead takes one value or one per source")
+    if len(args.weights) not in (1, len(args.sources)):
+        parser.error("--weights takes one value or one per source")
+    entries = args.weights * len(args.sources) if len(args.weights) == 1 else args.weights
+    layouts = {LAYOUTS.get(weights, weights) for weights in entries}
+    if len(layouts) != 1:
+        parser.error(f"--weights {' '.join(args.weights)}: one packed layout at a time")
+    layout = layouts.pop()
 
     layers, shapes, head = MODELS[args.model]
     rng = np.random.default_rng(0)
     weights = [rng.standard_normal(shape, dtype=np.float32) for _ in range(layers) for shape in shapes]
     weights.append(rng.standard_normal(head, dtype=np.float32))
-    kernels, references = zip(*(stored(w, args.weights) for w in weights))
+    kernels, references = zip(*(stored(w, layout) for w in weights))
     step_bytes = sum(packed.nbytes for packed in kernels)
     with tempfile.TemporaryDirectory() as scratch:
         names = [str(source) for source in args.sources]
         built = {}
         libraries = [build(source, Path(scratch), built) for source in args.sources]
-        functions = [entry(library, args.weights) for library in libraries]
+        functions = [entry(library, weights) for library, weights in zip(libraries, entries)]
+        if len(set(entries)) > 1:
+            names = [f"{name} ({weights})" for name, weights in zip(names, entries)]
         if args.lookahead is not None:
             for library, kib in zip(libraries, args.lookahead * len(libraries) if len(args.lookahead) == 1
                                     else args.lookahead):
@@ -137,7 +158,7 @@ def main(argv=None) -> int:
         if args.blas:
             names.append("numpy")
         flops_per_row = sum(w.size for w in weights)
-        print(f"{args.model}, {args.weights} weights: {len(weights)} products per step, {step_bytes / 1e6:.1f} MB "
+        print(f"{args.model}, {layout} weights: {len(weights)} products per step, {step_bytes / 1e6:.1f} MB "
               "of weights", flush=True)
         for rows in args.rows:
             xs = {k: rng.standard_normal((rows, k), dtype=np.float32) for k in {w.shape[0] for w in weights}}
@@ -160,11 +181,13 @@ def main(argv=None) -> int:
                     _spin(gap)
 
             steps = [lambda f=f: kernel_step(f) for f in functions] + ([blas_step] if args.blas else [])
-            for name, step in zip(names, steps):
+            for name, step, product in zip(names, steps, entries + ["float32"]):
                 step()
                 for (x, w, y, _, _), reference in zip(calls, references):
                     expected = x.astype(np.float64) @ (reference if step is not blas_step else w).astype(np.float64)
-                    if not np.allclose(y, expected, rtol=1e-4, atol=1e-3 * np.sqrt(x.shape[1])):
+                    # int8 activations: each row's rounding, at most max |x| / 254 per element
+                    atol = 0.02 * np.abs(expected).max() if product == "int8-integer" else 1e-3 * np.sqrt(x.shape[1])
+                    if not np.allclose(y, expected, rtol=1e-4, atol=atol):
                         raise SystemExit(f"{name}: wrong product for {x.shape} @ {w.shape}")
             # numpy's BLAS is timed after the builds' rounds, not among them: its threads spin after a
             # call and would slow whichever build came next.

@@ -3,6 +3,11 @@
 Loads the checkpoint in float32 and once per weight dtype (its matrix products reading bfloat16 weights,
 or int8 weights with a scale per output column), then, for each against float32:
 
+int8 weights are multiplied in float32 by few rows and in integers (activations quantized to int8 per row)
+from `Kernels.int8_integer_min_rows` rows: "int8" is that default; "int8-float32-compute" multiplies in
+float32 at every row count (`int8_integer_min_rows=None`), "int8-integer" in integers at every row count,
+batch-1 decoding steps included (`int8_integer_min_rows=1`).
+
 * teacher-forced logits over some texts: max and mean |difference|, the logits' own spread (std) for
   scale, the mean KL divergence of the packed model's next-token distribution from float32's, and how
   often the top-1 token agrees;
@@ -35,8 +40,24 @@ TEXTS = (
 )
 
 
-def outputs(model, tokenizer, new_tokens: int, prompt_words: int) -> list[tuple]:
-    """(teacher-forced logits, greedy new tokens) of `model` for each of TEXTS."""
+# --weight-dtypes choice -> (the model's weight_dtype, the changes to the default kernel policy)
+VARIANTS = {"bfloat16": ("bfloat16", {}), "int8": ("int8", {}),
+            "int8-float32-compute": ("int8", {"int8_integer_min_rows": None}),
+            "int8-integer": ("int8", {"int8_integer_min_rows": 1})}
+
+
+def outputs(model, tokenizer, new_tokens: int, prompt_words: int, kernels=None,
+            same_length: bool = False) -> list[tuple]:
+    """(teacher-forced logits, greedy new tokens) of `model` for each of TEXTS, traced under the kernel
+    policy `kernels` (None: the default). `same_length` cuts every text and every prompt to the shortest's
+    tokens: one program of each kind per model instead of one per text."""
+    from xlagen import native
+
+    with native.tracing(kernels):
+        return _outputs(model, tokenizer, new_tokens, prompt_words, same_length)
+
+
+def _outputs(model, tokenizer, new_tokens: int, prompt_words: int, same_length: bool) -> list[tuple]:
     import numpy as np
     import tensorflow as tf
 
@@ -44,10 +65,14 @@ def outputs(model, tokenizer, new_tokens: int, prompt_words: int) -> list[tuple]
         ids, attention_mask=tf.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
         repetition_penalty=1.0, eos_token_id=None, pad_token_id=0), jit_compile=True)
     forward = tf.function(lambda ids: model(ids).logits, jit_compile=True)
+    texts = [tokenizer(text)["input_ids"] for text in TEXTS]
+    prompts = [tokenizer(" ".join(text.split()[:prompt_words]))["input_ids"] for text in TEXTS]
+    if same_length:
+        texts = [ids[:min(map(len, texts))] for ids in texts]
+        prompts = [ids[:min(map(len, prompts))] for ids in prompts]
     found = []
-    for text in TEXTS:
-        ids = np.asarray([tokenizer(text)["input_ids"]], np.int32)
-        prompt = np.asarray([tokenizer(" ".join(text.split()[:prompt_words]))["input_ids"]], np.int32)
+    for text_ids, prompt_ids in zip(texts, prompts):
+        ids, prompt = np.asarray([text_ids], np.int32), np.asarray([prompt_ids], np.int32)
         found.append((forward(ids).numpy()[0].astype(np.float64), greedy(prompt).numpy()[0, prompt.shape[1]:]))
     return found
 
@@ -88,17 +113,23 @@ def compare(full: list[tuple], packed: list[tuple]) -> dict:
     }
 
 
-def measure(model_name: str, weight_dtypes: list[str], new_tokens: int, prompt_words: int) -> list[dict]:
+def measure(model_name: str, weight_dtypes: list[str], new_tokens: int, prompt_words: int,
+            same_length: bool = False) -> list[dict]:
     """One `compare` per weight dtype, against float32 outputs computed once."""
-    from xlagen import AutoTokenizer, TFAutoModelForCausalLM
+    from xlagen import AutoTokenizer, TFAutoModelForCausalLM, native
 
     tokenizer = AutoTokenizer.from_pretrained(model_name)
-    full = outputs(TFAutoModelForCausalLM.from_pretrained(model_name), tokenizer, new_tokens, prompt_words)
-    return [{"model": model_name, "weight_dtype": weight_dtype, "new_tokens": new_tokens,
-             "prompt_words": prompt_words,
-             **compare(full, outputs(TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype=weight_dtype),
-                                     tokenizer, new_tokens, prompt_words))}
-            for weight_dtype in weight_dtypes]
+    full = outputs(TFAutoModelForCausalLM.from_pretrained(model_name), tokenizer, new_tokens, prompt_words,
+                   same_length=same_length)
+    results = []
+    for variant in weight_dtypes:
+        weight_dtype, changes = VARIANTS[variant]
+        packed = TFAutoModelForCausalLM.from_pretrained(model_name, weight_dtype=weight_dtype)
+        found = outputs(packed, tokenizer, new_tokens, prompt_words, native.Kernels().replace(**changes),
+                        same_length)
+        results.append({"model": model_name, "weight_dtype": variant, "new_tokens": new_tokens,
+                        "prompt_words": prompt_words, **compare(full, found)})
+    return results
 
 
 def markdown(results: list[dict], model: str, arguments: str) -> str:
@@ -127,17 +158,20 @@ def main() -> int:
     parser.add_argument("--model", help="checkpoint folder or Hub id (default: the built-in default model)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt-words", type=int, default=4, help="words of each text that prompt greedy runs")
-    parser.add_argument("--weight-dtypes", nargs="+", choices=["bfloat16", "int8"], default=["bfloat16", "int8"])
+    parser.add_argument("--weight-dtypes", nargs="+", choices=list(VARIANTS), default=["bfloat16", "int8"])
+    parser.add_argument("--same-length", action="store_true",
+                        help="cut texts and prompts to the shortest's tokens (one compile per model and kind)")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from xlagen.cli.common import default_model_path
 
     model = args.model or default_model_path()
-    results = measure(model, args.weight_dtypes, args.new_tokens, args.prompt_words)
+    results = measure(model, args.weight_dtypes, args.new_tokens, args.prompt_words, args.same_length)
     arguments = "".join(f" {flag} {value}" for flag, value in (
         ("--model", args.model), ("--new-tokens", args.new_tokens), ("--prompt-words", args.prompt_words),
-        ("--weight-dtypes", " ".join(args.weight_dtypes))) if value is not None)
+        ("--weight-dtypes", " ".join(args.weight_dtypes))) if value is not None) + (
+        " --same-length" if args.same_length else "")
     name = args.model or "the built-in default model"
     for result in results:
         result["model"] = name

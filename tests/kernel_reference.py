@@ -43,3 +43,27 @@ def memory_attention(query, states, kv_kernel, kv_bias, heads, scale):
     q = query.astype(np.float64).reshape(groups, queries, heads, d).transpose(0, 2, 1, 3)
     out = attention(q, keys, values, scale)  # [G, H, Q, D]
     return out.transpose(0, 2, 1, 3).reshape(groups, queries, width)
+
+
+def int8_parts(packed, k, n):
+    """(Q int8 [k, n], s float32 [n]) of int8 panels packed by `pack_int8` (read here, not by the library)."""
+    quantized = packed[:, :k, :].transpose(1, 0, 2).reshape(k, -1)[:, :n]
+    scales = np.ascontiguousarray(packed[:, k:, :]).view(np.float32).reshape(-1)[:n]  # 4 rows of bytes: floats
+    return quantized, scales
+
+
+def quantize_rows(x):
+    """(Qx int8, sx float32): each row of float32 x quantized symmetrically as the integer product does,
+    Qx = round(x * (127 / max |x|)) ties to even, sx = max |x| / 127 (a row of zeros: 0 and 0)."""
+    x = np.asarray(x, np.float32)
+    top = np.abs(x).max(axis=1) if x.shape[1] else np.zeros(len(x), np.float32)
+    inverse = np.where(top > 0, np.float32(127) / np.where(top > 0, top, 1), 0).astype(np.float32)
+    return np.rint(x * inverse[:, None]).astype(np.int8), (top / np.float32(127)).astype(np.float32)
+
+
+def integer_product(x, quantized, scales):
+    """y of the integer product: exact int32 sums of Qx @ Q, times float32(sx * s), in float32."""
+    qx, sx = quantize_rows(x)
+    sums = qx.astype(np.int64) @ np.asarray(quantized, np.int64)
+    assert np.abs(sums).max(initial=0) < 2**31  # the kernel's int32 sums
+    return sums.astype(np.int32).astype(np.float32) * (sx[:, None] * np.asarray(scales, np.float32)[None, :])

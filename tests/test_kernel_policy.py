@@ -136,6 +136,23 @@ def test_packed_products_use_the_kernel_in_steps_and_for_few_rows(kernels_ready)
     assert not any(ask(native.Kernels.OFF, 1).values())
 
 
+def test_int8_products_run_in_integers_from_their_min_rows(kernels_ready):
+    def ask(kernels, rows):
+        with native.tracing(kernels):
+            return _under_xla(lambda: kernels.use_integer_product(tf.zeros((rows, 64))))
+
+    least = native.Kernels().int8_integer_min_rows
+    assert least is not None and least > 1  # batch-1 decoding keeps the float32-compute kernel
+    everywhere = {"outside a step": True, "in a step": True, "in a loop that is no step": True}
+    assert ask(native.Kernels(), least) == ask(native.Kernels(), 600) == everywhere
+    assert not any(ask(native.Kernels(), least - 1).values())
+    assert not any(ask(native.Kernels(int8_integer_min_rows=None), 600).values())
+    assert not any(ask(native.Kernels.OFF, 600).values())
+    assert native.Kernels(int8_integer_min_rows=0).use_integer_product(tf.zeros((1, 8))) is False  # eager
+    with pytest.raises(TypeError, match="Kernels.int8_integer_min_rows must be an int, got 'x'"):
+        native.Kernels(int8_integer_min_rows="x")
+
+
 def test_attention_argmax_and_folded_memory_follow_their_fields(kernels_ready):
     q, k = tf.zeros((1, 2, 4, 64)), tf.zeros((1, 2, 256, 64))
     kt = tf.transpose(k, (0, 1, 3, 2))

@@ -39,6 +39,9 @@ def _quantized(w: np.ndarray) -> np.ndarray:
     return (np.rint(w / np.where(step > 0, step, 1)) * step).astype(np.float32)
 
 
+# int8 weights multiplied in float32 at every row count: the packed product computes x @ (Q * s)
+FLOAT_INT8 = native.Kernels(int8_integer_min_rows=None)
+
 # weight dtype -> (what the layer multiplies by, the packing function, the custom-call target)
 FORMATS = {"bfloat16": (_rounded, native.pack_bfloat16, native.TARGET),
            "int8": (_quantized, native.pack_int8, native.INT8_TARGET)}
@@ -88,7 +91,8 @@ def test_kernel_computes_x_times_rounded_weights(rows, k, n, weight_dtype):
     x = rng.standard_normal((rows, k)).astype(np.float32)
     words = tf.constant(pack(w))
     reference = x.astype(np.float64) @ weights_of(w).astype(np.float64)
-    compiled = _xla(lambda x: native.matmul(x, words, n), x)
+    with native.tracing(FLOAT_INT8):
+        compiled = _xla(lambda x: native.matmul(x, words, n), x)
     eager = native.matmul(x, words, n).numpy()  # the fallback: unpack + tf.matmul
     scale = np.abs(reference).max()
     assert compiled.shape == (rows, n)
@@ -96,8 +100,27 @@ def test_kernel_computes_x_times_rounded_weights(rows, k, n, weight_dtype):
     np.testing.assert_allclose(eager, reference, atol=2e-6 * scale * np.sqrt(k), rtol=0)
 
 
+@pytest.mark.parametrize("rows,k,n", [(4, 768, 2304), (9, 40, 70), (100, 33, 130)])
+def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
+    rng = np.random.default_rng(rows + k)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    packed = native.pack_int8(w)
+    quantized, scales = kernel_reference.int8_parts(packed, k, n)
+    words = tf.constant(packed)
+    function = tf.function(lambda x: native.matmul(x, words, n), jit_compile=True)
+    assert f'custom_call_target="{native.INT8_INTEGER_TARGET}"' in function.experimental_get_compiler_ir(x)(
+        stage="optimized_hlo")
+    np.testing.assert_array_equal(function(x).numpy(), kernel_reference.integer_product(x, quantized, scales))
+
+
 @pytest.mark.parametrize("weight_dtype", list(FORMATS))
 def test_kernel_runs_as_a_custom_call_for_few_rows_and_inside_loops(weight_dtype):
+    with native.tracing(FLOAT_INT8):
+        _check_custom_call_for_few_rows_and_inside_loops(weight_dtype)
+
+
+def _check_custom_call_for_few_rows_and_inside_loops(weight_dtype):
     _, pack, target = FORMATS[weight_dtype]
     rng = np.random.default_rng(1)
     words = tf.constant(pack(rng.standard_normal((32, 48)).astype(np.float32)))
@@ -211,6 +234,11 @@ def _assert_same_outputs(a, b):
 
 
 def _assert_same_generation(packed, reference, inputs: dict, **options):
+    with native.tracing(FLOAT_INT8):  # int8: x @ (Q * s), as the reference computes
+        _check_same_generation(packed, reference, inputs, **options)
+
+
+def _check_same_generation(packed, reference, inputs: dict, **options):
     _assert_same_outputs(_generate(packed, inputs, **options), _generate(reference, inputs, **options))
     program = tf.function(lambda inputs: packed.generate(**inputs, **options), jit_compile=True)
     hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
@@ -232,6 +260,28 @@ def test_gpt2_with_packed_weights_generates_as_float32_with_rounded_weights(gpt2
     _assert_same_generation(packed, reference, {"input_ids": ids, "attention_mask": mask}, **options)
     # Eager calls (the unpacking fallback) give the same logits.
     np.testing.assert_allclose(packed(ids).logits.numpy(), reference(ids).logits.numpy(), atol=1e-4)
+
+
+def test_gpt2_int8_in_integers_stays_close_to_float32_compute(gpt2_checkpoint):
+    # A prompt of 2 x 7 rows runs the int8 x int8 product (default policy); the same model under FLOAT_INT8
+    # multiplies x @ (Q * s). The activations' rounding to int8 moves the logits a little, the ranking of
+    # the clear winners not at all.
+    from xlagen import TFAutoModelForCausalLM
+
+    model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="int8")
+    ids = tf.constant(random_ids((2, 7), 300, seed=3))
+    programs = {}
+    for name, kernels in (("integer", native.Kernels()), ("float", FLOAT_INT8)):
+        with native.tracing(kernels):
+            programs[name] = tf.function(lambda ids: model(ids).logits, jit_compile=True)
+            hlo = programs[name].experimental_get_compiler_ir(ids)(stage="optimized_hlo")
+        assert (f'custom_call_target="{native.INT8_INTEGER_TARGET}"' in hlo) == (name == "integer")
+    integer, expected = programs["integer"](ids).numpy(), programs["float"](ids).numpy()
+    assert 0 < np.abs(integer - expected).max() < 0.02 * np.ptp(expected)
+    top = np.sort(expected, -1)
+    clear = top[..., -1] - top[..., -2] > 0.05 * np.ptp(expected)
+    assert clear.any()
+    np.testing.assert_array_equal(integer.argmax(-1)[clear], expected.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("variant,weight_dtype", [("projected_pre_norm", "bfloat16"), ("untied_head", "bfloat16"),

@@ -74,7 +74,59 @@ def test_packed_products_match_numpy(weights, m, k, n):
     np.testing.assert_allclose(y, x.astype(np.float64) @ used, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("name", ["xlagen_f32_product", "xlagen_bf16_product", "xlagen_int8_product"])
+def _int8_weights(w):
+    """pack_int8(w), and the Q and s packed."""
+    stored = native.pack_int8(w)
+    return (stored, *kernel_reference.int8_parts(stored, *w.shape))
+
+
+@pytest.mark.parametrize("m, k, n", SHAPES + [(4, 4, 64), (5, 6, 65), (70, 31, 130), (64, 8, 16), (3, 2, 7)])
+def test_int8_integer_product_matches_its_numpy_reference_exactly(m, k, n):
+    rng = np.random.default_rng(m * k + n + 2)
+    x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
+    x[m // 2, :] = 0  # an all-zero row: sx = 0, y = 0
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    w[:, n // 2] = 0  # an all-zero column: scale 0
+    stored, quantized, scales = _int8_weights(w)
+    y = _product("xlagen_int8_integer_product", x, stored, n)
+    np.testing.assert_array_equal(y, kernel_reference.integer_product(x, quantized, scales))
+    assert not y[m // 2].any()
+
+
+def test_int8_integer_product_sums_extremes_without_saturating():
+    # Every product +-127 * +-127 (the pairs maddubs sums reach 2 * 127 * 127 = 32258), long rows.
+    k, n = 1000, 70
+    x = np.where(np.arange(k) % 3 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(5, 0)
+    x[1] *= -1
+    w = np.where((np.arange(k)[:, None] + np.arange(n)[None]) % 2 == 0, 1.0, -1.0).astype(np.float32)
+    stored, quantized, scales = _int8_weights(w)
+    y = _product("xlagen_int8_integer_product", x, stored, n)
+    np.testing.assert_array_equal(y, kernel_reference.integer_product(x, quantized, scales))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-6)
+
+
+def test_int8_integer_product_of_zeros_is_zero():
+    w = np.random.default_rng(0).standard_normal((9, 70)).astype(np.float32)
+    y = _product("xlagen_int8_integer_product", np.zeros((6, 9), np.float32), native.pack_int8(w), 70)
+    assert not y.any()
+
+
+def test_int8_integer_product_error_is_that_of_int8_activations():
+    # Against float64 x @ (Q * s): the activations' rounding error, at most sx / 2 per element.
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((40, 300)).astype(np.float32)
+    w = rng.standard_normal((300, 100)).astype(np.float32)
+    stored, quantized, scales = _int8_weights(w)
+    y = _product("xlagen_int8_integer_product", x, stored, 100)
+    exact = x.astype(np.float64) @ (quantized * scales.astype(np.float64))
+    bound = (np.abs(x).max(1, keepdims=True) / 127 / 2) @ np.abs(quantized * scales.astype(np.float64)).sum(0,
+                                                                                                              keepdims=True)
+    assert np.all(np.abs(y - exact) <= bound + 1e-4)
+    assert np.abs(y - exact).max() < 0.05 * np.abs(exact).max()
+
+
+@pytest.mark.parametrize("name", ["xlagen_f32_product", "xlagen_bf16_product", "xlagen_int8_product",
+                                  "xlagen_int8_integer_product"])
 @pytest.mark.parametrize("m, k, n", [(0, 4, 4), (1, 0, 4), (1, 4, 0), (-1, 4, 4)])
 def test_products_refuse_empty_sizes(name, m, k, n):
     y = np.zeros(4, np.float32)
@@ -213,7 +265,7 @@ def test_constants_come_from_the_library_and_match_the_packing():
     assert native.PANEL == native.constant("panel") == 32
     assert native.INT8_PANEL == native.constant("int8_panel") == 64
     assert native.STEP_ATTENTION_MAX_HEAD_DIM == native.constant("step_attention_max_head_dim")
-    assert native.constant("lanes") == {"avx512": 16, "avx2": 8}[native.library.isa()]  # the build for this CPU
+    assert native.constant("lanes") == {"avx512vnni": 16, "avx512": 16, "avx2": 8}[native.library.isa()]  # the build for this CPU
     assert native.pack_bfloat16(np.ones((3, 5), np.float32)).shape == (1, 3, native.PANEL // 2)
     assert native.pack_int8(np.ones((3, 5), np.float32)).shape == (1, 3 + 4, native.INT8_PANEL)
     with pytest.raises(KeyError, match="no constant 'nonsense'"):

@@ -15,7 +15,9 @@ xlagen brings its own product for the few rows of a decoding step, in three form
   reads weights stored as bfloat16 in a packed panel layout, widens them in registers and multiplies in
   float32. It computes exactly `x @ float32(W)` with half the bytes read.
 - int8 weights with one float32 scale per output column (`matmul`, `pack_int8`): a quarter of float32's
-  bytes, widened in registers and multiplied in float32; `x @ (Q * s)` up to float32 rounding.
+  bytes, widened in registers and multiplied in float32; `x @ (Q * s)` up to float32 rounding. From
+  `Kernels.int8_integer_min_rows` rows (batch decoding, prompts, encoders) the activations are quantized
+  to int8 per row as well and multiplied in integers (int32 sums), about half the instructions.
 
 And one fused attention (`attention`): `softmax(scale * q k^T) v` over every key, for long unmasked
 float32 attention under XLA: Whisper's encoder (1500 positions), whose scores XLA writes out and reads
@@ -47,8 +49,8 @@ The modules: `build` (compile and cache the library), `library` (load it, its co
 from xlagen.native.build import NO_COMPILER, SOURCES, NativeUnavailable, compile_library
 from xlagen.native.library import (configure_pool, constant, hardware_reason, load, lookahead_counts, lookahead_kib,
                                    ready, set_lookahead, status_supported, unavailable_reason)
-from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, FLOAT32_TARGET, INT8_TARGET, MEMORY_ATTENTION_TARGET,
-                               STEP_ATTENTION_TARGET, TARGET, argmax, attention, matmul, matmul_float32,
+from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, FLOAT32_TARGET, INT8_INTEGER_TARGET, INT8_TARGET,
+                               MEMORY_ATTENTION_TARGET, STEP_ATTENTION_TARGET, TARGET, argmax, attention, matmul, matmul_float32,
                                memory_attention, reference_memory_attention, step_attention)
 from xlagen.native.packing import WEIGHT_DTYPES, pack_bfloat16, pack_int8, pack_tensor, unpack
 from xlagen.native.policy import (ATTENTION_HEAD_DIMS, Kernels, PoolSettings, current, decoding_step, tracing,
@@ -66,7 +68,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "FLOAT32_TARGET", "INT8_TARGET", "Kernels",
+__all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "FLOAT32_TARGET", "INT8_INTEGER_TARGET",
+           "INT8_TARGET", "Kernels",
            "MEMORY_ATTENTION_TARGET", "NO_COMPILER", "NativeUnavailable", "PoolSettings", "SOURCES",
            "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "argmax", "attention", "compile_library",
            "configure_pool", "constant", "current", "decoding_step", "hardware_reason", "load", "lookahead_counts",

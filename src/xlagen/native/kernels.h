@@ -46,6 +46,9 @@ const char* xlagen_bf16_product(const float* x, const uint32_t* w, float* y, int
 // y[m, n] = x[m, k] @ (Q * s), Q int8 with one float32 scale per column, packed in panels
 // [ceil(n / kInt8Panel), k + 4, kInt8Panel] (xlagen.native.pack_int8).
 const char* xlagen_int8_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
+// y[m, n] ~ x[m, k] @ (Q * s) in integers: x quantized to int8 per row (symmetric, scale max |x[r]| / 127),
+// int32 sums of int8 x int8, y = sums * (row scale * column scale); weights as xlagen_int8_product's.
+const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
 // out[heads, t, d] = softmax(scale * q k^T) v per head, no mask; k is [heads, s, d], or [heads, d, s] when
 // `transposed`; d one of 16, 32, 64, 128.
 const char* xlagen_attention(const float* q, const float* k, const float* v, float* out, int heads, int t, int s,

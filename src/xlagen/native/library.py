@@ -29,7 +29,7 @@ def hardware_reason() -> str | None:
 
 
 def isa() -> str | None:
-    """The instruction set the kernels are built for and run with on this machine ("avx512" or "avx2", see
+    """The instruction set the kernels are built for and run with on this machine ("avx512vnni", "avx512" or "avx2", see
     `build.ISAS`), or None where they cannot run (`hardware_reason`)."""
     return None if hardware_reason() else build.host_isa()
 

@@ -14,6 +14,7 @@ from xlagen.native.policy import ATTENTION_HEAD_DIMS, current
 TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
 INT8_TARGET = "xlagen_int8_matmul"
+INT8_INTEGER_TARGET = "xlagen_int8_imatmul"
 ATTENTION_TARGET = "xlagen_f32_attention"
 STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
@@ -30,6 +31,11 @@ def matmul(x, words, n: int):
     where XLA would unpack every iteration (10x slower than the kernel at 16 rows). Both compute
     `x @ unpack(W)`.
 
+    int8 weights multiplied by many rows (`Kernels.use_integer_product`: at least `int8_integer_min_rows`,
+    in or out of a decoding step) run in integers instead: each row of x quantized to int8 with its own scale
+    (max |x| / 127, no zero point), int8 x int8 products summed exactly in int32, then scaled by the row's
+    and the column's scales in float32; which adds the rounding of x to int8 to that of the weights.
+
     Raises:
         TypeError: x is not float32.
     """
@@ -38,7 +44,11 @@ def matmul(x, words, n: int):
     x = tf.convert_to_tensor(x)
     if x.dtype != tf.float32:
         raise TypeError(f"packed weights multiply float32 activations; got {x.dtype.name}")
-    if not current().use_packed_product(x):  # also False for rows of unknown or zero count
+    policy = current()
+    if words.dtype == tf.int8 and policy.use_integer_product(x):
+        load()
+        return _custom_call(INT8_INTEGER_TARGET, x, words, n)
+    if not policy.use_packed_product(x):  # also False for rows of unknown or zero count
         return tf.tensordot(x, unpack(words, n), 1)
     load()
     return _custom_call(INT8_TARGET if words.dtype == tf.int8 else TARGET, x, words, n)

@@ -15,7 +15,9 @@
 // With AVX2's 8 lanes, a panel is read in passes over its row's halves (see RunPanels, RunInt8Panels); the
 // layouts are the same for both instruction sets.
 
+#include <cmath>
 #include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 #include "pool.h"
@@ -161,6 +163,147 @@ void RunInt8Panels(const void* args, int p0, int p1) {
   }
 }
 
+// The integer product of int8 weights: y = (Qx @ Q) * (sx x s), x quantized per row (Qx = round(x / sx),
+// sx = max |x[r, :]| / 127, symmetric: no zero point, so no correction by the columns' sums, and the
+// products' operands stay within -127..127, which DotQuads needs), int32 sums exact, one float32 multiply
+// by sx[r] * s[c] at the end. The weights are the int8 panels as packed (pack_int8); each worker rewrites
+// the panel it takes into quads, quads[q][c][j] = Q[4q + j, c] (rows past K zero), so one 32-byte load
+// holds 4 rows of 8 columns, the 4 bytes DotQuads multiplies by 4 of a row of Qx. Qx is [M, Kq], K rounded
+// up to a multiple of 4 with zeros.
+constexpr int kIntRows = kAvx512 ? 8 : 4;                       // rows of x per tile (2 kIntRows accumulators)
+constexpr int kIntVectors = 2;                                  // vectors of 8 columns per tile
+constexpr int kIntPasses = kInt8Panel / (8 * kIntVectors);      // tiles across a panel
+constexpr int kIntRowChunk = 64;                                // rows of x per pass over a panel's tiles
+constexpr long kQuantizeAlone = 32768;                          // elements of x the caller quantizes alone
+
+struct QuantizedRows {
+  const float* x;
+  int8_t* q;
+  float* scales;
+  int k, kq;
+};
+
+// Qx and sx for rows [r0, r1) of x: Qx = round(x * (127 / max |x|)), ties to even; a row of zeros gives
+// Qx = 0, sx = 0.
+void QuantizeRows(const void* args, int r0, int r1) {
+  const QuantizedRows& a = *static_cast<const QuantizedRows*>(args);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int r = r0; r < r1; ++r) {
+    const float* x = a.x + static_cast<size_t>(r) * a.k;
+    int8_t* q = a.q + static_cast<size_t>(r) * a.kq;
+    __m256 peak = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= a.k; i += 8) peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+    for (; i < a.k; ++i) top = std::fmax(top, std::fabs(x[i]));
+    const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+    a.scales[r] = top / 127.0f;
+    const __m256 factor = _mm256_set1_ps(inverse);
+    i = 0;
+    for (; i + 32 <= a.k; i += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; ++j) v[j] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), factor));
+      const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i), _mm256_permutevar8x32_epi32(bytes, order));
+    }
+    for (; i < a.k; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
+    for (; i < a.kq; ++i) q[i] = 0;
+  }
+}
+
+struct IntegerProduct {
+  const int8_t* xq;
+  const float* xs;
+  const int8_t* w;
+  float* y;
+  int m, k, n, kq;
+};
+
+// A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4]. 32 columns at a time: the byte and
+// word interleaves work within 128-bit halves (columns 0-15 and 16-31), which the last step puts in order.
+void Quads(const int8_t* panel, int k, int kq, int8_t* quads) {
+  const __m256i zero = _mm256_setzero_si256();
+  for (int q = 0; q < kq / 4; ++q) {
+    for (int c = 0; c < kInt8Panel; c += 32) {
+      __m256i rows[4];
+      for (int j = 0; j < 4; ++j) {
+        const int kk = 4 * q + j;
+        rows[j] = kk < k ? LoadInts(panel + static_cast<size_t>(kk) * kInt8Panel + c) : zero;
+      }
+      const __m256i t0 = _mm256_unpacklo_epi8(rows[0], rows[1]), t1 = _mm256_unpackhi_epi8(rows[0], rows[1]);
+      const __m256i t2 = _mm256_unpacklo_epi8(rows[2], rows[3]), t3 = _mm256_unpackhi_epi8(rows[2], rows[3]);
+      // columns 0-3 | 16-19, 4-7 | 20-23, 8-11 | 24-27, 12-15 | 28-31
+      const __m256i o0 = _mm256_unpacklo_epi16(t0, t2), o1 = _mm256_unpackhi_epi16(t0, t2);
+      const __m256i o2 = _mm256_unpacklo_epi16(t1, t3), o3 = _mm256_unpackhi_epi16(t1, t3);
+      __m256i* out = reinterpret_cast<__m256i*>(quads + static_cast<size_t>(q) * 4 * kInt8Panel + 4 * c);
+      _mm256_storeu_si256(out, _mm256_permute2x128_si256(o0, o1, 0x20));
+      _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(o2, o3, 0x20));
+      _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(o0, o1, 0x31));
+      _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(o2, o3, 0x31));
+    }
+  }
+}
+
+// y for R rows of x from m0 and the panel's columns c0 + 16 h ... c0 + 16 h + 15 (pass h), over all of Kq.
+template <int R>
+inline void IntegerTile(const IntegerProduct& a, const int8_t* quads, const float* scales, int m0, int c0, int h) {
+  constexpr int G = kIntVectors;
+  Ints acc[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) acc[r][g] = ZeroInts();
+  const int8_t* x = a.xq + static_cast<size_t>(m0) * a.kq;
+  const int8_t* w = quads + 4 * 8 * G * h;
+  for (int q = 0; q < a.kq / 4; ++q) {
+    const int8_t* row = w + static_cast<size_t>(q) * 4 * kInt8Panel;
+    Ints wv[G], magnitudes[G];
+    for (int g = 0; g < G; ++g) {
+      wv[g] = LoadInts(row + 32 * g);
+      magnitudes[g] = Magnitudes(wv[g]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Ints xv = BroadcastQuad(x + static_cast<size_t>(r) * a.kq + 4 * q);
+      for (int g = 0; g < G; ++g) acc[r][g] = DotQuads(acc[r][g], wv[g], magnitudes[g], xv);
+    }
+  }
+  const int columns = (a.n - c0 < kInt8Panel ? a.n - c0 : kInt8Panel) - 8 * G * h;
+  for (int g = 0; g < G; ++g) {
+    const int left = columns - 8 * g;
+    if (left <= 0) break;
+    const __m256 s = _mm256_loadu_ps(scales + 8 * (G * h + g));
+    for (int r = 0; r < R; ++r) {
+      const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[m0 + r]), s);
+      StoreFirst8(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + 8 * (G * h + g),
+                  _mm256_mul_ps(IntsToFloats(acc[r][g]), factor), left);
+    }
+  }
+}
+
+void RunIntegerPanels(const void* args, int p0, int p1) {
+  const IntegerProduct& a = *static_cast<const IntegerProduct*>(args);
+  thread_local std::vector<int8_t> quads;
+  quads.resize(static_cast<size_t>(a.kq) * kInt8Panel);
+  for (int p = p0; p < p1; ++p) {
+    const int8_t* w = a.w + static_cast<size_t>(p) * (a.k + 4) * kInt8Panel;
+    const float* scales = reinterpret_cast<const float*>(w + static_cast<size_t>(a.k) * kInt8Panel);
+    const int c0 = p * kInt8Panel;
+    Quads(w, a.k, a.kq, quads.data());
+    // Chunks of rows outside, the panel's passes inside: the chunk's rows of Qx stay in the core's cache.
+    for (int r0 = 0; r0 < a.m; r0 += kIntRowChunk) {
+      const int r1 = a.m - r0 < kIntRowChunk ? a.m : r0 + kIntRowChunk;
+      for (int h = 0; h < kIntPasses && c0 + 8 * kIntVectors * h < a.n; ++h) {
+        int m0 = r0;
+        for (; m0 + kIntRows <= r1; m0 += kIntRows) IntegerTile<kIntRows>(a, quads.data(), scales, m0, c0, h);
+        ForRows<kIntRows - 1>(r1 - m0, [&](auto rows) {
+          IntegerTile<decltype(rows)::value>(a, quads.data(), scales, m0, c0, h);
+        });
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace xlagen
 
@@ -177,5 +320,23 @@ extern "C" const char* xlagen_int8_product(const float* x, const int8_t* w, floa
   if (m < 1 || k < 1 || n < 1) return "xlagen_int8_product: m, k and n must be at least 1";
   Int8Product a{x, w, y, m, k, n, (n + kInt8Panel - 1) / kInt8Panel};
   GetPool().Run(Task{&a, RunInt8Panels, a.panels});
+  return nullptr;
+}
+
+extern "C" const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n) {
+  if (m < 1 || k < 1 || n < 1) return "xlagen_int8_integer_product: m, k and n must be at least 1";
+  const int kq = (k + 3) / 4 * 4;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  xq.resize(static_cast<size_t>(m) * kq);
+  xs.resize(m);
+  QuantizedRows rows{x, xq.data(), xs.data(), k, kq};
+  if (static_cast<long>(m) * k <= kQuantizeAlone) {
+    QuantizeRows(&rows, 0, m);  // a decoding step's few rows: not worth waking the pool
+  } else {
+    GetPool().Run(Task{&rows, QuantizeRows, m});
+  }
+  IntegerProduct a{xq.data(), xs.data(), w, y, m, k, n, kq};
+  GetPool().Run(Task{&a, RunIntegerPanels, (n + kInt8Panel - 1) / kInt8Panel});
   return nullptr;
 }

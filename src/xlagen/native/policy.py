@@ -34,6 +34,9 @@ import numpy as np
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the fused attentions have code for
 
 
+_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows")  # the Kernels fields that may be None
+
+
 @dataclass(frozen=True)
 class Kernels:
     """When the native kernels run; a program traced under a policy keeps what it was traced with.
@@ -55,6 +58,17 @@ class Kernels:
         packed_max_rows: Outside a decoding step, products of packed weights with more rows than this (long
             prompts, encoders) unpack the weights and use XLA's dot, which is faster once compute-bound;
             inside a step they always use the kernel (XLA would unpack at every step).
+        int8_integer_min_rows: Products of int8 weights with at least this many rows (batch x beams in a
+            decoding step; prompt tokens x batch in a prefill; encoder positions) run in integers
+            (`xlagen_int8_imatmul`: activations quantized to int8 per row, int8 x int8 sums in int32), which
+            does about half the float32 kernel's instructions per multiply-add but first quantizes x and
+            interleaves each panel; fewer rows (batch-1 decoding, bandwidth-bound) keep the float32-compute
+            int8 kernel. None: never. The int8 x int8 kernel alone against the float32-compute one, all of
+            GPT-2-small's decoding products (`benchmarks/kernel_variants.py --model gpt2 --weights int8
+            int8-integer`, AVX2, 2 threads, a loaded machine): 0.94x as fast at 1 row, 1.09x at 2, 1.05x
+            at 4, 1.35x at 8, 1.40x at 64, 1.77x at 512 (per product, mostly idle, 1.05-1.25x at 4 rows
+            and 0.63-0.88x at 1-2); in `generate` (`benchmarks/ab.py --compare integer --weights int8`,
+            greedy): GPT-2-small 1.16x at batch 4, 1.23x at batch 8, T5-small 1.21x at batch 8.
         attention_min_keys: Unmasked float32 attention over at least this many keys runs as the fused kernel
             under XLA: Whisper's encoder and its decoder's cross-attention (1500 positions).
         cross_attention: Whether a decoder's cross-attention over keys projected once and kept transposed
@@ -79,6 +93,7 @@ class Kernels:
     float32_min_bytes: int = 0
     float32_max_columns: int | None = None
     packed_max_rows: int = 32
+    int8_integer_min_rows: int | None = 4
     attention_min_keys: int = 256
     cross_attention: bool = True
     memory_attention_min_bytes: int = 8 * 2**20
@@ -92,7 +107,7 @@ class Kernels:
             if field.type == "bool":
                 if not isinstance(value, (bool, np.bool_)):
                     raise TypeError(f"Kernels.{field.name} must be a bool, got {value!r}")
-            elif value is not None or field.name != "float32_max_columns":
+            elif value is not None or field.name not in _OPTIONAL:
                 if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                     raise TypeError(f"Kernels.{field.name} must be an int, got {value!r}")
                 if value < 0:
@@ -150,6 +165,15 @@ class Kernels:
         if not self.enabled or not rows or not under_xla():
             return False
         return in_decoding_step() or rows <= self.packed_max_rows
+
+    def use_integer_product(self, x) -> bool:
+        """Whether `x @ W` for int8 weights should be the int8 x int8 kernel: where `use_packed_product`
+        says the packed kernel (or XLA's dot on unpacked weights) runs, when x has at least
+        `int8_integer_min_rows` rows (and that is not None)."""
+        rows = x.shape[:-1].num_elements()
+        if not self.enabled or self.int8_integer_min_rows is None or not rows or not under_xla():
+            return False
+        return rows >= max(self.int8_integer_min_rows, 1)
 
     def use_attention(self, query, key, mask=None, bias=None, dropout: bool = False,
                       key_transposed: bool = False) -> bool:

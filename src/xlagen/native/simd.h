@@ -1,5 +1,6 @@
 // The vector operations the kernels use, for the instruction set the library is compiled for: AVX-512
-// (-mavx512f: 16 float32 lanes, 32 registers) or AVX2 with FMA (-mavx2 -mfma: 8 lanes, 16 registers).
+// (-mavx512f: 16 float32 lanes, 32 registers; with -mavx512vnni too, the int8 x int8 product's VNNI form) or
+// AVX2 with FMA (-mavx2 -mfma: 8 lanes, 16 registers).
 // xlagen/native/build.py compiles every kernel once per instruction set; xlagen/native/library.py loads the
 // build the CPU can run. The kernels are written against these functions and `kLanes`; where the register
 // count matters (tile sizes), they choose by `kAvx512`.
@@ -179,6 +180,48 @@ inline __m128 FourSums(Vec a0, Vec a1, Vec a2, Vec a3) {
 #else
 #error "xlagen's kernels are compiled with -mavx512f -mfma or -mavx2 -mfma (xlagen/native/build.py)"
 #endif
+
+// Integer products (both builds: -mavx512f implies AVX2): 8 int32 lanes of 256 bits. A product's int8
+// operands are in -127..127. DotQuads(acc, w, x) adds to each int32 lane i the dot product of the 4 signed
+// bytes of w's word i and of x's word i. Without VNNI it is maddubs (unsigned x signed bytes, pairs summed to
+// int16) on |w| and x carrying w's sign, then madd with ones (int16 pairs to int32): a pair sums at most
+// 2 * 127 * 127 = 32258, below int16's 32767, so maddubs never saturates and the sums are exact.
+using Ints = __m256i;
+
+inline Ints ZeroInts() { return _mm256_setzero_si256(); }
+inline Ints LoadInts(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline Ints LoadAlignedInts(const void* p) { return _mm256_load_si256(static_cast<const __m256i*>(p)); }
+// The 4 bytes at p in every word.
+inline Ints BroadcastQuad(const int8_t* p) {
+  int32_t quad;
+  __builtin_memcpy(&quad, p, 4);
+  return _mm256_set1_epi32(quad);
+}
+// |w| per byte, for DotQuads' `magnitudes` (computed once per weight vector, used for every row of x).
+inline Ints Magnitudes(Ints w) { return _mm256_abs_epi8(w); }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+inline Ints DotQuads(Ints acc, Ints w, Ints magnitudes, Ints x) {
+  return _mm256_dpbusd_epi32(acc, magnitudes, _mm256_sign_epi8(x, w));
+}
+#else
+inline Ints DotQuads(Ints acc, Ints w, Ints magnitudes, Ints x) {
+  const __m256i pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x, w));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+// 8 int32 lanes as float32 (rounded to nearest, as numpy's astype(float32)).
+inline __m256 IntsToFloats(Ints v) { return _mm256_cvtepi32_ps(v); }
+// The first `count` (1 to 8) of 8 float32 lanes to p.
+inline void StoreFirst8(float* p, __m256 v, int count) {
+  if (count >= 8) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
+                        v);
+  }
+}
 
 }  // namespace xlagen
 

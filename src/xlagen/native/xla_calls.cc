@@ -122,6 +122,11 @@ extern "C" void xlagen_int8_matmul(void* out, const void** in, const char* opaqu
   ProductCall<int8_t>("xlagen_int8_matmul", xlagen_int8_product, out, in, opaque, opaque_len, status);
 }
 
+extern "C" void xlagen_int8_imatmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                    XlaCustomCallStatus_* status) {
+  ProductCall<int8_t>("xlagen_int8_imatmul", xlagen_int8_integer_product, out, in, opaque, opaque_len, status);
+}
+
 extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* status) {
   ProductCall<float>("xlagen_f32_matmul", xlagen_f32_product, out, in, opaque, opaque_len, status);
@@ -270,6 +275,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_bf16_matmul"), reinterpret_cast<void*>(&xlagen_bf16_matmul), host);
   add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), host);
   add(global(), std::string("xlagen_int8_matmul"), reinterpret_cast<void*>(&xlagen_int8_matmul), host);
+  add(global(), std::string("xlagen_int8_imatmul"), reinterpret_cast<void*>(&xlagen_int8_imatmul), host);
   add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention), host);
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
