@@ -2,7 +2,8 @@
 a time through `CompiledGenerator` and in static batches of 8; the cost of its programs (a step of 1, 4 and 16
 rows, a prefill of 1 and `--prefill-batch` prompts); and one step of 4 tokens per call against single steps.
 
-    python benchmarks/serving_engine.py --out benchmarks/results/serving-engine-gpt2-small.json
+    python benchmarks/serving_engine.py --concurrency 1 4 16 --prefill-batch 16 --prompt-buckets 16 32 \\
+        --chunk-rounds 0 --cost-repeats 3 --out benchmarks/results/serving-engine-gpt2-small.json
 
 Random weights of GPT-2 small's shapes (float32), TensorFlow on --threads threads. Every request has a
 random prompt of 8-32 tokens and asks for 16-48 new tokens (mixed, fixed by --seed); generation never stops
