@@ -2,7 +2,8 @@
 a time through `CompiledGenerator` and in static batches of 8; the cost of its programs (a step of 1, 4 and 16
 rows, a prefill of 1 and `--prefill-batch` prompts); and one step of 4 tokens per call against single steps.
 
-    python benchmarks/serving_engine.py --out benchmarks/results/serving-engine-gpt2-small.json
+    python benchmarks/serving_engine.py --concurrency 1 4 16 --prefill-batch 16 --prompt-buckets 16 32 \\
+        --chunk-rounds 0 --cost-repeats 3 --out benchmarks/results/serving-engine-gpt2-small.json
 
 Random weights of GPT-2 small's shapes (float32), TensorFlow on --threads threads. Every request has a
 random prompt of 8-32 tokens and asks for 16-48 new tokens (mixed, fixed by --seed); generation never stops
@@ -51,7 +52,8 @@ def _engine_run(engine, requests) -> dict:
     first = [stamps[0] - submitted for submitted, stamps in results]
     gaps = [b - a for _, stamps in results for a, b in zip(stamps, stamps[1:])]
     return {"seconds": round(seconds, 3), "tokens": tokens, "tokens_per_s": round(tokens / seconds, 1),
-            "ttft_ms_p50": round(1000 * statistics.median(first), 1), "ttft_ms_max": round(1000 * max(first), 1),
+            "ttft_ms_p50": round(1000 * statistics.median(first), 1), "ttft_ms_p99": round(1000 * float(np.percentile(first, 99)), 1),
+            "ttft_ms_max": round(1000 * max(first), 1),
             "inter_token_ms_p50": round(1000 * statistics.median(gaps), 2),
             "inter_token_ms_p99": round(1000 * float(np.percentile(gaps, 99)), 2)}
 
@@ -136,6 +138,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--chunk-rounds", type=int, default=6)
     parser.add_argument("--prefill-batch", type=int, default=4, help="the engine's prefill_batch")
+    parser.add_argument("--prompt-buckets", type=int, nargs="+", default=[32], help="the engine's prompt_buckets")
     parser.add_argument("--cost-repeats", type=int, default=5, help="calls per program in the step-cost table "
                         "(0: no table)")
     parser.add_argument("--threads", type=int, default=2)
@@ -160,9 +163,9 @@ def main() -> None:
     generator = CompiledGenerator(model, Buckets(batch_sizes=(1, 8), prompt_lengths=(32,), new_tokens=(48,)))
     for batch in (1, 8):  # compile
         _generator_run(generator, _workload(batch, 99, vocab), batch)
-    engine = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length, prompt_buckets=(32,),
-                    prefill_batch=args.prefill_batch)
-    record["prefill_batch"] = args.prefill_batch
+    engine = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length,
+                    prompt_buckets=args.prompt_buckets, prefill_batch=args.prefill_batch)
+    record["prefill_batch"], record["prompt_buckets"] = args.prefill_batch, args.prompt_buckets
     record["engine_warmup_s"] = round(engine.warmup(), 1)
     engine.start()
     _engine_run(engine, _workload(2, 98, vocab))
@@ -179,7 +182,8 @@ def main() -> None:
     engine.close()
     record["engine_stats"] = engine.stats()
     if args.cost_repeats:
-        record["program_costs"] = _step_costs(model, args.slots, args.max_length, 32, args.prefill_batch,
+        record["program_costs"] = _step_costs(model, args.slots, args.max_length, max(args.prompt_buckets),
+                                              args.prefill_batch,
                                               args.cost_repeats)
         print(json.dumps(record["program_costs"]), flush=True)
     if args.chunk_rounds:

@@ -15,7 +15,8 @@ transcribes N uploads of 1-20 s (speech from espeak-ng when installed, else synt
 compiles the batch shapes (requests/s, latency p50/p99, 429s, whether each answer equals the one it got
 alone).
 
-    python benchmarks/serving_load.py --requests 64 --concurrency 1,16,64 --whisper-uploads 16 \\
+    python benchmarks/serving_load.py --requests 64 --concurrency 1,4,16,64 --level-seconds 240 \\
+        --whisper-uploads 8 --whisper-concurrency 4,8 --skip-cold \\
         --out benchmarks/results/serving-load-gpt2-small.json
 """
 

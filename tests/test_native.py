@@ -830,6 +830,20 @@ def test_step_attention_kernel_matches_float64_numpy(groups, heads, queries, s, 
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
 
 
+def test_step_attention_kernel_reads_the_first_rows_of_a_larger_cache():
+    # A slot decoder's narrow step: 3 groups of queries over a cache of 8 rows; rows 3-7 are never read.
+    rng = np.random.default_rng(5)
+    q, key, value = (rng.standard_normal((3, 4, 1, 32)).astype(np.float32) for _ in range(3))
+    keys, values = (rng.standard_normal((8, 4, 40, 32)).astype(np.float32) for _ in range(2))
+    bias = np.zeros((3, 1, 1, 41), np.float32)
+    out = _xla(lambda *args: native.step_attention(*args, 0.2, MASK_VALUE), q, keys, values, key, value, bias)
+    expected = kernel_reference.step_attention(q, keys[:3], values[:3], key, value, bias, 0.2, MASK_VALUE)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="2 rows for 3 groups"):
+        native.step_attention(tf.constant(q), tf.constant(keys[:2]), tf.constant(values[:2]), key, value, bias, 0.2,
+                              MASK_VALUE)
+
+
 def test_step_attention_kernel_refuses_a_bias_or_head_size_it_cannot_take():
     q = tf.zeros((2, 3, 1, 32))
     keys = tf.zeros((2, 3, 10, 32))

@@ -12,7 +12,7 @@ import tensorflow as tf
 from conftest import CORPUS, random_ids, tiny_family_model
 
 TEXTS = [text[:24] for text in CORPUS[:5]]  # prompts within the 16-token bucket
-from xlagen import AutoTokenizer
+from xlagen import AutoTokenizer, native
 from xlagen.serving import Completion, ContextTooLong, Engine, QueueFull, RequestOptions, TokenEvent
 from xlagen.serving.engine import EngineClosed
 
@@ -90,6 +90,24 @@ def test_a_request_left_alone_moves_to_the_first_slot(engine, gpt2_model):
     assert [list(c.token_ids) for c in completions] == references(gpt2_model, prompts, [2, 16])
     stats = engine.stats()
     assert stats["moves"] == before["moves"] + 1 and stats["prefills"] == before["prefills"] + 2
+
+
+@pytest.mark.parametrize("kernels", [None, native.Kernels.OFF], ids=["native-step-attention", "xla-ops"])
+def test_a_narrow_step_reads_its_rows_of_the_whole_cache(gpt2_model, tokenizer, kernels):
+    """A step of 2 of 4 slots attends over the first rows of the whole cache (the native step attention in
+    place, XLA's dots on the rows taken out) and writes its column there: the same tokens as alone."""
+    engine = Engine(gpt2_model, tokenizer, slots=4, max_length=40, prompt_buckets=(16,), step_widths=(2, 4),
+                    prefill_batch=2, kernels=kernels)
+    engine.warmup()
+    engine.start()
+    try:
+        prompts = [random_ids((n,), 300, seed=70 + n).tolist() for n in (4, 9, 13)]
+        new_tokens = [20, 3, 12]
+        completions = run(engine, *((p, dict(max_new_tokens=n)) for p, n in zip(prompts, new_tokens)))
+    finally:
+        engine.close()
+    assert [list(c.token_ids) for c in completions] == references(gpt2_model, prompts, new_tokens)
+    assert engine.stats()["moves"] >= 1  # the last requests were packed into the 2-slot step
 
 
 def test_text_is_the_decoded_tokens(engine, tokenizer):

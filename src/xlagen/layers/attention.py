@@ -290,6 +290,9 @@ class Attention(_MultiHead):
         share one are g query rows of that head (`group_queries`), for XLA's dots and for the native step
         attention alike, so the cache is read in place and never repeated (only the step's own new key and
         value, one row each, are repeated for the g rows).
+
+        The cache may hold more rows than the step has queries (a slot decoder's step over its first W
+        slots): the first rows are the step's, and the others are left as they are.
         """
         _, heads, _, head_dim = query.shape
         beams = layer_cache.key.shape[2] if len(layer_cache.key.shape) == 5 else 1
@@ -314,6 +317,10 @@ class Attention(_MultiHead):
         dropout = self.dropout.rate > 0 and training is not None and training is not False
         # The policy's question is about G x K query rows (batch x beams), whatever the grouping.
         native_step = not dropout and native.use_step_attention(query, keys)
+        if keys.shape[0] != query.shape[0] and not native_step:
+            # A cache with more rows than this step's queries (`SlotDecoder`'s narrow steps): the first rows
+            # are the step's. The native call reads them in place; XLA's dots need them taken out.
+            keys, values = keys[:query.shape[0]], values[:query.shape[0]]
         groups = self.groups
         new_key, new_value = key, value
         if groups > 1:  # [G, H, K, D] -> [G, Hkv, g * K, D]; the new key/value repeated for the g rows

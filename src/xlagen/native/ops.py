@@ -142,7 +142,8 @@ def step_attention(query, keys, values, key, value, bias, scale: float, mask_val
     `[G, H, S', D]` and the step's own new key (`key`, `[G, H, K, D]`, query k's), of `scale * q . k +
     bias`, then the weighted sum of `values` and `value`. `bias` `[G, 1 or H, K, S' + 1]` (float32; the new
     key last) is -inf where a query may not see a key; such a score is `mask_value` (as
-    `xlagen.layers.attention` masks, with its `MASK_VALUE`). Returns `[G, H, K, D]`.
+    `xlagen.layers.attention` masks, with its `MASK_VALUE`). Returns `[G, H, K, D]`. The cache may have more
+    rows than G (`[N >= G, H, S', D]`): the kernel reads the first G, in place.
 
     The same sums as the two products and the softmax in TensorFlow ops, in one call per layer instead of
     several XLA operations (two dots and the softmax's fusions), reading the cache in place."""
@@ -153,6 +154,8 @@ def step_attention(query, keys, values, key, value, bias, scale: float, mask_val
     groups, heads, queries, head_dim = query.shape
     length = keys.shape[2]
     most = constant("step_attention_max_head_dim")
+    if keys.shape[0] < groups or values.shape[0] < groups:
+        raise ValueError(f"step_attention: a cache of {keys.shape[0]} rows for {groups} groups of queries")
     if head_dim > most or keys.shape[3] != head_dim:
         raise ValueError(f"step_attention: head size {head_dim} (keys {keys.shape[3]}); the kernel takes equal "
                          f"sizes up to {most}")
