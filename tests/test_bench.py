@@ -354,6 +354,19 @@ def test_one_worker_at_a_time_restarts_each_worker_and_references_build_alone_fi
     assert len(result["runs_s"]) == 4 and result["first_call_s"] == 10.0  # (3 + 1) // 2 per worker
 
 
+def test_llama_family_bench_shapes_are_those_ctranslate2_converts(peer):
+    """Bench models qwen2 and llama: xlagen's configs and the transformers configs CTranslate2's models are
+    converted from give the same shapes, rope and tied head (the BOS id aside: Qwen2 has none)."""
+    compare, _ = peer
+    ct2 = compare.reference_module("ctranslate2")
+    for name in ("qwen2", "llama"):
+        ours, theirs = bench_timing.llama_family_config(name).to_hf_config(), ct2.MODELS[name][2]
+        keys = set(theirs) - {"bos_token_id", "rope_scaling"}
+        assert {k: ours[k] for k in keys} == {k: theirs[k] for k in keys}, name
+        scaling = theirs.get("rope_scaling") or {}
+        assert {k: (ours["rope_scaling"] or {}).get(k) for k in scaling} == scaling, name
+
+
 def test_reference_options_are_settled_together(peer):
     compare, _ = peer
     args = compare.parse_arguments(["--tiny", "--systems", "ctranslate2", "--reference-env", "CT2_FORCE_CPU_ISA=AVX2",

@@ -33,7 +33,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -43,12 +42,13 @@ if importlib.util.find_spec("xlagen") is None:  # the reference's environment ha
     sys.path.insert(0, str(REPOSITORY / "src"))
 
 import bandwidth  # noqa: E402 - after the path is set
+import workers  # noqa: E402
 from xlagen.cli import bench, bench_report, bench_timing  # noqa: E402
 from xlagen.cli.common import positive_int  # noqa: E402
 
 logger = logging.getLogger("compare")
 SCHEMA = "xlagen-comparison/1"
-RESULT_PREFIX = "XLAGEN_BENCH "  # marks the workers' JSON lines on stdout
+RESULT_PREFIX = workers.RESULT_PREFIX  # marks the workers' JSON lines on stdout
 # reference name -> its module in this folder (imported by the driver too: they import only the standard library)
 REFERENCES = {"transformers-tf": "transformers_tf", "ctranslate2": "ctranslate2_system"}
 SYSTEMS = ("xlagen", *REFERENCES)
@@ -122,56 +122,17 @@ def _worker_command(name: str, scenario: bench_timing.Scenario | None,
     return [str(args.reference_python), str(args.reference_script), *worker], env
 
 
-class Worker:
-    """One scenario of one system in its own process (see `worker_main`), driven call by call.
-
-    Starting it builds the model and makes the first call (trace + compile); `run(n)` then times one
-    call of n new tokens. With `build_only`, the worker only builds the model (a reference's conversion) and
-    exits. Raises RuntimeError with the worker's error or the end of its stderr.
-    """
-
-    def __init__(self, name: str, scenario: bench_timing.Scenario | None, args: argparse.Namespace,
-                 build_only: bool = False):
-        command, env = _worker_command(name, scenario, args, build_only)
-        self.system = name
-        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the worker; see close().
-        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.stderr, text=True, bufsize=1)
-        self.info = self._expect("system")
-        self.ready = self._expect("built" if build_only else "ready") if scenario else None
-
-    def _expect(self, kind: str) -> dict:
-        for line in self.process.stdout:
-            if line.startswith(RESULT_PREFIX):
-                record = json.loads(line[len(RESULT_PREFIX):])
-                if record["kind"] == "error":
-                    raise RuntimeError(record["error"])
-                if record["kind"] == kind:
-                    return record
-        code = self.process.wait()
-        self.stderr.seek(0)
-        tail = [line for line in self.stderr.read().strip().splitlines() if line.strip()][-15:]
-        logger.error("%s worker exited (%d):\n%s", self.system, code, "\n".join(tail))
-        raise RuntimeError(f"worker exit {code}: {tail[-1] if tail else 'no message'}")
-
-    def run(self, new_tokens: int) -> float:
-        self.process.stdin.write(f"{new_tokens}\n")
-        self.process.stdin.flush()
-        return self._expect("run")["seconds"]
-
-    def close(self) -> None:
-        try:
-            self.process.stdin.close()
-            self.process.wait(timeout=120)
-        except (OSError, subprocess.TimeoutExpired):
-            self.process.kill()
-            self.process.wait()
-        self.stderr.close()
+def start_worker(name: str, scenario: bench_timing.Scenario | None, args: argparse.Namespace,
+                 build_only: bool = False) -> workers.Worker:
+    """A worker of system `name` for `scenario` (None: it only reports its system), started and waited for
+    (see `workers.Worker`); with `build_only` it builds the model and exits."""
+    command, env = _worker_command(name, scenario, args, build_only)
+    return workers.Worker(name, command, env, None if scenario is None else "built" if build_only else "ready")
 
 
 def probe(name: str, args: argparse.Namespace) -> dict:
     """System `name`'s versions, threads and environment, from a worker started without a scenario."""
-    worker = Worker(name, None, args)
+    worker = start_worker(name, None, args)
     worker.close()
     return {k: v for k, v in worker.info.items() if k != "kind"}
 
@@ -194,7 +155,21 @@ def run_interleaved(scenario: bench_timing.Scenario, names: list[str], args: arg
     then every timed call of one worker sits between calls of the others.
     """
     run_as = [(name, run) for name in names for run in _as_run_by(name, scenario, systems)]
-    timing = (_alternate_workers if args.one_worker_at_a_time else _alternate_calls)(scenario, run_as, args, systems)
+
+    def start(index: int, timing: dict) -> workers.Worker | None:
+        name, run = run_as[index]
+        try:
+            worker = start_worker(name, run, args)
+        except RuntimeError as error:
+            timing[index]["error"] = str(error)
+            return None
+        systems.setdefault(name, {k: v for k, v in worker.info.items() if k != "kind"})
+        timing[index].setdefault("ready", worker.ready)
+        return worker
+
+    schedule = workers.alternate_workers if args.one_worker_at_a_time else workers.alternate_calls
+    timing = schedule(len(run_as), start, scenario.new_tokens, *bench_timing.repeats_of(scenario, args),
+                      args.ttft)
     results = []
     for index, (name, run) in enumerate(run_as):
         if "error" in timing[index]:
@@ -212,82 +187,6 @@ def run_interleaved(scenario: bench_timing.Scenario, names: list[str], args: arg
     return results
 
 
-def _timed_calls(workers: dict[int, Worker], timing: dict[int, dict], scenario: bench_timing.Scenario,
-                 args: argparse.Namespace, repeats: int, warmup: int) -> None:
-    """Warm-up and timed calls of `workers` (index -> worker), alternating them call by call, into
-    `timing[index]` ("runs", "short": the 2-token runs of --ttft; "error" when one fails)."""
-
-    def alternate(new_tokens: int, count: int, store: str | None) -> None:
-        for turn in range(count):
-            for index in list(workers)[::-1 if turn % 2 else 1]:
-                if "error" in timing[index]:
-                    continue
-                try:
-                    seconds = workers[index].run(new_tokens)
-                except RuntimeError as error:
-                    timing[index]["error"] = str(error)
-                    continue
-                if store is not None:
-                    timing[index][store].append(seconds)
-
-    alternate(scenario.new_tokens, warmup, None)
-    alternate(scenario.new_tokens, repeats, "runs")
-    if args.ttft and scenario.new_tokens > 2:
-        alternate(2, 1 + warmup, None)  # The first one compiles.
-        alternate(2, repeats, "short")
-
-
-def _start(index: int, name: str, run: bench_timing.Scenario, args: argparse.Namespace, systems: dict[str, dict],
-           timing: dict[int, dict]) -> Worker | None:
-    """Worker `index` started (its "ready" record kept in `timing` the first time), or None with its error."""
-    try:
-        worker = Worker(name, run, args)
-    except RuntimeError as error:
-        timing[index]["error"] = str(error)
-        return None
-    systems.setdefault(name, {k: v for k, v in worker.info.items() if k != "kind"})
-    timing[index].setdefault("ready", worker.ready)
-    return worker
-
-
-def _alternate_calls(scenario: bench_timing.Scenario, run_as: list[tuple[str, bench_timing.Scenario]],
-                     args: argparse.Namespace, systems: dict[str, dict]) -> dict[int, dict]:
-    """All workers alive at once, their timed calls alternated."""
-    timing = {index: {"runs": [], "short": []} for index in range(len(run_as))}
-    workers: dict[int, Worker] = {}
-    try:
-        for index, (name, run) in enumerate(run_as):
-            worker = _start(index, name, run, args, systems, timing)
-            if worker is not None:
-                workers[index] = worker
-        _timed_calls(workers, timing, scenario, args, *bench_timing.repeats_of(scenario, args))
-    finally:
-        for worker in workers.values():
-            worker.close()
-    return timing
-
-
-def _alternate_workers(scenario: bench_timing.Scenario, run_as: list[tuple[str, bench_timing.Scenario]],
-                       args: argparse.Namespace, systems: dict[str, dict]) -> dict[int, dict]:
-    """One worker alive at a time (two models that do not fit in memory together): each runs half of the
-    repeats (rounded up), the workers in the order A B C, then fresh ones C B A; the first call reported
-    is the first worker's."""
-    timing = {index: {"runs": [], "short": []} for index in range(len(run_as))}
-    repeats, warmup = bench_timing.repeats_of(scenario, args)
-    for turn in range(2):
-        for index in list(timing)[::-1 if turn else 1]:
-            if "error" in timing[index]:
-                continue
-            worker = _start(index, *run_as[index], args, systems, timing)
-            if worker is None:
-                continue
-            try:
-                _timed_calls({index: worker}, timing, scenario, args, (repeats + 1) // 2, warmup)
-            finally:
-                worker.close()
-    return timing
-
-
 def build_references(scenarios: list[bench_timing.Scenario], args: argparse.Namespace,
                      systems: dict[str, dict]) -> None:
     """Builds each reference model the scenarios need once, alone (CTranslate2 converts it from a PyTorch
@@ -301,7 +200,7 @@ def build_references(scenarios: list[bench_timing.Scenario], args: argparse.Name
                 built.add((name, run.model, run.dtype))
                 bench.progress(args, f"building {name} {run.model} {run.dtype} ...")
                 try:
-                    Worker(name, run, args, build_only=True).close()
+                    start_worker(name, run, args, build_only=True).close()
                 except RuntimeError as error:
                     logger.warning("%s %s %s: %s", name, run.model, run.dtype, error)
 
