@@ -61,7 +61,7 @@ def phase(events: list, which: str) -> list:
     return [e for e in events if start <= e[0] < end or e[3].startswith("CpuExecutable::ExecuteAsyncOnStream")]
 
 
-def summarise(events: list, steps: int, top: int) -> str:
+def summarise(events: list, steps: int, top: int, by_instruction: bool = False) -> str:
     totals, counts = collections.Counter(), collections.Counter()
     call = 0
     for _, duration, _, name in events:
@@ -69,7 +69,7 @@ def summarise(events: list, steps: int, top: int) -> str:
             call = max(call, duration)
         if name.startswith(WRAPPERS) or name.startswith("end:"):
             continue
-        key = re.sub(r"\.\d+$", "", name)
+        key = name if by_instruction else re.sub(r"\.\d+$", "", name)
         totals[key] += duration
         counts[key] += 1
     lines = [f"one call: {call / 1e9:.1f} ms, {call / 1e6 / steps:.1f} us per step (profiled)", "",
@@ -97,9 +97,14 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="float32",
+                        help="an `xlagen bench` dtype: float32, bfloat16-weights or int8-weights (packed weights)")
     parser.add_argument("--top", type=int, default=25, help="rows of the table")
     parser.add_argument("--timeline", type=float, default=0.0, metavar="MS",
                         help="also print every event of a window of this many ms from the middle of the decoding loop")
+    parser.add_argument("--by-instruction", action="store_true",
+                        help="one row per instruction (a block traced once, `share_traces`, has one instruction per "
+                        "product for all its layers): e.g. each of a block's custom calls")
     parser.add_argument("--phase", choices=("all", "before-loop", "loop"), default="all",
                         help="sum only the events before the decoding loop (prefill, an encoder) or inside it")
     args = parser.parse_args()
@@ -110,9 +115,9 @@ def main() -> int:
     from xlagen.cli import bench_timing
 
     bench_timing.configure_threads(args.threads)
-    model = bench_timing.XlagenSystem().build(args.model, "float32")
+    model = bench_timing.XlagenSystem().build(args.model, args.dtype)
     scenario = bench_timing.Scenario(model=args.model, strategy=args.strategy, batch_size=args.batch_size,
-                              new_tokens=args.new_tokens, mode="xla")
+                                     new_tokens=args.new_tokens, mode="xla", dtype=args.dtype)
     function, inputs, options = bench_timing.prepare(bench_timing.XlagenSystem(), model, scenario)
     for _ in range(2):  # compile, then one warm call
         bench_timing.timed(function, inputs, options, args.new_tokens)
@@ -126,7 +131,7 @@ def main() -> int:
         events = list(_events(logdir))
     print(f"{scenario.label()}: {unprofiled / args.new_tokens * 1e3:.2f} ms/token unprofiled, "
           f"{profiled / args.new_tokens * 1e3:.2f} profiled\n")
-    print(summarise(phase(events, args.phase), args.new_tokens, args.top))
+    print(summarise(phase(events, args.phase), args.new_tokens, args.top, args.by_instruction))
     if args.timeline:
         loops = [(d, s) for s, d, _, n in events if n == "while" or n.startswith("while.")]
         if loops:  # the middle of the decoding loop

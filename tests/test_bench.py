@@ -11,6 +11,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import pytest
 
@@ -325,6 +326,48 @@ def test_ctranslate2_runs_its_compute_types_beside_each_xlagen_dtype(peer, tmp_p
     text = compare.markdown(report)
     assert "| CT2 dtype |" in text and "| 4.00x |" in text and "| 2.00x |" in text, text
     assert "ctranslate2: intra 2 / inter 1" in text and "OMP_WAIT_POLICY=PASSIVE" in text
+
+
+def test_one_worker_at_a_time_restarts_each_worker_and_references_build_alone_first(peer, tmp_path):
+    """--one-worker-at-a-time: each worker runs half the repeats, then a fresh one the other half; the references'
+    models are built (converted) once per model and dtype by a worker that only builds, before any scenario."""
+    compare, _ = peer
+    starts = tmp_path / "starts"
+    args = _stub_reference(peer, tmp_path, f"""
+        import json, sys
+        with open({str(starts)!r}, "a") as file:
+            file.write(("build " if "--build-only" in sys.argv else "run ") +
+                       json.loads(sys.argv[sys.argv.index("--scenario") + 1])["dtype"] + "\\n")
+        if "--build-only" in sys.argv:
+            print({compare.RESULT_PREFIX!r} + json.dumps({{"kind": "system", "system": "ctranslate2", "versions": {{}},
+                  "env": {{}}, "threads": {{}}}}), flush=True)
+            print({compare.RESULT_PREFIX!r} + json.dumps({{"kind": "built"}}), flush=True)
+            sys.exit(0)
+    """ + _stub_header(compare, 1000) + """
+        for line in sys.stdin:
+            emit({"kind": "run", "seconds": 0.5})
+    """, "--reference", "ctranslate2", "--repeats", "3", "--one-worker-at-a-time")
+    scenario = bench_timing.Scenario("tiny-gpt2", "greedy", 1, 8, "xla", bench_timing.PACKED_INT8)
+    systems = {"ctranslate2": {"versions": {"compute_types": ["float32", "int8_float32"]}}}
+    args.systems = ["ctranslate2"]
+    compare.build_references([scenario, replace(scenario, batch_size=8)], args, systems)
+    assert starts.read_text().split("\n")[:-1] == ["build int8_float32"]
+    (result,) = compare.run_interleaved(scenario, ["ctranslate2"], args, systems)
+    assert starts.read_text().split("\n")[1:-1] == ["run int8_float32"] * 2
+    assert len(result["runs_s"]) == 4 and result["first_call_s"] == 10.0  # (3 + 1) // 2 per worker
+
+
+def test_llama_family_bench_shapes_are_those_ctranslate2_converts(peer):
+    """Bench models qwen2 and llama: xlagen's configs and the transformers configs CTranslate2's models are
+    converted from give the same shapes, rope and tied head (the BOS id aside: Qwen2 has none)."""
+    compare, _ = peer
+    ct2 = compare.reference_module("ctranslate2")
+    for name in ("qwen2", "llama"):
+        ours, theirs = bench_timing.llama_family_config(name).to_hf_config(), ct2.MODELS[name][2]
+        keys = set(theirs) - {"bos_token_id", "rope_scaling"}
+        assert {k: ours[k] for k in keys} == {k: theirs[k] for k in keys}, name
+        scaling = theirs.get("rope_scaling") or {}
+        assert {k: (ours["rope_scaling"] or {}).get(k) for k in scaling} == scaling, name
 
 
 def test_reference_options_are_settled_together(peer):

@@ -33,7 +33,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -43,12 +42,13 @@ if importlib.util.find_spec("xlagen") is None:  # the reference's environment ha
     sys.path.insert(0, str(REPOSITORY / "src"))
 
 import bandwidth  # noqa: E402 - after the path is set
+import workers  # noqa: E402
 from xlagen.cli import bench, bench_report, bench_timing  # noqa: E402
 from xlagen.cli.common import positive_int  # noqa: E402
 
 logger = logging.getLogger("compare")
 SCHEMA = "xlagen-comparison/1"
-RESULT_PREFIX = "XLAGEN_BENCH "  # marks the workers' JSON lines on stdout
+RESULT_PREFIX = workers.RESULT_PREFIX  # marks the workers' JSON lines on stdout
 # reference name -> its module in this folder (imported by the driver too: they import only the standard library)
 REFERENCES = {"transformers-tf": "transformers_tf", "ctranslate2": "ctranslate2_system"}
 SYSTEMS = ("xlagen", *REFERENCES)
@@ -93,6 +93,9 @@ def worker_main(args: argparse.Namespace) -> int:
     try:
         scenario = bench_timing.Scenario(**json.loads(args.scenario))
         model = under_test.build(scenario.model, scenario.dtype)
+        if args.build_only:
+            _emit({"kind": "built"})
+            return 0
         function, inputs, options = under_test.prepare(model, scenario)
         first = bench_timing.timed(function, inputs, options, scenario.new_tokens)
         weight_bytes = getattr(under_test, "weight_bytes", bandwidth.weight_bytes)(model)
@@ -109,8 +112,8 @@ def worker_main(args: argparse.Namespace) -> int:
 # ----------------------------------------------------------------------------- driver
 
 def _worker_command(name: str, scenario: bench_timing.Scenario | None,
-                    args: argparse.Namespace) -> tuple[list[str], dict]:
-    worker = ["--worker", name, "--threads", str(args.threads)]
+                    args: argparse.Namespace, build_only: bool = False) -> tuple[list[str], dict]:
+    worker = ["--worker", name, "--threads", str(args.threads), *(["--build-only"] if build_only else [])]
     worker += ["--scenario", json.dumps(asdict(scenario))] if scenario else []
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
     if name == "xlagen":
@@ -119,54 +122,17 @@ def _worker_command(name: str, scenario: bench_timing.Scenario | None,
     return [str(args.reference_python), str(args.reference_script), *worker], env
 
 
-class Worker:
-    """One scenario of one system in its own process (see `worker_main`), driven call by call.
-
-    Starting it builds the model and makes the first call (trace + compile); `run(n)` then times one
-    call of n new tokens. Raises RuntimeError with the worker's error or the end of its stderr.
-    """
-
-    def __init__(self, name: str, scenario: bench_timing.Scenario | None, args: argparse.Namespace):
-        command, env = _worker_command(name, scenario, args)
-        self.system = name
-        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 - lives as long as the worker; see close().
-        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=self.stderr, text=True, bufsize=1)
-        self.info = self._expect("system")
-        self.ready = self._expect("ready") if scenario else None
-
-    def _expect(self, kind: str) -> dict:
-        for line in self.process.stdout:
-            if line.startswith(RESULT_PREFIX):
-                record = json.loads(line[len(RESULT_PREFIX):])
-                if record["kind"] == "error":
-                    raise RuntimeError(record["error"])
-                if record["kind"] == kind:
-                    return record
-        code = self.process.wait()
-        self.stderr.seek(0)
-        tail = [line for line in self.stderr.read().strip().splitlines() if line.strip()][-15:]
-        logger.error("%s worker exited (%d):\n%s", self.system, code, "\n".join(tail))
-        raise RuntimeError(f"worker exit {code}: {tail[-1] if tail else 'no message'}")
-
-    def run(self, new_tokens: int) -> float:
-        self.process.stdin.write(f"{new_tokens}\n")
-        self.process.stdin.flush()
-        return self._expect("run")["seconds"]
-
-    def close(self) -> None:
-        try:
-            self.process.stdin.close()
-            self.process.wait(timeout=120)
-        except (OSError, subprocess.TimeoutExpired):
-            self.process.kill()
-            self.process.wait()
-        self.stderr.close()
+def start_worker(name: str, scenario: bench_timing.Scenario | None, args: argparse.Namespace,
+                 build_only: bool = False) -> workers.Worker:
+    """A worker of system `name` for `scenario` (None: it only reports its system), started and waited for
+    (see `workers.Worker`); with `build_only` it builds the model and exits."""
+    command, env = _worker_command(name, scenario, args, build_only)
+    return workers.Worker(name, command, env, None if scenario is None else "built" if build_only else "ready")
 
 
 def probe(name: str, args: argparse.Namespace) -> dict:
     """System `name`'s versions, threads and environment, from a worker started without a scenario."""
-    worker = Worker(name, None, args)
+    worker = start_worker(name, None, args)
     worker.close()
     return {k: v for k, v in worker.info.items() if k != "kind"}
 
@@ -183,53 +149,35 @@ def _as_run_by(name: str, scenario: bench_timing.Scenario, systems: dict[str, di
 def run_interleaved(scenario: bench_timing.Scenario, names: list[str], args: argparse.Namespace,
                     systems: dict[str, dict]) -> list[dict]:
     """Runs one scenario with a worker per system and dtype it runs (`_as_run_by`), alternating their timed
-    calls (A B C, C B A, A B C, ...).
+    calls (A B C, C B A, A B C, ...); with --one-worker-at-a-time, alternating their workers instead.
 
     The workers start (build, first call) one after the other, so no compile overlaps a timed run;
     then every timed call of one worker sits between calls of the others.
     """
     run_as = [(name, run) for name in names for run in _as_run_by(name, scenario, systems)]
-    workers: dict[int, Worker] = {}
-    errors: dict[int, str] = {}
-    try:
-        for index, (name, run) in enumerate(run_as):
-            try:
-                workers[index] = Worker(name, run, args)
-                systems.setdefault(name, {k: v for k, v in workers[index].info.items() if k != "kind"})
-            except RuntimeError as error:
-                errors[index] = str(error)
-        repeats, warmup = bench_timing.repeats_of(scenario, args)
-        runs: dict[int, list[float]] = {index: [] for index in workers}
-        short: dict[int, list[float]] = {index: [] for index in workers}
 
-        def alternate(new_tokens: int, count: int, store: dict[int, list[float]] | None) -> None:
-            for turn in range(count):
-                for index in list(workers)[::-1 if turn % 2 else 1]:
-                    if index in errors:
-                        continue
-                    try:
-                        seconds = workers[index].run(new_tokens)
-                    except RuntimeError as error:
-                        errors[index] = str(error)
-                        continue
-                    if store is not None:
-                        store[index].append(seconds)
+    def start(index: int, timing: dict) -> workers.Worker | None:
+        name, run = run_as[index]
+        try:
+            worker = start_worker(name, run, args)
+        except RuntimeError as error:
+            timing[index]["error"] = str(error)
+            return None
+        systems.setdefault(name, {k: v for k, v in worker.info.items() if k != "kind"})
+        timing[index].setdefault("ready", worker.ready)
+        return worker
 
-        alternate(scenario.new_tokens, warmup, None)
-        alternate(scenario.new_tokens, repeats, runs)
-        if args.ttft and scenario.new_tokens > 2:
-            alternate(2, 1 + warmup, None)  # The first one compiles.
-            alternate(2, repeats, short)
-    finally:
-        for worker in workers.values():
-            worker.close()
+    schedule = workers.alternate_workers if args.one_worker_at_a_time else workers.alternate_calls
+    timing = schedule(len(run_as), start, scenario.new_tokens, *bench_timing.repeats_of(scenario, args),
+                      args.ttft)
     results = []
     for index, (name, run) in enumerate(run_as):
-        if index in errors:
-            result = {"system": name, **asdict(run), "error": errors[index]}
+        if "error" in timing[index]:
+            result = {"system": name, **asdict(run), "error": timing[index]["error"]}
         else:
-            ready = workers[index].ready
-            result = bench_timing.summarise(name, run, ready["first_call_s"], runs[index], short[index])
+            ready = timing[index]["ready"]
+            result = bench_timing.summarise(name, run, ready["first_call_s"], timing[index]["runs"],
+                                            timing[index]["short"])
             result["weight_bytes"] = ready["weight_bytes"]
             if name != "xlagen" and not reference_module(name).COMPILES:  # its first call is a run like the others
                 del result["compile_s"]
@@ -237,6 +185,24 @@ def run_interleaved(scenario: bench_timing.Scenario, names: list[str], args: arg
             result["paired_dtype"] = scenario.dtype
         results.append(result)
     return results
+
+
+def build_references(scenarios: list[bench_timing.Scenario], args: argparse.Namespace,
+                     systems: dict[str, dict]) -> None:
+    """Builds each reference model the scenarios need once, alone (CTranslate2 converts it from a PyTorch
+    model: no other worker holds memory meanwhile); a failure is left for its scenario to report."""
+    built = set()
+    for scenario in scenarios:
+        for name in args.systems:
+            for run in _as_run_by(name, scenario, systems) if name != "xlagen" else []:
+                if (name, run.model, run.dtype) in built:
+                    continue
+                built.add((name, run.model, run.dtype))
+                bench.progress(args, f"building {name} {run.model} {run.dtype} ...")
+                try:
+                    start_worker(name, run, args, build_only=True).close()
+                except RuntimeError as error:
+                    logger.warning("%s %s %s: %s", name, run.model, run.dtype, error)
 
 
 def _beside(results: list[dict]) -> dict[str, list[dict]]:
@@ -288,6 +254,7 @@ def run_comparison(args: argparse.Namespace) -> int:
     native = bandwidth.measure_native_bandwidth(args.bandwidth_mib, args.bandwidth_repeats)
     results: list[dict] = []
     systems = {name: probe(name, args) for name in args.systems if name != "xlagen"}  # its compute types
+    build_references(scenarios, args, systems)
     for index, scenario in enumerate(scenarios):
         names = args.systems if index % 2 == 0 else args.systems[::-1]  # Alternate who compiles and runs first.
         bench.progress(args, f"[{index + 1}/{len(scenarios)}] {scenario.label()} ...")
@@ -302,6 +269,7 @@ def run_comparison(args: argparse.Namespace) -> int:
     command += ["--reference", args.reference, "--systems", *args.systems, "--bandwidth-mib", str(args.bandwidth_mib),
                 "--bandwidth-repeats", str(args.bandwidth_repeats)]
     command += ["--prefill-tokens", str(args.prefill_tokens)] if args.prefill_tokens else []
+    command += ["--one-worker-at-a-time"] if args.one_worker_at_a_time else []
     command += ["--reference-env", *(f"{k}={v}" for k, v in args.reference_env.items())] if args.reference_env else []
     report = {"schema": SCHEMA, "created": started.isoformat(timespec="seconds"),
               "seconds": round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1),
@@ -311,6 +279,8 @@ def run_comparison(args: argparse.Namespace) -> int:
                                                                            "ttft": args.ttft,
                                                                            "reference": args.reference,
                                                                            "prefill_tokens": args.prefill_tokens,
+                                                                           "one_worker_at_a_time":
+                                                                               args.one_worker_at_a_time,
                                                                            "reference_env": args.reference_env},
               "results": results}
     bandwidth.add_rooflines(report)
@@ -428,12 +398,16 @@ def build_parser() -> argparse.ArgumentParser:
     machine.add_argument("--reference-env", nargs="+", default=[], metavar="NAME=VALUE",
                          help="environment variables of the reference's workers, e.g. CT2_FORCE_CPU_ISA=AVX2 "
                          "CT2_USE_EXPERIMENTAL_PACKED_GEMM=1 OMP_WAIT_POLICY=PASSIVE (recorded in the report)")
+    machine.add_argument("--one-worker-at-a-time", action="store_true",
+                         help="for models two of which do not fit in memory together: the systems' workers run "
+                         "in turn (A B, then fresh B A), each half of the repeats, rather than side by side")
     machine.add_argument("--prefill-tokens", type=positive_int, metavar="P",
                          help="also time the first token (greedy, batch 1, 1 new token) from a P-token prompt per "
                          "model and dtype (Whisper: from its 30 s of audio)")
     bench.add_output_arguments(parser, "benchmarks/results")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--scenario", help=argparse.SUPPRESS)
+    parser.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 

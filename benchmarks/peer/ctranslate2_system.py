@@ -53,6 +53,20 @@ MODELS: dict[str, tuple[str, str, dict, dict[str, int], str]] = {
            "translator"),
     "whisper": ("WhisperConfig", "WhisperForConditionalGeneration", {},
                 {"bos": 50257, "eos": 50257, "unk": 50257, "start": 50258}, "whisper"),
+    # Qwen2.5-0.5B's and Llama-3.2-1B's shapes (as xlagen's bench architectures of these names)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              {"vocab_size": 151936, "hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+               "num_key_value_heads": 2, "intermediate_size": 4864, "max_position_embeddings": 32768,
+               "tie_word_embeddings": True, "rope_theta": 1e6, "bos_token_id": 151643, "eos_token_id": 151643},
+              {"bos": 151643, "eos": 151643, "unk": 151643}, "generator"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {"vocab_size": 128256, "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "intermediate_size": 8192, "max_position_embeddings": 131072,
+               "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "rope_theta": 500000.0,
+               "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+               "bos_token_id": 128000, "eos_token_id": 128001},
+              {"bos": 128000, "eos": 128001, "unk": 128001}, "generator"),
     "tiny-gpt2": ("GPT2Config", "GPT2LMHeadModel",
                   {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64, "bos_token_id": 63,
                    "eos_token_id": 63}, {"bos": 63, "eos": 63, "unk": 63}, "generator"),
@@ -60,6 +74,7 @@ MODELS: dict[str, tuple[str, str, dict, dict[str, int], str]] = {
 _NAMES = {"pad": "<pad>", "bos": "<|endoftext|>", "eos": "<|endoftext|>", "unk": "<|endoftext|>"}
 _T5_NAMES = {"pad": "<pad>", "eos": "</s>", "unk": "<unk>"}
 _OPT_NAMES = {"pad": "<pad>", "bos": "</s>", "eos": "</s>", "unk": "<unk>"}
+_LLAMA_NAMES = {"bos": "<|begin_of_text|>", "eos": "<|end_of_text|>", "unk": "<|end_of_text|>"}
 # Whisper's special tokens that CTranslate2 looks up by name, at whisper-tiny's ids; timestamps follow them.
 _WHISPER_TOKENS = {50257: "<|endoftext|>", 50258: "<|startoftranscript|>", 50358: "<|translate|>",
                    50359: "<|transcribe|>", 50360: "<|startoflm|>", 50361: "<|startofprev|>", 50362: "<|nospeech|>",
@@ -82,7 +97,7 @@ def paired_dtypes(dtype: str, compute_types: list[str] | None) -> list[str]:
 
 
 def _token_names(model: str) -> dict[str, str]:
-    return _T5_NAMES if model == "t5" else _OPT_NAMES if model == "opt" else _NAMES
+    return {"t5": _T5_NAMES, "opt": _OPT_NAMES, "llama": _LLAMA_NAMES}.get(model, _NAMES)
 
 
 def _vocabulary(model: str, size: int) -> dict[str, int]:

@@ -126,15 +126,28 @@ def _xlagen_opt(dtype: str):
     return TFOPTForCausalLM(OPTConfig(), dtype=dtype)  # OPTConfig's defaults are OPT-125m's shapes
 
 
-def _xlagen_qwen2(dtype: str):
-    from xlagen.modeling import TFQwen2ForCausalLM
+def llama_family_config(model: str):
+    """The `LlamaConfig` of bench model "qwen2" (Qwen2.5-0.5B's shapes: 14 query heads on 2 key/value heads,
+    query/key/value biases) or "llama" (Llama-3.2-1B's: 32 on 8, the llama3 rope); both tie their head."""
+    from xlagen.layers.rotary import RopeSpec
     from xlagen.models.llama import LlamaConfig
 
-    # Qwen2.5-0.5B's shapes: 14 query heads on 2 key/value heads, tied head, query/key/value biases.
-    config = LlamaConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, max_positions=32768, attention_bias=True, tie_word_embeddings=True,
-                         bos_token_id=None, eos_token_id=151643, model_type="qwen2")
-    return TFQwen2ForCausalLM(config, dtype=dtype)
+    if model == "qwen2":
+        return LlamaConfig(vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_key_value_heads=2,
+                           intermediate_size=4864, max_positions=32768, attention_bias=True, tie_word_embeddings=True,
+                           bos_token_id=None, eos_token_id=151643, model_type="qwen2",
+                           rope=RopeSpec(theta=1e6, max_positions=32768))
+    rope = RopeSpec(theta=500000.0, rope_type="llama3", factor=32.0, max_positions=131072,
+                    original_max_positions=8192, low_freq_factor=1.0, high_freq_factor=4.0)
+    return LlamaConfig(vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_key_value_heads=8,
+                       intermediate_size=8192, max_positions=131072, layer_norm_eps=1e-5, tie_word_embeddings=True,
+                       bos_token_id=128000, eos_token_id=128001, model_type="llama", rope=rope)
+
+
+def _xlagen_llama_family(model: str, dtype: str):
+    from xlagen.modeling import TFLlamaForCausalLM, TFQwen2ForCausalLM
+
+    return {"llama": TFLlamaForCausalLM, "qwen2": TFQwen2ForCausalLM}[model](llama_family_config(model), dtype=dtype)
 
 
 def _xlagen_t5(dtype: str):
@@ -154,7 +167,9 @@ def _xlagen_whisper(dtype: str):
 
 
 ARCHITECTURES: dict[str, Callable[[str], Any]] = {
-    "gpt2": _xlagen_gpt2, "opt": _xlagen_opt, "qwen2": _xlagen_qwen2, "t5": _xlagen_t5, "whisper": _xlagen_whisper,
+    "gpt2": _xlagen_gpt2, "opt": _xlagen_opt, "qwen2": lambda dtype: _xlagen_llama_family("qwen2", dtype),
+    "llama": lambda dtype: _xlagen_llama_family("llama", dtype), "t5": _xlagen_t5,
+    "whisper": _xlagen_whisper,
     "tiny-gpt2": lambda dtype: _xlagen_gpt2(dtype, **_GPT2_TINY)}
 
 
