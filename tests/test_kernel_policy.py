@@ -26,13 +26,16 @@ def kernels_ready(monkeypatch):
 
 
 def _under_xla(function):
-    """What `function()` returns when traced by XLA (`jit_compile=True`), in a decoding step or not."""
+    """What `function()` returns when traced by XLA (`jit_compile=True`): in a decoding step, a generation's
+    prompt pass, or neither."""
     seen = {}
 
     def traced():
         seen["outside a step"] = function()
         with native.decoding_step():
             seen["in a step"] = function()
+        with native.prefill():
+            seen["in a prefill"] = function()
 
         def undeclared(i):
             seen["in a loop that is no step"] = function()
@@ -111,7 +114,9 @@ def test_float32_products_use_the_kernel_in_compiled_decoding_steps_of_few_rows(
         with native.tracing(kernels):
             return _under_xla(lambda: native.use_float32_kernel(tf.zeros((rows, k)), tf.zeros((k, n))))
 
-    assert ask(native.Kernels()) == {"outside a step": False, "in a step": True, "in a loop that is no step": False}
+    assert ask(native.Kernels()) == {"outside a step": False, "in a step": True, "in a prefill": True,
+                                     "in a loop that is no step": False}
+    assert not ask(native.Kernels(), rows=17)["in a prefill"]  # a prompt of many rows stays with XLA's dot
     assert not any(ask(native.Kernels.OFF).values())
     assert not any(ask(native.Kernels(float32=False)).values())
     assert ask(native.Kernels(), rows=16)["in a step"] and not ask(native.Kernels(), rows=17)["in a step"]
@@ -119,7 +124,7 @@ def test_float32_products_use_the_kernel_in_compiled_decoding_steps_of_few_rows(
     assert not ask(native.Kernels(float32_min_bytes=64 * 96 * 4 + 1))["in a step"]
     assert not ask(native.Kernels(float32_max_columns=95), rows=1)["in a step"]
     assert ask(native.Kernels(float32_max_columns=95), rows=2)["in a step"]  # one row only
-    with native.decoding_step():
+    with native.decoding_step(), native.prefill():
         assert not native.use_float32_kernel(tf.zeros((2, 64)), tf.zeros((64, 96)))  # eager: no XLA
 
 
@@ -129,9 +134,9 @@ def test_packed_products_use_the_kernel_in_steps_and_for_few_rows(kernels_ready)
             return _under_xla(lambda: kernels.use_packed_product(tf.zeros((rows, 64))))
 
     most = native.Kernels().packed_max_rows
-    assert ask(native.Kernels(), most) == {"outside a step": True, "in a step": True,
+    assert ask(native.Kernels(), most) == {"outside a step": True, "in a step": True, "in a prefill": True,
                                            "in a loop that is no step": True}
-    assert ask(native.Kernels(), most + 1) == {"outside a step": False, "in a step": True,
+    assert ask(native.Kernels(), most + 1) == {"outside a step": False, "in a step": True, "in a prefill": False,
                                                "in a loop that is no step": False}
     assert not any(ask(native.Kernels.OFF, 1).values())
 
@@ -143,7 +148,7 @@ def test_int8_products_run_in_integers_from_their_min_rows(kernels_ready):
 
     least = native.Kernels().int8_integer_min_rows
     assert least is not None and least > 1  # batch-1 decoding keeps the float32-compute kernel
-    everywhere = {"outside a step": True, "in a step": True, "in a loop that is no step": True}
+    everywhere = {"outside a step": True, "in a step": True, "in a prefill": True, "in a loop that is no step": True}
     assert ask(native.Kernels(), least) == ask(native.Kernels(), 600) == everywhere
     assert not any(ask(native.Kernels(), least - 1).values())
     assert not any(ask(native.Kernels(int8_integer_min_rows=None), 600).values())
@@ -175,11 +180,12 @@ def test_attention_argmax_and_folded_memory_follow_their_fields(kernels_ready):
 
 
 def test_decoding_loops_declare_their_steps(monkeypatch, gpt2_model):
-    """generate's loops trace `decode_step` inside `native.decoding_step()` and the prefill outside it: the
-    products' questions say where they were asked."""
+    """generate's loops trace `decode_step` inside `native.decoding_step()` and the prefill outside it, in
+    `native.prefill()`: the products' questions say where they were asked."""
     asked = []
 
     def spy(x, kernel):
+        assert native.policy.in_decoding_step() != native.policy.in_prefill()  # a product is in one of them
         asked.append((x.shape[:-1].num_elements(), native.policy.in_decoding_step()))
         return False
 

@@ -51,8 +51,10 @@ def repeat_rows(prompt: Prompt, times: int) -> Prompt:
 
 
 def prefill(model, prompt: Prompt, total_length: int):
-    """`model.prefill` on a prompt whose padding and finished positions hold id 0 (see `model_ids`)."""
-    return model.prefill(model_ids(prompt.ids, prompt.mask), prompt.mask, total_length, **prompt.extra)
+    """`model.prefill` on a prompt whose padding and finished positions hold id 0 (see `model_ids`), traced
+    as a generation's prompt pass (`native.prefill`)."""
+    with native.prefill():
+        return model.prefill(model_ids(prompt.ids, prompt.mask), prompt.mask, total_length, **prompt.extra)
 
 
 class LoopState(NamedTuple):

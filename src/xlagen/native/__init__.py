@@ -53,8 +53,8 @@ from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, FLOAT32_TARGET, 
                                MEMORY_ATTENTION_TARGET, STEP_ATTENTION_TARGET, TARGET, argmax, attention, matmul, matmul_float32,
                                memory_attention, reference_memory_attention, step_attention)
 from xlagen.native.packing import WEIGHT_DTYPES, pack_bfloat16, pack_int8, pack_tensor, unpack
-from xlagen.native.policy import (ATTENTION_HEAD_DIMS, Kernels, PoolSettings, current, decoding_step, tracing,
-                                  use_argmax, use_attention_kernel, use_float32_kernel, use_memory_attention,
+from xlagen.native.policy import (ATTENTION_HEAD_DIMS, Kernels, PoolSettings, current, decoding_step, prefill,
+                                  tracing, use_argmax, use_attention_kernel, use_float32_kernel, use_memory_attention,
                                   use_step_attention)
 
 # The kernels' constants that Python code reads by these names (`native.PANEL`, ...), from the library.
@@ -74,6 +74,6 @@ __all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "FLOAT32_
            "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "argmax", "attention", "compile_library",
            "configure_pool", "constant", "current", "decoding_step", "hardware_reason", "load", "lookahead_counts",
            "lookahead_kib", "matmul", "matmul_float32", "memory_attention", "pack_bfloat16", "pack_int8",
-           "pack_tensor", "ready", "reference_memory_attention", "set_lookahead", "status_supported",
+           "pack_tensor", "prefill", "ready", "reference_memory_attention", "set_lookahead", "status_supported",
            "step_attention", "tracing", "unavailable_reason", "unpack", "use_argmax", "use_attention_kernel",
            "use_float32_kernel", "use_memory_attention", "use_step_attention"]

@@ -48,7 +48,10 @@ class Kernels:
         float32: Whether float32 weights use the kernels (products, attentions, argmax); bfloat16 and int8
             weights always do while `enabled`.
         float32_max_rows: A decoding step's float32 product uses the kernel up to this many rows (batch x
-            beams): 16 covers 2 beams over a batch of 8. At 16 rows the product is close to compute-bound;
+            beams): 16 covers 2 beams over a batch of 8. So does a generation's prompt pass (`prefill`) of at
+            most this many rows (prompt tokens x batch): XLA's dot on a few rows of a large matrix is far
+            slower than the kernel (Llama-3.2-1B shapes, an 8-token prompt: 3.6 s before the first step,
+            whose 8 kernel products of the same weights took 0.7 s). At 16 rows the product is close to compute-bound;
             the kernel still made the whole of `generate` 1.12-1.20x faster than XLA's dot there (GPT-2,
             OPT, T5, Whisper, beam 2 at batch 8; `benchmarks/ab.py --compare kernel --max-rows 16`).
         float32_min_bytes: Float32 weight matrices smaller than this stay with XLA's dot (0: none do; every
@@ -141,7 +144,7 @@ class Kernels:
 
     def use_float32_product(self, x, kernel) -> bool:
         """Whether `x @ kernel` (both float32, x with static leading dimensions) should be
-        `ops.matmul_float32`: in a decoding step compiled by XLA, at most `float32_max_rows` rows, a kernel of
+        `ops.matmul_float32`: in a decoding step or a generation's prompt pass (`prefill`) compiled by XLA, at most `float32_max_rows` rows, a kernel of
         at least `float32_min_bytes` and, for one row, at most `float32_max_columns` columns (if set), and
         the kernels loadable."""
         import tensorflow as tf
@@ -155,7 +158,7 @@ class Kernels:
             return False
         if rows == 1 and self.float32_max_columns is not None and kernel.shape[1] > self.float32_max_columns:
             return False
-        return in_decoding_step() and under_xla() and _ready()
+        return (in_decoding_step() or in_prefill()) and under_xla() and _ready()
 
     def use_packed_product(self, x) -> bool:
         """Whether `x @ W` for packed (bfloat16 / int8) weights should be the native kernel (else the weights
@@ -300,6 +303,7 @@ class PoolSettings:
 
 _active: contextvars.ContextVar[Kernels | None] = contextvars.ContextVar("xlagen_kernels", default=None)
 _in_step = contextvars.ContextVar("xlagen_decoding_step", default=False)
+_in_prefill = contextvars.ContextVar("xlagen_prefill", default=False)
 
 
 def current() -> Kernels:
@@ -339,6 +343,22 @@ def decoding_step() -> Iterator[None]:
 def in_decoding_step() -> bool:
     """Whether the operation being traced is part of a decoding step (`decoding_step`)."""
     return _in_step.get()
+
+
+@contextlib.contextmanager
+def prefill() -> Iterator[None]:
+    """Marks what is traced within as a generation's prompt pass, before its decoding loop: inference, so
+    products of few rows may take the float32 kernel (which has no gradient) as a decoding step's do."""
+    token = _in_prefill.set(True)
+    try:
+        yield
+    finally:
+        _in_prefill.reset(token)
+
+
+def in_prefill() -> bool:
+    """Whether the operation being traced is part of a generation's prompt pass (`prefill`)."""
+    return _in_prefill.get()
 
 
 def under_xla() -> bool:
