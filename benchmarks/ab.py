@@ -26,6 +26,9 @@
   lookahead        the kernel's idle workers reading nothing ahead (A) against the start of the next
                    product's weights (B, the default; `xlagen.native.set_lookahead`). One program: the choice
                    is made at run time, before each call.
+  prefill          a generation's prompt pass on XLA's dot (`float32_prefill=False`) against the float32
+                   kernel for prompts of at most `float32_max_rows` rows (prompt tokens x batch); with
+                   --new-tokens 1 the time is the first token's.
   integer          int8 weights (with --weights int8) multiplied in float32 at every row count
                    (`int8_integer_min_rows=None`) against int8 x int8 products from `int8_integer_min_rows`
                    rows (activations quantized per row); the two generate different tokens when the
@@ -64,6 +67,7 @@ POLICIES = {  # --compare: (name A, changes from the default for A), (name B, ch
     "fold": (("projected_memory", {"memory_attention_min_bytes": UNREACHABLE}), ("folded_memory", {})),
     "lookahead": (("no_lookahead", {}), ("lookahead", {})),
     "integer": (("float32_compute", {"int8_integer_min_rows": None}), ("integer", {})),
+    "prefill": (("prefill_on_xla_dot", {"float32_prefill": False}), ("prefill_on_kernel", {})),
 }
 RUN_TIME = {"lookahead"}  # choices made before each call rather than at the trace
 

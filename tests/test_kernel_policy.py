@@ -117,6 +117,8 @@ def test_float32_products_use_the_kernel_in_compiled_decoding_steps_of_few_rows(
     assert ask(native.Kernels()) == {"outside a step": False, "in a step": True, "in a prefill": True,
                                      "in a loop that is no step": False}
     assert not ask(native.Kernels(), rows=17)["in a prefill"]  # a prompt of many rows stays with XLA's dot
+    assert ask(native.Kernels(float32_prefill=False))["in a step"]
+    assert not ask(native.Kernels(float32_prefill=False))["in a prefill"]
     assert not any(ask(native.Kernels.OFF).values())
     assert not any(ask(native.Kernels(float32=False)).values())
     assert ask(native.Kernels(), rows=16)["in a step"] and not ask(native.Kernels(), rows=17)["in a step"]

@@ -480,16 +480,25 @@ def test_other_models_generate_the_same_with_the_float32_kernel(tmp_path, family
 
 def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model):
     ids = random_ids((3, 5), 300, seed=1)
+    steps_only = native.Kernels(float32_prefill=False)
 
     def hlo(function, *args):
         return tf.function(function, jit_compile=True).experimental_get_compiler_ir(*args)(stage="optimized_hlo")
 
-    # A forward pass (prefill, training, predict) is not a decoding loop: XLA's own dot.
+    # A forward pass (training, predict) is neither a decoding step nor a generation's prompt pass: XLA's dot.
     assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model(ids).logits, ids)
     # 3 rows x 6 beams = 18 rows per product, above float32_max_rows; x 5 beams = 15, within it.
     assert 15 <= native.Kernels().float32_max_rows < 18
-    assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=6), ids)
-    assert native.FLOAT32_TARGET in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=5), ids)
+    assert native.FLOAT32_TARGET not in hlo(
+        lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=6, kernels=steps_only), ids)
+    assert native.FLOAT32_TARGET in hlo(
+        lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=5, kernels=steps_only), ids)
+    # The prompt pass (float32_prefill) of 3 x 5 = 15 rows takes the kernel, even where the steps' 18 do not;
+    # of 3 x 6 = 18 rows, only its head does (the 3 last positions).
+    assert native.FLOAT32_TARGET in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=6), ids)
+    longer = random_ids((3, 6), 300, seed=1)
+    assert hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=6), longer).count(
+        f'custom_call_target="{native.FLOAT32_TARGET}"') == 1
     with native.tracing(native.Kernels.OFF):
         assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
     assert native.FLOAT32_TARGET not in hlo(
@@ -510,15 +519,16 @@ def test_float32_kernel_limits_by_size_and_width(gpt2_model):
             f'custom_call_target="{native.FLOAT32_TARGET}"')
 
     # By default every decoding product goes through the kernel: 4 projections per block and the head, even
-    # the tiny model's few-kB matrices.
+    # the tiny model's few-kB matrices; so does the 5-token prompt pass's (its head on the last position).
     projections = 4 * gpt2_model.config.num_layers
-    assert kernel_calls() == projections + 1
+    assert kernel_calls() == 2 * (projections + 1)
+    assert kernel_calls(native.Kernels(float32_prefill=False)) == projections + 1
     # float32_max_columns keeps wider matrices (the head) with XLA's dot at one row, not at two beams.
-    narrow = native.Kernels(float32_max_columns=gpt2_model.config.vocab_size - 1)
+    narrow = native.Kernels(float32_max_columns=gpt2_model.config.vocab_size - 1, float32_prefill=False)
     assert kernel_calls(narrow) == projections
     assert kernel_calls(narrow, num_beams=2) == projections + 1
     # float32_min_bytes keeps smaller matrices (here all of them) with XLA's dot.
-    assert kernel_calls(narrow.replace(float32_min_bytes=2 * 2**20)) == 0
+    assert kernel_calls(narrow.replace(float32_min_bytes=2 * 2**20, float32_prefill=True)) == 0
 
 
 def test_float32_kernel_falls_back_to_xla_where_it_cannot_run(monkeypatch, gpt2_model, caplog):

@@ -48,16 +48,19 @@ class Kernels:
         float32: Whether float32 weights use the kernels (products, attentions, argmax); bfloat16 and int8
             weights always do while `enabled`.
         float32_max_rows: A decoding step's float32 product uses the kernel up to this many rows (batch x
-            beams): 16 covers 2 beams over a batch of 8. So does a generation's prompt pass (`prefill`) of at
-            most this many rows (prompt tokens x batch): XLA's dot on a few rows of a large matrix is far
-            slower than the kernel (Llama-3.2-1B shapes, an 8-token prompt: 3.6 s before the first step,
-            whose 8 kernel products of the same weights took 0.7 s). At 16 rows the product is close to compute-bound;
+            beams): 16 covers 2 beams over a batch of 8. So does a generation's prompt pass of at most this
+            many rows (prompt tokens x batch) with `float32_prefill`. At 16 rows the product is close to compute-bound;
             the kernel still made the whole of `generate` 1.12-1.20x faster than XLA's dot there (GPT-2,
             OPT, T5, Whisper, beam 2 at batch 8; `benchmarks/ab.py --compare kernel --max-rows 16`).
         float32_min_bytes: Float32 weight matrices smaller than this stay with XLA's dot (0: none do; every
             product on the kernel measured faster or even, `benchmarks/ab.py --compare rules`).
         float32_max_columns: If set, one-row float32 products with more columns than this (LM heads) stay
             with XLA's dot.
+        float32_prefill: A generation's prompt pass (`prefill`) of at most `float32_max_rows` rows takes the
+            float32 kernel as a decoding step does; XLA's dot on a few rows of a large matrix is far slower
+            (the first token of an 8-token prompt, batch 1: GPT-2-small 79 against 164 ms, Qwen2.5-0.5B's
+            shapes 167 against 384, Llama-3.2-1B's 628 against 1,731; `benchmarks/ab.py --compare prefill
+            --new-tokens 1`). Long prompts keep XLA's dot, which is faster once compute-bound.
         packed_max_rows: Outside a decoding step, products of packed weights with more rows than this (long
             prompts, encoders) unpack the weights and use XLA's dot, which is faster once compute-bound;
             inside a step they always use the kernel (XLA would unpack at every step).
@@ -95,6 +98,7 @@ class Kernels:
     float32_max_rows: int = 16
     float32_min_bytes: int = 0
     float32_max_columns: int | None = None
+    float32_prefill: bool = True
     packed_max_rows: int = 32
     int8_integer_min_rows: int | None = 4
     attention_min_keys: int = 256
@@ -144,9 +148,9 @@ class Kernels:
 
     def use_float32_product(self, x, kernel) -> bool:
         """Whether `x @ kernel` (both float32, x with static leading dimensions) should be
-        `ops.matmul_float32`: in a decoding step or a generation's prompt pass (`prefill`) compiled by XLA, at most `float32_max_rows` rows, a kernel of
-        at least `float32_min_bytes` and, for one row, at most `float32_max_columns` columns (if set), and
-        the kernels loadable."""
+        `ops.matmul_float32`: in a decoding step (or a generation's prompt pass, with `float32_prefill`)
+        compiled by XLA, at most `float32_max_rows` rows, a kernel of at least `float32_min_bytes` and, for
+        one row, at most `float32_max_columns` columns (if set), and the kernels loadable."""
         import tensorflow as tf
 
         if not self._float32() or x.dtype != tf.float32 or kernel.dtype != tf.float32:
@@ -158,7 +162,7 @@ class Kernels:
             return False
         if rows == 1 and self.float32_max_columns is not None and kernel.shape[1] > self.float32_max_columns:
             return False
-        return (in_decoding_step() or in_prefill()) and under_xla() and _ready()
+        return (in_decoding_step() or self.float32_prefill and in_prefill()) and under_xla() and _ready()
 
     def use_packed_product(self, x) -> bool:
         """Whether `x @ W` for packed (bfloat16 / int8) weights should be the native kernel (else the weights
