@@ -335,13 +335,18 @@ def tracing(kernels: Kernels | None) -> Iterator[Kernels]:
 
 
 @contextlib.contextmanager
-def decoding_step() -> Iterator[None]:
-    """Marks what is traced within as one step of a decoding loop (the body of its `tf.while_loop`)."""
-    token = _in_step.set(True)
+def _marked(flag: contextvars.ContextVar) -> Iterator[None]:
+    """Within this block `flag` is True (what is being traced is part of what it marks)."""
+    token = flag.set(True)
     try:
         yield
     finally:
-        _in_step.reset(token)
+        flag.reset(token)
+
+
+def decoding_step() -> contextlib.AbstractContextManager[None]:
+    """Marks what is traced within as one step of a decoding loop (the body of its `tf.while_loop`)."""
+    return _marked(_in_step)
 
 
 def in_decoding_step() -> bool:
@@ -349,15 +354,10 @@ def in_decoding_step() -> bool:
     return _in_step.get()
 
 
-@contextlib.contextmanager
-def prefill() -> Iterator[None]:
+def prefill() -> contextlib.AbstractContextManager[None]:
     """Marks what is traced within as a generation's prompt pass, before its decoding loop: inference, so
     products of few rows may take the float32 kernel (which has no gradient) as a decoding step's do."""
-    token = _in_prefill.set(True)
-    try:
-        yield
-    finally:
-        _in_prefill.reset(token)
+    return _marked(_in_prefill)
 
 
 def in_prefill() -> bool:
