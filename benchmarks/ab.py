@@ -29,6 +29,14 @@
   prefill          a generation's prompt pass on XLA's dot (`float32_prefill=False`) against the float32
                    kernel for prompts of at most `float32_max_rows` rows (prompt tokens x batch); with
                    --new-tokens 1 the time is the first token's.
+  many-rows        packed weights' products of many rows (a long prompt, an encoder) unpacked for XLA's dot
+                   (`many_rows=False`) against the native many-row product; --prompt-tokens 512
+                   --new-tokens 1 times the first token.
+  many-rows-float32  a prompt pass's float32 products of many rows on XLA's dot (the default) against the
+                   many-row product (`float32_many_rows=True`).
+  prompt-attention a prompt's causal self-attention with XLA's ops (`prompt_attention_min_tokens=None`: two
+                   dots over every cache position and the softmax's fusions per layer) against the native
+                   masked attention; with --prompt-tokens 512 --new-tokens 1 the time is the first token's.
   integer          int8 weights (with --weights int8) multiplied in float32 at every row count
                    (`int8_integer_min_rows=None`) against int8 x int8 products from `int8_integer_min_rows`
                    rows (activations quantized per row); the two generate different tokens when the
@@ -42,7 +50,7 @@ the kernel against XLA's dot above the library's limit.
 
 Prints the median ms/token of each and their ratio (A / B: above 1, B is faster), and checks that both
 programs generate the same tokens. Random weights of the bench's shapes (`xlagen bench` model names),
-8-token prompts, TensorFlow on --threads threads.
+8-token prompts unless --prompt-tokens, TensorFlow on --threads threads.
 """
 
 from __future__ import annotations
@@ -68,6 +76,9 @@ POLICIES = {  # --compare: (name A, changes from the default for A), (name B, ch
     "lookahead": (("no_lookahead", {}), ("lookahead", {})),
     "integer": (("float32_compute", {"int8_integer_min_rows": None}), ("integer", {})),
     "prefill": (("prefill_on_xla_dot", {"float32_prefill": False}), ("prefill_on_kernel", {})),
+    "many-rows": (("unpacked_for_xla_dot", {"many_rows": False}), ("many_rows", {})),
+    "many-rows-float32": (("xla_dot", {}), ("many_rows", {"float32_many_rows": True})),
+    "prompt-attention": (("xla_prompt_attention", {"prompt_attention_min_tokens": None}), ("prompt_attention", {})),
 }
 RUN_TIME = {"lookahead"}  # choices made before each call rather than at the trace
 
@@ -87,6 +98,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2, beam4")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default: the bench's, 8)")
     parser.add_argument("--calls", type=int, default=9, help="timed calls of each program")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "int8"],
@@ -104,7 +116,8 @@ def main() -> None:
     system = bench.XlagenSystem()
     weights = {"float32": "float32", "bfloat16": bench.PACKED_BF16, "int8": bench.PACKED_INT8}[args.weights]
     model = system.build(args.model, weights)
-    scenario = bench.Scenario(args.model, args.strategy, args.batch_size, args.new_tokens, "xla")
+    scenario = bench.Scenario(args.model, args.strategy, args.batch_size, args.new_tokens, "xla",
+                              **({"prompt_tokens": args.prompt_tokens} if args.prompt_tokens else {}))
     at_run_time = args.compare in RUN_TIME
     lookahead = native.lookahead_kib() if at_run_time else 0  # the default in force
     before_call = {"no_lookahead": lambda: native.set_lookahead(0), "lookahead": lambda: native.set_lookahead(lookahead)}

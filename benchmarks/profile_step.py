@@ -9,6 +9,7 @@ step, over all threads.
     python benchmarks/profile_step.py --model gpt2 --strategy beam2 --new-tokens 128
     python benchmarks/profile_step.py --model gpt2 --timeline 3   # every event of 3 ms mid-call
     python benchmarks/profile_step.py --model whisper --batch-size 8 --phase before-loop   # the encoder
+    python benchmarks/profile_step.py --prompt-tokens 512 --new-tokens 1 --phase before-loop   # a long prompt
 
 The profiler itself adds about 10-20 % to a call, mostly at the thread-pool hand-offs, so compare rows
 with each other rather than with `xlagen bench`. The models are `xlagen bench`'s random-weight shapes.
@@ -96,6 +97,9 @@ def main() -> int:
     parser.add_argument("--strategy", default="greedy", help="greedy, beam2 or beam4")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="prompt length (default: `xlagen bench`'s); with --new-tokens 1 and --phase before-loop, "
+                        "the prompt pass alone")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--dtype", default="float32",
                         help="an `xlagen bench` dtype: float32, bfloat16-weights or int8-weights (packed weights)")
@@ -117,7 +121,8 @@ def main() -> int:
     bench_timing.configure_threads(args.threads)
     model = bench_timing.XlagenSystem().build(args.model, args.dtype)
     scenario = bench_timing.Scenario(model=args.model, strategy=args.strategy, batch_size=args.batch_size,
-                                     new_tokens=args.new_tokens, mode="xla", dtype=args.dtype)
+                                     new_tokens=args.new_tokens, mode="xla", dtype=args.dtype,
+                                     **({"prompt_tokens": args.prompt_tokens} if args.prompt_tokens else {}))
     function, inputs, options = bench_timing.prepare(bench_timing.XlagenSystem(), model, scenario)
     for _ in range(2):  # compile, then one warm call
         bench_timing.timed(function, inputs, options, args.new_tokens)

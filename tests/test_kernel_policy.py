@@ -138,9 +138,37 @@ def test_packed_products_use_the_kernel_in_steps_and_for_few_rows(kernels_ready)
     most = native.Kernels().packed_max_rows
     assert ask(native.Kernels(), most) == {"outside a step": True, "in a step": True, "in a prefill": True,
                                            "in a loop that is no step": True}
-    assert ask(native.Kernels(), most + 1) == {"outside a step": False, "in a step": True, "in a prefill": False,
-                                               "in a loop that is no step": False}
+    # More rows: the many-row product outside a step (`ops.matmul` picks it), or with many_rows off unpacked
+    # weights for XLA's dot.
+    assert all(ask(native.Kernels(), most + 1).values())
+    assert ask(native.Kernels(many_rows=False), most + 1) == {
+        "outside a step": False, "in a step": True, "in a prefill": False, "in a loop that is no step": False}
     assert not any(ask(native.Kernels.OFF, 1).values())
+
+
+def test_prompt_attention_only_in_a_prompt_pass_from_its_token_count(kernels_ready):
+    query, key = tf.zeros((1, 2, 256, 16)), tf.zeros((1, 2, 300, 16))  # 2 groups of 128 queries per head
+
+    def ask(kernels, tokens=128, mask_shape=None, **changes):
+        mask = tf.ones(mask_shape or (1, 1, tokens, 300), tf.bool)
+        args = {"query": query, "key": key, "mask": mask, **changes}
+        with native.tracing(kernels):
+            return _under_xla(lambda: kernels.use_prompt_attention(**args))
+
+    most = native.Kernels().prompt_attention_min_tokens
+    assert most == 128
+    assert ask(native.Kernels()) == {"outside a step": False, "in a step": False, "in a prefill": True,
+                                     "in a loop that is no step": False}
+    assert not any(ask(native.Kernels(), tokens=64).values())  # 64 tokens (4 groups): fewer than 128
+    assert ask(native.Kernels(prompt_attention_min_tokens=64), tokens=64)["in a prefill"]
+    assert not any(ask(native.Kernels(prompt_attention_min_tokens=None)).values())
+    assert not any(ask(native.Kernels.OFF).values())
+    assert not any(ask(native.Kernels(float32=False)).values())
+    assert not any(ask(native.Kernels(), bias=tf.zeros((1, 2, 128, 300))).values())
+    assert not any(ask(native.Kernels(), dropout=True).values())
+    assert not any(ask(native.Kernels(), mask_shape=(1, 2, 128, 300)).values())  # a mask per head
+    assert not any(ask(native.Kernels(prompt_attention_min_tokens=1), mask_shape=(1, 1, 1, 300)).values())
+    assert not any(ask(native.Kernels(), key=tf.zeros((1, 2, 300, 24)), query=tf.zeros((1, 2, 256, 24))).values())
 
 
 def test_int8_products_run_in_integers_from_their_min_rows(kernels_ready):

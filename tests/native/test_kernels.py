@@ -50,6 +50,25 @@ SHAPES = [(1, 1, 1), (1, 7, 13), (2, 17, 33), (3, 64, 100), (8, 5, 300), (16, 20
           (1, 9, 8), (3, 9, 24), (12, 16, 40), (17, 40, 264), (20, 8, 136), (9, 12, 104)]
 
 
+@pytest.mark.parametrize("m, k, n", SHAPES + [(7, 513, 129), (40, 300, 200), (13, 256, 64)])
+@pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
+def test_many_row_products_match_numpy(m, k, n, weights):
+    # Past the kernel's 256 weight rows per run (513, 300), strips and blocks not whole (129, 200), row counts
+    # that are not multiples of its tile.
+    rng = np.random.default_rng(m * k + n)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    stored, used = {"float32": (w, w),
+                    "bfloat16": (native.pack_bfloat16(w), w.astype(ml_dtypes.bfloat16).astype(np.float32)),
+                    "int8": (native.pack_int8(w), None)}[weights]
+    if used is None:
+        quantized, scales = kernel_reference.int8_parts(stored, k, n)
+        used = quantized.astype(np.float32) * scales
+    prefix = {"float32": "f32", "bfloat16": "bf16", "int8": "int8"}[weights]
+    y = _product(f"xlagen_{prefix}_many_product", x, stored, n)
+    np.testing.assert_allclose(y, x.astype(np.float64) @ used, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
 @pytest.mark.parametrize("m, k, n", SHAPES)
 def test_float32_product_matches_numpy(m, k, n):
     rng = np.random.default_rng(m * k + n)
@@ -155,6 +174,49 @@ def test_attention_refuses_head_sizes_it_has_no_code_for():
     attention = _entry("xlagen_attention", *[ctypes.c_void_p] * 4, *[ctypes.c_int] * 4, ctypes.c_float, ctypes.c_int)
     error = attention(_p(out), _p(out), _p(out), _p(out), 1, 1, 4, 24, 1.0, 0)
     assert error is not None and b"16, 32, 64 or 128" in error and not out.any()
+
+
+def _masked_attention(q, k, v, mask, heads_per_mask, scale):
+    heads, t, d = q.shape
+    out = np.full(q.shape, np.nan, np.float32)
+    masked = _entry("xlagen_masked_attention", *[ctypes.c_void_p] * 5, *[ctypes.c_int] * 4, ctypes.c_float,
+                    ctypes.c_int, ctypes.c_int)
+    mask = np.ascontiguousarray(mask, np.uint8)
+    error = masked(_p(q), _p(k), _p(v), _p(mask), _p(out), heads, t, k.shape[1], d, scale, heads_per_mask,
+                   mask.shape[1])
+    return error, out
+
+
+@pytest.mark.parametrize("batch, kv_heads, groups, t, s, d, left_pad, window", [
+    (1, 1, 1, 1, 1, 16, 0, None), (1, 2, 1, 9, 9, 32, 0, None), (2, 2, 1, 13, 20, 64, 3, None),
+    (1, 2, 4, 17, 40, 64, 5, None), (2, 1, 2, 40, 47, 128, 0, 7), (1, 3, 1, 33, 33, 16, 32, None)])
+def test_masked_attention_matches_numpy(batch, kv_heads, groups, t, s, d, left_pad, window):
+    # A prompt's causal mask over a longer cache (keys past the prompt unseen), left padding (rows that see
+    # no key), grouped queries (g rows of query per key/value head share the mask) and a sliding window.
+    rng = np.random.default_rng(t * s + d)
+    heads = batch * kv_heads
+    q = rng.standard_normal((heads, groups * t, d)).astype(np.float32)
+    k = (3 * rng.standard_normal((heads, s, d))).astype(np.float32)
+    v = rng.standard_normal((heads, s, d)).astype(np.float32)
+    rows, keys = np.arange(t)[:, None], np.arange(s)[None, :]
+    mask = np.broadcast_to(keys <= rows, (batch, t, s)).copy()
+    if window:
+        mask &= keys > rows - window
+    mask[-1, :, :left_pad] = False  # the last prompt is left-padded
+    error, out = _masked_attention(q, k, v, mask, kv_heads, d ** -0.5)
+    assert error is None, error
+    full = np.repeat(np.tile(mask, (1, groups, 1)), kv_heads, axis=0)  # [heads, g * t, s]
+    scores = np.einsum("htd,hsd->hts", q.astype(np.float64), k) * d ** -0.5
+    scores = np.where(full, scores, MASK_VALUE)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("hts,hsd->htd", weights / weights.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
+
+
+def test_masked_attention_refuses_a_mask_it_cannot_share():
+    out = np.zeros((4, 4, 16), np.float32)
+    error, _ = _masked_attention(out, out, out, np.ones((3, 4, 4), bool), 3, 1.0)  # 4 heads, 3 per mask
+    assert error is not None and b"heads_per_mask" in error
 
 
 def _step_attention(q, keys, values, key, value, bias, scale, mask_value=MASK_VALUE, d=None):

@@ -187,19 +187,24 @@ class _MultiHead(keras.layers.Layer):
     def _attend(self, query, key, value, mask, bias, training, key_transposed=False):
         """Attention of `[B, H, T, D]` queries over `[B, Hkv, S, D]` keys -> `[B, T, hidden]`. Long unmasked
         attention under XLA (an encoder's, or a decoder's over it) is the fused native kernel
-        (`xlagen.native.attention`)."""
+        (`xlagen.native.attention`), and so is a generation's prompt over the cache
+        (`xlagen.native.masked_attention`)."""
         dropout = self.dropout.rate > 0 and training is not None and training is not False
         groups = self.groups
         if groups > 1:  # each key/value head's queries as one group of rows: the keys are never repeated
             query = group_queries(query, groups)
-            if mask is not None and mask.shape[2] != 1:  # [B, 1, T, S] -> [B, 1, g * T, S]
-                mask = ops.tile(mask, (1, 1, groups, 1))
-        if native.use_attention_kernel(query, key, mask, bias, dropout, key_transposed=key_transposed):
-            attended = native.attention(query, key, value, self.scale, key_transposed)
+        if not key_transposed and native.use_prompt_attention(query, key, mask, bias, dropout):
+            # A prompt over the cache; its mask [B, 1, T, S] is shared by the g groups of rows, never tiled.
+            attended = native.masked_attention(query, key, value, mask, self.scale, MASK_VALUE)
         else:
-            weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed),
-                                   training=training)
-            attended = ops.matmul(weights, value)
+            if groups > 1 and mask is not None and mask.shape[2] != 1:  # [B, 1, T, S] -> [B, 1, g * T, S]
+                mask = ops.tile(mask, (1, 1, groups, 1))
+            if native.use_attention_kernel(query, key, mask, bias, dropout, key_transposed=key_transposed):
+                attended = native.attention(query, key, value, self.scale, key_transposed)
+            else:
+                weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed),
+                                       training=training)
+                attended = ops.matmul(weights, value)
         if groups > 1:
             attended = ungroup_queries(attended, groups)
         return self.output_projection(merge_heads(attended))

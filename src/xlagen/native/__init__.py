@@ -25,7 +25,9 @@ back twice, and its decoder's cross-attention over them, whose keys and values X
 of the memory's rate; the kernel keeps the scores in the core's cache and streams the keys and values
 once (`Kernels.use_attention` says where it runs). And a decoding step's masked self-attention over the
 static cache (`step_attention`): one call per layer instead of XLA's two dots and softmax fusions, from 2
-query rows (`Kernels.step_attention_min_rows`). And greedy decoding's choice of token (`argmax`), which XLA computes one
+query rows (`Kernels.step_attention_min_rows`). And a prompt's causal self-attention (`masked_attention`),
+which scores only the keys a block of queries may see, about half of XLA's work under a causal mask
+(`Kernels.prompt_attention_min_tokens`). And greedy decoding's choice of token (`argmax`), which XLA computes one
 logit at a time.
 
 The library is compiled with the system C++ compiler (`$CXX`, else `g++` / `c++`) on first use and
@@ -49,13 +51,15 @@ The modules: `build` (compile and cache the library), `library` (load it, its co
 from xlagen.native.build import NO_COMPILER, SOURCES, NativeUnavailable, compile_library
 from xlagen.native.library import (configure_pool, constant, hardware_reason, load, lookahead_counts, lookahead_kib,
                                    ready, set_lookahead, status_supported, unavailable_reason)
-from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, FLOAT32_TARGET, INT8_INTEGER_TARGET, INT8_TARGET,
-                               MEMORY_ATTENTION_TARGET, STEP_ATTENTION_TARGET, TARGET, argmax, attention, matmul, matmul_float32,
-                               memory_attention, reference_memory_attention, step_attention)
+from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, FLOAT32_TARGET, GEMM_TARGETS, INT8_INTEGER_TARGET,
+                               INT8_TARGET,
+                               MASKED_ATTENTION_TARGET, MEMORY_ATTENTION_TARGET, STEP_ATTENTION_TARGET, TARGET, argmax,
+                               attention, masked_attention, matmul, matmul_float32, memory_attention,
+                               reference_memory_attention, step_attention)
 from xlagen.native.packing import WEIGHT_DTYPES, pack_bfloat16, pack_int8, pack_tensor, unpack
 from xlagen.native.policy import (ATTENTION_HEAD_DIMS, Kernels, PoolSettings, current, decoding_step, prefill,
                                   tracing, use_argmax, use_attention_kernel, use_float32_kernel, use_memory_attention,
-                                  use_step_attention)
+                                  use_prompt_attention, use_step_attention)
 
 # The kernels' constants that Python code reads by these names (`native.PANEL`, ...), from the library.
 _CONSTANTS = {"PANEL": "panel", "INT8_PANEL": "int8_panel",
@@ -68,12 +72,13 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "FLOAT32_TARGET", "INT8_INTEGER_TARGET",
-           "INT8_TARGET", "Kernels",
+__all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "FLOAT32_TARGET", "GEMM_TARGETS",
+           "INT8_INTEGER_TARGET",
+           "INT8_TARGET", "Kernels", "MASKED_ATTENTION_TARGET",
            "MEMORY_ATTENTION_TARGET", "NO_COMPILER", "NativeUnavailable", "PoolSettings", "SOURCES",
            "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "argmax", "attention", "compile_library",
            "configure_pool", "constant", "current", "decoding_step", "hardware_reason", "load", "lookahead_counts",
-           "lookahead_kib", "matmul", "matmul_float32", "memory_attention", "pack_bfloat16", "pack_int8",
+           "lookahead_kib", "masked_attention", "matmul", "matmul_float32", "memory_attention", "pack_bfloat16", "pack_int8",
            "pack_tensor", "prefill", "ready", "reference_memory_attention", "set_lookahead", "status_supported",
            "step_attention", "tracing", "unavailable_reason", "unpack", "use_argmax", "use_attention_kernel",
-           "use_float32_kernel", "use_memory_attention", "use_step_attention"]
+           "use_float32_kernel", "use_memory_attention", "use_prompt_attention", "use_step_attention"]

@@ -37,6 +37,11 @@ constexpr int kScoreVectors = 2;
 // Vectors of a head's columns per pass over the weights and values (AttentionOutput, MemoryProject).
 constexpr int kMostHeadVectors = 8;
 
+//
+// With a mask (a prompt's causal and padding mask, `xlagen_masked_attention`), a unit scores only the keys
+// from the first any of its rows may see to the last: under a causal mask that is about half of them, and
+// none of the cache's positions after the prompt. Masked keys weigh exactly 0; a row that may see no key
+// (a left-padding position) is the mean of all values, as XLA's softmax over equal masked scores gives.
 struct Attention {
   const float* q;  // [heads, t, d]
   const float* k;  // [heads, s, d], or [heads, d, s] when transposed
@@ -46,7 +51,33 @@ struct Attention {
   float scale;
   uint64_t call;  // which call this is: a thread's transposed k is reused within one call only
   int transposed;
+  // Optional (not transposed only): mask[heads / heads_per_mask][row % mask_rows][key], nonzero where the
+  // query row may see the key.
+  const uint8_t* mask = nullptr;
+  int mask_rows = 0, heads_per_mask = 1;
 };
+
+// The keys [*first, *last) any of the unit's rows sees, and which rows see none (bit r of the result).
+unsigned VisibleKeys(const Attention& a, int head, int t0, int rows, int* first, int* last) {
+  unsigned empty = 0;
+  int lo = a.s, hi = 0;
+  const uint8_t* mask = a.mask + static_cast<size_t>(head / a.heads_per_mask) * a.mask_rows * a.s;
+  for (int r = 0; r < rows; ++r) {
+    const uint8_t* row = mask + static_cast<size_t>((t0 + r) % a.mask_rows) * a.s;
+    int j0 = 0, j1 = a.s;
+    while (j0 < a.s && !row[j0]) ++j0;
+    while (j1 > j0 && !row[j1 - 1]) --j1;
+    if (j0 == j1) {
+      empty |= 1u << r;
+      continue;
+    }
+    lo = std::min(lo, j0);
+    hi = std::max(hi, j1);
+  }
+  *first = lo < hi ? lo : 0;
+  *last = lo < hi ? hi : 0;
+  return empty;
+}
 
 std::atomic<uint64_t> g_attention_calls{0};
 
@@ -63,18 +94,18 @@ __attribute__((always_inline)) inline void ForHeadVectors(int d, const Body& bod
   }
 }
 
-// out[rows of the unit] = weights @ v / sums, DV vectors of columns at a time (the whole head vector, except
-// for D = 128 with AVX2), R rows of weights at a time (kTileSums sums).
+// out[rows of the unit] = weights[:, first:last] @ v[first:last] / sums, DV vectors of columns at a time (the
+// whole head vector, except for D = 128 with AVX2), R rows of weights at a time (kTileSums sums).
 template <int DV>
 void AttentionOutput(const Attention& a, const float* weights, int padded, const float* sums, const float* v,
-                     float* out, int rows) {
+                     float* out, int rows, int first, int last) {
   constexpr int R = kTileSums / DV < 1 ? 1 : (kTileSums / DV > kAttentionRows ? kAttentionRows : kTileSums / DV);
   for (int c0 = 0; c0 < a.d; c0 += kLanes * DV) {
     for (int r0 = 0; r0 < rows; r0 += R) {
       Vec acc[R][DV];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < DV; ++c) acc[r][c] = Zero();
-      for (int j = 0; j < a.s; ++j) {
+      for (int j = first; j < last; ++j) {
         Vec vv[DV];
         for (int c = 0; c < DV; ++c) vv[c] = Load(v + static_cast<size_t>(j) * a.d + c0 + kLanes * c);
         for (int r = 0; r < R; ++r) {
@@ -132,6 +163,8 @@ void RunAttention(const void* args, int u0, int u1) {
     const int head = u / a.blocks, t0 = (u % a.blocks) * kAttentionRows;
     const int rows = a.t - t0 < kAttentionRows ? a.t - t0 : kAttentionRows;
     const size_t head_offset = static_cast<size_t>(head) * a.s * a.d;
+    int first = 0, last = a.s;
+    const unsigned empty = a.mask ? VisibleKeys(a, head, t0, rows, &first, &last) : 0;
     if (a.transposed) {
       TransposedScores(a, a.k + head_offset, a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, rows,
                        scores.data(), padded);
@@ -149,8 +182,9 @@ void RunAttention(const void* args, int u0, int u1) {
       std::memcpy(q.data(), a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, sizeof(float) * rows * a.d);
       const Vec scale = Set(a.scale);
       constexpr int R = kScoreRows, V = kScoreVectors;
+      const int j0 = first / (kLanes * V) * (kLanes * V);
       for (int r0 = 0; r0 < kAttentionRows; r0 += R) {
-        for (int j = 0; j < padded; j += kLanes * V) {
+        for (int j = j0; j < last; j += kLanes * V) {
           Vec acc[R][V];
           for (int r = 0; r < R; ++r)
             for (int v = 0; v < V; ++v) acc[r][v] = Zero();
@@ -170,17 +204,41 @@ void RunAttention(const void* args, int u0, int u1) {
         }
       }
     }
-    // Softmax numerators in place, and their sums (the columns past s are never read).
+    // Softmax numerators in place, and their sums (the columns outside [first, last) are never read).
     float sums[kAttentionRows];
     for (int r = 0; r < rows; ++r) {
-      float* row = scores.data() + static_cast<size_t>(r) * padded;
-      sums[r] = ExpInPlace(row, a.s, RowMax(row, a.s));
+      float* row = scores.data() + static_cast<size_t>(r) * padded + first;
+      const int n = last - first;
+      if (empty >> r & 1) {  // its output is replaced below
+        std::fill(row, row + n, 0.0f);
+        sums[r] = 1.0f;
+        continue;
+      }
+      if (a.mask == nullptr) {
+        sums[r] = ExpInPlace(row, n, RowMax(row, n));
+        continue;
+      }
+      const uint8_t* seen = a.mask + (static_cast<size_t>(head / a.heads_per_mask) * a.mask_rows +
+                                      (t0 + r) % a.mask_rows) * a.s + first;
+      for (int j = 0; j < n; ++j) row[j] = seen[j] ? row[j] : -INFINITY;
+      ExpInPlace(row, n, RowMax(row, n));
+      float total = 0.0f;  // masked keys weigh exactly 0
+      for (int j = 0; j < n; ++j) total += row[j] = seen[j] ? row[j] : 0.0f;
+      sums[r] = total;
     }
     const float* v = a.v + head_offset;
     float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
     ForHeadVectors(a.d, [&](auto vectors) {
-      AttentionOutput<decltype(vectors)::value>(a, scores.data(), padded, sums, v, out, rows);
+      AttentionOutput<decltype(vectors)::value>(a, scores.data(), padded, sums, v, out, rows, first, last);
     });
+    for (int r = 0; r < rows; ++r) {
+      if (!(empty >> r & 1)) continue;
+      float* row = out + static_cast<size_t>(r) * a.d;
+      std::fill(row, row + a.d, 0.0f);
+      for (int j = 0; j < a.s; ++j)
+        for (int c = 0; c < a.d; ++c) row[c] += v[static_cast<size_t>(j) * a.d + c];
+      for (int c = 0; c < a.d; ++c) row[c] /= static_cast<float>(a.s);
+    }
   }
 }
 
@@ -490,6 +548,22 @@ extern "C" const char* xlagen_attention(const float* q, const float* k, const fl
   if (heads < 1 || t < 1 || s < 1) return "xlagen_attention: heads, t and s must be at least 1";
   if (!WholeHeadSize(d)) return "xlagen_attention: the head size d must be 16, 32, 64 or 128";
   Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, transposed != 0};
+  a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
+  a.call = g_attention_calls.fetch_add(1) + 1;
+  GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
+  return nullptr;
+}
+
+extern "C" const char* xlagen_masked_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
+                                               float* out, int heads, int t, int s, int d, float scale,
+                                               int heads_per_mask, int mask_rows) {
+  if (heads < 1 || t < 1 || s < 1) return "xlagen_masked_attention: heads, t and s must be at least 1";
+  if (!WholeHeadSize(d)) return "xlagen_masked_attention: the head size d must be 16, 32, 64 or 128";
+  if (heads_per_mask < 1 || heads % heads_per_mask != 0 || mask_rows < 1 || t % mask_rows != 0) {
+    return "xlagen_masked_attention: heads_per_mask must divide heads and mask_rows divide t";
+  }
+  if (kAttentionRows > 32) return "xlagen_masked_attention: a unit has more rows than its row bits";
+  Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, 0, mask, mask_rows, heads_per_mask};
   a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
   a.call = g_attention_calls.fetch_add(1) + 1;
   GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});

@@ -7,11 +7,12 @@
 //
 // Files: simd.h (the vector operations, for AVX-512 or AVX2 with FMA), pool.{h,cc} (the thread pool and the
 // read-ahead of the next float32 product), f32_product.{h,cc} (the float32 product), packed_product.cc
-// (bfloat16 and int8 weights), vector_math.h (maxima, exponentials, dot products), attention.cc (the encoder
-// attention, the decoding step's self-attention, the folded cross-attention), argmax.cc, xla_calls.cc (the
-// custom-call wrappers, registration, settings, constants). All of them are compiled into one library per
-// instruction set by xlagen/native/build.py (-mavx512f or -mavx2, with -mfma); the same entry points, XLA
-// targets, constants and weight layouts in both.
+// (bfloat16 and int8 weights), gemm.cc (the many-row products of prompts and encoders), vector_math.h
+// (maxima, exponentials, dot products), attention.cc (the encoder attention and a prompt's masked attention,
+// the decoding step's self-attention, the folded cross-attention), argmax.cc, xla_calls.cc (the custom-call
+// wrappers, registration, settings, constants). All of them are compiled into one library per instruction
+// set by xlagen/native/build.py (-mavx512f or -mavx2, with -mfma); the same entry points, XLA targets,
+// constants and weight layouts in both.
 
 #ifndef XLAGEN_NATIVE_KERNELS_H_
 #define XLAGEN_NATIVE_KERNELS_H_
@@ -49,10 +50,20 @@ const char* xlagen_int8_product(const float* x, const int8_t* w, float* y, int m
 // y[m, n] ~ x[m, k] @ (Q * s) in integers: x quantized to int8 per row (symmetric, scale max |x[r]| / 127),
 // int32 sums of int8 x int8, y = sums * (row scale * column scale); weights as xlagen_int8_product's.
 const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
+// The same three products for many rows (prompts, encoders: gemm.cc), the weights widened to float32 once
+// per block and reused by every row of x: y[m, n] = x[m, k] @ W, W float32 row-major, packed bfloat16, or
+// packed int8 (y = x @ (Q * s)).
+const char* xlagen_f32_many_product(const float* x, const float* w, float* y, int m, int k, int n);
+const char* xlagen_bf16_many_product(const float* x, const uint32_t* w, float* y, int m, int k, int n);
+const char* xlagen_int8_many_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
 // out[heads, t, d] = softmax(scale * q k^T) v per head, no mask; k is [heads, s, d], or [heads, d, s] when
 // `transposed`; d one of 16, 32, 64, 128.
 const char* xlagen_attention(const float* q, const float* k, const float* v, float* out, int heads, int t, int s,
                              int d, float scale, int transposed);
+// The same with a mask (a prompt's self-attention): mask[h / heads_per_mask][i % mask_rows][j] nonzero where
+// query row i of head h may see key j; masked keys weigh 0, a row that sees no key is the mean of v.
+const char* xlagen_masked_attention(const float* q, const float* k, const float* v, const uint8_t* mask, float* out,
+                                    int heads, int t, int s, int d, float scale, int heads_per_mask, int mask_rows);
 // A decoding step's self-attention (see attention.cc): q, new_k, new_v, out [groups, heads, queries, d]; the
 // cache k, v [groups, heads, s, d]; bias [groups, bias_heads, queries, s + 1] added to the scaled scores,
 // -inf marking a key a query may not see (its score is then `mask_value`).

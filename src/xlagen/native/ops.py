@@ -15,7 +15,9 @@ TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
 INT8_TARGET = "xlagen_int8_matmul"
 INT8_INTEGER_TARGET = "xlagen_int8_imatmul"
+GEMM_TARGETS = {"float32": "xlagen_f32_gemm", "bfloat16": "xlagen_bf16_gemm", "int8": "xlagen_int8_gemm"}
 ATTENTION_TARGET = "xlagen_f32_attention"
+MASKED_ATTENTION_TARGET = "xlagen_f32_masked_attention"
 STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
@@ -27,9 +29,10 @@ def matmul(x, words, n: int):
     The native kernel's custom call where the policy of the trace says so (`Kernels.use_packed_product`:
     under XLA, in a decoding step always, elsewhere for at most `packed_max_rows` rows). Otherwise (long
     prompts, encoders, eager or non-XLA graphs, kernels off) the weights are unpacked to float32 and
-    multiplied by TensorFlow's matmul: faster once the product is compute-bound, but never inside a step,
-    where XLA would unpack every iteration (10x slower than the kernel at 16 rows). Both compute
-    `x @ unpack(W)`.
+    multiplied by TensorFlow's matmul, never inside a step, where XLA would unpack every iteration (10x slower
+    than the kernel at 16 rows). Outside a step, more than `packed_max_rows` rows go to the many-row
+    product (`Kernels.many_rows`), which widens each block of weights once and reuses it for every row.
+    All compute `x @ unpack(W)`.
 
     int8 weights multiplied by many rows (`Kernels.use_integer_product`: at least `int8_integer_min_rows`,
     in or out of a decoding step) run in integers instead: each row of x quantized to int8 with its own scale
@@ -51,7 +54,17 @@ def matmul(x, words, n: int):
     if not policy.use_packed_product(x):  # also False for rows of unknown or zero count
         return tf.tensordot(x, unpack(words, n), 1)
     load()
+    if _many_rows(policy, x, policy.packed_max_rows):
+        return _custom_call(GEMM_TARGETS["int8" if words.dtype == tf.int8 else "bfloat16"], x, words, n)
     return _custom_call(INT8_TARGET if words.dtype == tf.int8 else TARGET, x, words, n)
+
+
+def _many_rows(policy, x, most: int) -> bool:
+    """Whether x's product goes to the many-row product: more than `most` rows, outside a decoding step,
+    under a policy with `many_rows`."""
+    from xlagen.native.policy import in_decoding_step
+
+    return policy.many_rows and x.shape[:-1].num_elements() > most and not in_decoding_step()
 
 
 def _custom_call(target: str, x, weights, n: int):
@@ -70,7 +83,8 @@ def _custom_call(target: str, x, weights, n: int):
 
 def matmul_float32(x, kernel):
     """`x [..., K] @ kernel [K, N]`, float32, as the native kernel's custom call (call it under XLA only;
-    see `Kernels.use_float32_product`). Computes the same sums as XLA's dot in another order.
+    see `Kernels.use_float32_product`): the streaming product up to the policy's `float32_max_rows` rows,
+    the many-row product above. Computes the same sums as XLA's dot in another order.
 
     Raises:
         TypeError: x or the kernel is not float32 (the kernel would read their bytes as float32).
@@ -81,7 +95,9 @@ def matmul_float32(x, kernel):
     if x.dtype != tf.float32 or kernel.dtype != tf.float32:
         raise TypeError(f"the float32 kernel multiplies float32 by float32; got {x.dtype.name} @ {kernel.dtype.name}")
     load()
-    return _custom_call(FLOAT32_TARGET, x, kernel, kernel.shape[-1])
+    policy = current()
+    many = policy.float32_many_rows and x.shape[:-1].num_elements() > policy.float32_max_rows
+    return _custom_call(GEMM_TARGETS["float32"] if many else FLOAT32_TARGET, x, kernel, kernel.shape[-1])
 
 
 def _with_reference_gradient(call, reference, *inputs):
@@ -134,6 +150,58 @@ def attention(query, key, value, scale: float, key_transposed: bool = False):
 
     return _with_reference_gradient(call, lambda *inputs: _reference_attention(*inputs, scale, key_transposed),
                                     query, key, value)
+
+
+def _reference_masked_attention(query, key, value, mask, scale: float, mask_value: float):
+    import tensorflow as tf
+
+    groups = query.shape[2] // mask.shape[2]
+    scores = tf.matmul(query, key, transpose_b=True) * scale
+    weights = tf.nn.softmax(tf.where(tf.tile(mask, (1, 1, groups, 1)), scores, mask_value), axis=-1)
+    return tf.matmul(weights, value)
+
+
+def masked_attention(query, key, value, mask, scale: float, mask_value: float):
+    """A prompt's self-attention, `softmax(where(mask, scale * query @ key^T, mask_value)) @ value`, as the
+    native kernel's custom call (call it under XLA only; see `Kernels.use_prompt_attention`).
+
+    Args:
+        query: float32 `[B, Hkv, g * T, D]`: T queries per head, the g query heads that share a key/value
+            head as g groups of T rows (`xlagen.layers.attention.group_queries`).
+        key, value: float32 `[B, Hkv, S, D]` (the cache: S may be longer than the prompt).
+        mask: bool `[B, 1, T, S]` (`xlagen.layers.attention.causal_mask`), shared by the heads and groups.
+        scale: Multiplier of the scores.
+        mask_value: The score of a masked key: a row that sees no key is then the mean of all values.
+
+    The kernel scores only the keys between the first and the last that a unit of 8 query rows may see:
+    under a causal mask about half of them, none of the cache's positions after the prompt. Gradients are
+    those of the same formula in TensorFlow ops.
+    """
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    batch, kv_heads, rows, head_dim = query.shape
+    length = key.shape[2]
+    if mask.shape[0] != batch or mask.shape[1] != 1 or mask.shape[3] != length or rows % mask.shape[2]:
+        raise ValueError(f"masked_attention: mask {mask.shape} does not match queries {query.shape} over "
+                         f"{length} keys")
+    if head_dim not in ATTENTION_HEAD_DIMS or key.shape[3] != head_dim:
+        raise ValueError(f"masked_attention: head size {head_dim}; the kernel takes {ATTENTION_HEAD_DIMS}")
+    config = (f"{batch * kv_heads},{rows},{length},{head_dim},{float(np.float32(scale))!r},{kv_heads},"
+              f"{mask.shape[2]}")
+
+    def call(query, key, value):
+        (out,) = gen_xla_ops.xla_custom_call_v2(
+            operands=[tf.reshape(query, (batch * kv_heads, rows, head_dim)),
+                      *(tf.reshape(t, (batch * kv_heads, length, head_dim)) for t in (key, value)),
+                      tf.cast(tf.reshape(mask, (batch, -1, length)), tf.uint8)],
+            call_target_name=MASKED_ATTENTION_TARGET, backend_config=config, has_side_effect=False,
+            result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([batch * kv_heads, rows, head_dim])])
+        return tf.reshape(out, (batch, kv_heads, rows, head_dim))
+
+    return _with_reference_gradient(
+        call, lambda *inputs: _reference_masked_attention(*inputs, mask, scale, mask_value), query, key, value)
 
 
 def step_attention(query, keys, values, key, value, bias, scale: float, mask_value: float):

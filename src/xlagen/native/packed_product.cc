@@ -40,16 +40,6 @@ struct Product {
   int m, k, n, panels;
 };
 
-// Calls Tile<R> for the R = count rows of x from m0, count 1 to Most (a compile-time count for each).
-template <int Most, typename Tile>
-__attribute__((always_inline)) inline void ForRows(int count, const Tile& tile) {
-  if (count == Most) {
-    tile(std::integral_constant<int, Most>());
-  } else if constexpr (Most > 1) {
-    ForRows<Most - 1>(count, tile);
-  }
-}
-
 // y for R rows of x from m0 and one panel's pass h (lo: kLanes of its first 16 columns from kLanes h, hi: the
 // same of the next 16), over all of K; nl and nh of those 16 + 16 columns are within y. R is a compile-time
 // count, so the 2 R sums stay in registers (with a run-time count GCC kept the sums of rows past the first

@@ -34,7 +34,7 @@ import numpy as np
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the fused attentions have code for
 
 
-_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows")  # the Kernels fields that may be None
+_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "prompt_attention_min_tokens")  # the Kernels fields that may be None
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,20 @@ class Kernels:
             shapes 167 against 384, Llama-3.2-1B's 628 against 1,731; `benchmarks/ab.py --compare prefill
             --new-tokens 1`). Long prompts keep XLA's dot, which is faster once compute-bound.
         packed_max_rows: Outside a decoding step, products of packed weights with more rows than this (long
-            prompts, encoders) unpack the weights and use XLA's dot, which is faster once compute-bound;
-            inside a step they always use the kernel (XLA would unpack at every step).
+            prompts, encoders) run on the many-row product (`many_rows`), or without it unpack the weights
+            and use XLA's dot; inside a step they always use the streaming kernel (XLA would unpack at
+            every step).
+        many_rows: Packed weights' products of more than `packed_max_rows` rows outside a decoding step (a long
+            prompt, an encoder) run on the native many-row product (`gemm.cc`: the weights widened to
+            float32 once per block of 256 weight rows and reused by every row of x, register tiles of 6
+            rows by 16 columns with AVX2) instead of being unpacked for XLA's dot: GPT-2-small's first
+            token from a 512-token prompt with bfloat16 weights, 1,331 against 1,000 ms
+            (`benchmarks/ab.py --compare many-rows --weights bfloat16 --prompt-tokens 512 --new-tokens 1`).
+        float32_many_rows: A generation's prompt pass's float32 products of more than `float32_max_rows` rows
+            run on the many-row product too, instead of XLA's dot. Off: alone, the many-row product
+            multiplies GPT-2-small's 512 x 768 by 768 x 3072 at 126-130 GFLOP/s on 2 AVX2 cores against
+            numpy's (OpenBLAS) 114-129, but inside the prompt pass it was 0.90-0.94x as fast as XLA's dot
+            (`--compare many-rows-float32`).
         int8_integer_min_rows: Products of int8 weights with at least this many rows (batch x beams in a
             decoding step; prompt tokens x batch in a prefill; encoder positions) run in integers
             (`xlagen_int8_imatmul`: activations quantized to int8 per row, int8 x int8 sums in int32), which
@@ -87,6 +99,13 @@ class Kernels:
         step_attention_min_rows: A decoding step's self-attention runs as one native call per layer from
             this many query rows (batch x beams): at 2 and 8 rows GPT-2-small's `generate` was 1.035x and
             1.074x faster, at one row 0.98-0.99x (`benchmarks/ab.py --compare step-attention`).
+        prompt_attention_min_tokens: A generation's prompt pass (`prefill`) of at least this many tokens runs
+            its masked self-attention as one native call per layer (`ops.masked_attention`), which scores
+            only the keys each block of 8 queries may see: under the causal mask about half of XLA's work,
+            and none of the cache's positions after the prompt, with the scores kept in the core's cache.
+            None: never. GPT-2-small's first token (`benchmarks/ab.py --compare prompt-attention
+            --prompt-tokens P --new-tokens 1`, AVX2, 2 threads): 1.07-1.10x as fast as XLA's attention from
+            512 tokens, even (0.91-0.98x) at 64.
         argmax: Whether greedy decoding's choice of token runs as the native argmax (XLA's reduces one logit
             at a time: over Whisper-tiny's 8 x 51,865 logits about 0.9 ms of a 12 ms step).
         share_traces: Identical blocks of a model are traced once and called once per layer under XLA
@@ -100,11 +119,14 @@ class Kernels:
     float32_max_columns: int | None = None
     float32_prefill: bool = True
     packed_max_rows: int = 32
+    many_rows: bool = True
+    float32_many_rows: bool = False
     int8_integer_min_rows: int | None = 4
     attention_min_keys: int = 256
     cross_attention: bool = True
     memory_attention_min_bytes: int = 8 * 2**20
     step_attention_min_rows: int = 2
+    prompt_attention_min_tokens: int | None = 128
     argmax: bool = True
     share_traces: bool = True
 
@@ -150,14 +172,18 @@ class Kernels:
         """Whether `x @ kernel` (both float32, x with static leading dimensions) should be
         `ops.matmul_float32`: in a decoding step (or a generation's prompt pass, with `float32_prefill`)
         compiled by XLA, at most `float32_max_rows` rows, a kernel of at least `float32_min_bytes` and, for
-        one row, at most `float32_max_columns` columns (if set), and the kernels loadable."""
+        one row, at most `float32_max_columns` columns (if set), and the kernels loadable; or, with
+        `float32_many_rows`, more rows in a generation's prompt pass compiled by XLA (`ops.matmul_float32` then
+        emits the many-row product)."""
         import tensorflow as tf
 
         if not self._float32() or x.dtype != tf.float32 or kernel.dtype != tf.float32:
             return False
         rows = x.shape[:-1].num_elements()
-        if rows is None or not 0 < rows <= self.float32_max_rows or len(kernel.shape) != 2:
+        if rows is None or not rows or len(kernel.shape) != 2:
             return False
+        if rows > self.float32_max_rows:  # the many-row product, in a prompt pass only
+            return self.float32_many_rows and in_prefill() and under_xla() and _ready()
         if kernel.shape[0] * kernel.shape[1] * 4 < self.float32_min_bytes:
             return False
         if rows == 1 and self.float32_max_columns is not None and kernel.shape[1] > self.float32_max_columns:
@@ -165,13 +191,14 @@ class Kernels:
         return (in_decoding_step() or self.float32_prefill and in_prefill()) and under_xla() and _ready()
 
     def use_packed_product(self, x) -> bool:
-        """Whether `x @ W` for packed (bfloat16 / int8) weights should be the native kernel (else the weights
+        """Whether `x @ W` for packed (bfloat16 / int8) weights should be a native kernel (else the weights
         are unpacked and multiplied by XLA's dot): under XLA, with kernels `enabled`, in a decoding step
-        always, elsewhere for at most `packed_max_rows` rows of x."""
+        always, elsewhere for at most `packed_max_rows` rows of x or with `many_rows` (`ops.matmul` picks
+        the many-row product above `packed_max_rows` rows outside a step)."""
         rows = x.shape[:-1].num_elements()
         if not self.enabled or not rows or not under_xla():
             return False
-        return in_decoding_step() or rows <= self.packed_max_rows
+        return in_decoding_step() or rows <= self.packed_max_rows or self.many_rows
 
     def use_integer_product(self, x) -> bool:
         """Whether `x @ W` for int8 weights should be the int8 x int8 kernel: where `use_packed_product`
@@ -219,6 +246,27 @@ class Kernels:
         from xlagen.native.library import constant
 
         return query.shape[3] <= constant("step_attention_max_head_dim")
+
+    def use_prompt_attention(self, query, key, mask, bias=None, dropout: bool = False) -> bool:
+        """Whether a prompt's self-attention (`xlagen.layers.attention._MultiHead._attend` over the cache)
+        should be `ops.masked_attention`: float32 `[B, Hkv, g * T, D]` queries and `[B, Hkv, S, D]` keys
+        of static shapes, a bool mask `[B, 1, T, S]` with T >= `prompt_attention_min_tokens` (and at least
+        2: a decoder's cross-attention mask `[B, 1, 1, L]` is not a prompt's), no score bias, no dropout, D in `ATTENTION_HEAD_DIMS`, in a generation's prompt pass compiled
+        by XLA, and the kernels loadable."""
+        import tensorflow as tf
+
+        if self.prompt_attention_min_tokens is None or bias is not None or dropout or mask is None:
+            return False
+        if not self._static_float32(4, query, key) or mask.dtype != tf.bool or not mask.shape.is_fully_defined():
+            return False
+        batch, _, tokens, length = mask.shape
+        if mask.shape.rank != 4 or batch != query.shape[0] or mask.shape[1] != 1 or length != key.shape[2]:
+            return False
+        if tokens < max(self.prompt_attention_min_tokens, 2) or query.shape[2] % tokens:
+            return False
+        if query.shape[3] not in ATTENTION_HEAD_DIMS or key.shape[3] != query.shape[3]:
+            return False
+        return in_prefill() and under_xla() and _ready()
 
     def use_argmax(self, scores) -> bool:
         """Whether an argmax over the last axis of `scores` should be `ops.argmax`: float32 `[R, N]` of
@@ -395,6 +443,11 @@ def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False
 def use_step_attention(query, keys) -> bool:
     """`current().use_step_attention(query, keys)`."""
     return current().use_step_attention(query, keys)
+
+
+def use_prompt_attention(query, key, mask, bias=None, dropout: bool = False) -> bool:
+    """`current().use_prompt_attention(...)`."""
+    return current().use_prompt_attention(query, key, mask, bias, dropout)
 
 
 def use_argmax(scores) -> bool:

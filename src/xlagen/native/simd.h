@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace xlagen {
 
@@ -220,6 +221,18 @@ inline void StoreFirst8(float* p, __m256 v, int count) {
   } else {
     _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)),
                         v);
+  }
+}
+
+// Calls body(std::integral_constant<int, R>()) for R = count, 1 to Most: a register tile's row count as a
+// compile-time constant, so that its sums stay in registers (with a run-time count GCC kept the sums of rows
+// past the first on the stack: GPT-2-small's bfloat16 products took 1.15x as long at 4 rows, 1.22x at 8).
+template <int Most, typename Body>
+__attribute__((always_inline)) inline void ForRows(int count, const Body& body) {
+  if (count == Most) {
+    body(std::integral_constant<int, Most>());
+  } else if constexpr (Most > 1) {
+    ForRows<Most - 1>(count, body);
   }
 }
 

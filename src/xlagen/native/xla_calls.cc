@@ -132,6 +132,22 @@ extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque
   ProductCall<float>("xlagen_f32_matmul", xlagen_f32_product, out, in, opaque, opaque_len, status);
 }
 
+// The many-row products (gemm.cc), with the products' backend config "m,k,n".
+extern "C" void xlagen_f32_gemm(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                XlaCustomCallStatus_* status) {
+  ProductCall<float>("xlagen_f32_gemm", xlagen_f32_many_product, out, in, opaque, opaque_len, status);
+}
+
+extern "C" void xlagen_bf16_gemm(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                 XlaCustomCallStatus_* status) {
+  ProductCall<uint32_t>("xlagen_bf16_gemm", xlagen_bf16_many_product, out, in, opaque, opaque_len, status);
+}
+
+extern "C" void xlagen_int8_gemm(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                 XlaCustomCallStatus_* status) {
+  ProductCall<int8_t>("xlagen_int8_gemm", xlagen_int8_many_product, out, in, opaque, opaque_len, status);
+}
+
 // The backend config is "heads,t,s,d,scale,transposed" (scale printed with 9 significant digits: exact for
 // float32; transposed 1 when k is [heads, d, s]).
 extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
@@ -148,6 +164,24 @@ extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opa
         xlagen_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
                          static_cast<const float*>(in[2]), static_cast<float*>(out), heads, t, s, d, scale,
                          transposed));
+}
+
+// The backend config is "heads,t,s,d,scale,heads_per_mask,mask_rows"; operands q, k, v and the mask (uint8
+// [heads / heads_per_mask, mask_rows, s]).
+extern "C" void xlagen_f32_masked_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                            XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int heads, t, s, d, heads_per_mask, mask_rows;
+  float scale;
+  if (!(f.Int(&heads) && f.Int(&t) && f.Int(&s) && f.Int(&d) && f.Float(&scale) && f.Int(&heads_per_mask) &&
+        f.Int(&mask_rows) && f.Done())) {
+    return Fail(status, "xlagen_f32_masked_attention",
+                "backend config " + Quoted(opaque, opaque_len) + " is not heads,t,s,d,scale,heads_per_mask,mask_rows");
+  }
+  Check(status, "xlagen_f32_masked_attention",
+        xlagen_masked_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
+                                static_cast<const float*>(in[2]), static_cast<const uint8_t*>(in[3]),
+                                static_cast<float*>(out), heads, t, s, d, scale, heads_per_mask, mask_rows));
 }
 
 // The backend config is "groups,heads,queries,s,d,bias_heads,scale,mask_value" (floats printed with 9
@@ -276,7 +310,12 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), host);
   add(global(), std::string("xlagen_int8_matmul"), reinterpret_cast<void*>(&xlagen_int8_matmul), host);
   add(global(), std::string("xlagen_int8_imatmul"), reinterpret_cast<void*>(&xlagen_int8_imatmul), host);
+  add(global(), std::string("xlagen_f32_gemm"), reinterpret_cast<void*>(&xlagen_f32_gemm), host);
+  add(global(), std::string("xlagen_bf16_gemm"), reinterpret_cast<void*>(&xlagen_bf16_gemm), host);
+  add(global(), std::string("xlagen_int8_gemm"), reinterpret_cast<void*>(&xlagen_int8_gemm), host);
   add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention), host);
+  add(global(), std::string("xlagen_f32_masked_attention"), reinterpret_cast<void*>(&xlagen_f32_masked_attention),
+      host);
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
   add(global(), std::string("xlagen_f32_memory_attention"), reinterpret_cast<void*>(&xlagen_f32_memory_attention),

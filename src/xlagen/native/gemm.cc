@@ -1,0 +1,196 @@
+// The many-row product: y[M, N] = x[M, K] @ W for a prompt's or an encoder's products, where the work is the
+// arithmetic (M x K x N multiply-adds against K x N weights read), not the weights' bytes. The streaming
+// products (f32_product.cc, packed_product.cc) keep a few rows' sums in registers over the whole of K; here
+// the weights are widened to float32 once per block and reused by every row.
+//
+// Layout of the work: each unit is a block of kBlockColumns output columns. For each run of kDepth weight
+// rows, the unit copies its block of W into a float32 buffer strip by strip (a strip: kStrip = 2 vectors of
+// columns, kDepth rows, contiguous: the 2 vectors of a weight row are one 64- or 128-byte load), widening
+// bfloat16 or int8 weights (their scale applied) on the way; then a register tile of kTileRows rows of x by
+// one strip runs over the kDepth rows, broadcasting x and multiplying by the strip's 2 vectors (AVX2: 12
+// sums, 2 weight vectors and a broadcast in 16 registers). The buffer (kDepth x kBlockColumns floats) stays
+// in the core's L2 cache while all M rows pass over it; a tile's rows of x over kDepth stay in L1.
+// Sums over successive runs of K are added into y.
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels.h"
+#include "pool.h"
+#include "simd.h"
+
+namespace xlagen {
+namespace {
+
+constexpr int kStrip = 2 * kLanes;               // output columns of a strip (2 vectors)
+constexpr int kTileRows = kAvx512 ? 14 : 6;      // rows of x per register tile (2 kTileRows sums)
+constexpr int kDepth = 256;                      // weight rows per run
+constexpr int kBlockColumns = 8 * kStrip;        // output columns per unit (AVX2: 128, 128 KB of buffer)
+
+enum class Weights { kFloat32, kBfloat16, kInt8 };
+
+struct Gemm {
+  const float* x;
+  const void* w;
+  float* y;
+  int m, k, n;
+  Weights kind;
+};
+
+// strip[kk][0..kStrip) = W[k0 + kk, c0 .. c0 + kStrip) as float32 for kk < depth (columns past n: 0).
+void PackStrip(const Gemm& a, int k0, int depth, int c0, float* strip) {
+  if (a.kind == Weights::kFloat32) {
+    const float* w = static_cast<const float*>(a.w);
+    const int left = a.n - c0;
+    if (left >= kStrip) {
+      for (int kk = 0; kk < depth; ++kk) {
+        const float* row = w + static_cast<size_t>(k0 + kk) * a.n + c0;
+        Store(strip + kk * kStrip, Load(row));
+        Store(strip + kk * kStrip + kLanes, Load(row + kLanes));
+      }
+    } else {
+      const Mask first = FirstLanes(std::min(left, kLanes)), second = FirstLanes(std::max(left - kLanes, 0));
+      for (int kk = 0; kk < depth; ++kk) {
+        const float* row = w + static_cast<size_t>(k0 + kk) * a.n + c0;
+        Store(strip + kk * kStrip, LoadMasked(first, row));
+        Store(strip + kk * kStrip + kLanes, left > kLanes ? LoadMasked(second, row + kLanes) : Zero());
+      }
+    }
+  } else if (a.kind == Weights::kBfloat16) {
+    // Panel p = c0 / kPanel, words[p][k][j]: column 32p + j in the low half, 32p + 16 + j in the high half.
+    const uint32_t* panel = static_cast<const uint32_t*>(a.w) + static_cast<size_t>(c0 / kPanel) * a.k * 16;
+    for (int kk = 0; kk < depth; ++kk) {
+      const uint32_t* row = panel + static_cast<size_t>(k0 + kk) * 16;
+      if constexpr (kAvx512) {  // the strip is the whole panel
+        const Words words = LoadWords(row);
+        Store(strip + kk * kStrip, LowHalves(words));
+        Store(strip + kk * kStrip + kLanes, HighHalves(words));
+      } else {  // the strip is the panel's low (c0 % 32 == 0) or high halves
+        const Words first = LoadWords(row), second = LoadWords(row + kLanes);
+        const bool high = c0 % kPanel != 0;
+        Store(strip + kk * kStrip, high ? HighHalves(first) : LowHalves(first));
+        Store(strip + kk * kStrip + kLanes, high ? HighHalves(second) : LowHalves(second));
+      }
+    }
+  } else {
+    // Panel p = c0 / kInt8Panel: rows of 64 int8 weights, then the 64 columns' float32 scales.
+    const int8_t* panel =
+        static_cast<const int8_t*>(a.w) + static_cast<size_t>(c0 / kInt8Panel) * (a.k + 4) * kInt8Panel;
+    const int offset = c0 % kInt8Panel;
+    const float* scales = reinterpret_cast<const float*>(panel + static_cast<size_t>(a.k) * kInt8Panel) + offset;
+    const Vec s0 = Load(scales), s1 = Load(scales + kLanes);
+    for (int kk = 0; kk < depth; ++kk) {
+      const int8_t* row = panel + static_cast<size_t>(k0 + kk) * kInt8Panel + offset;
+      Store(strip + kk * kStrip, Mul(LoadInt8(row), s0));
+      Store(strip + kk * kStrip + kLanes, Mul(LoadInt8(row + kLanes), s1));
+    }
+  }
+}
+
+// y[m0 .. m0 + R, c0 .. c0 + columns) (+)= x[m0 .., k0 .. k0 + depth) @ strip; R a compile-time count so that
+// the 2 R sums stay in registers.
+template <int R>
+inline void Tile(const Gemm& a, const float* strip, int m0, int k0, int depth, int c0, int columns, bool add) {
+  Vec lo[R], hi[R];
+  for (int i = 0; i < R; ++i) lo[i] = hi[i] = Zero();
+  const float* x = a.x + static_cast<size_t>(m0) * a.k + k0;
+#pragma GCC unroll 2
+  for (int kk = 0; kk < depth; ++kk) {
+    const Vec w0 = Load(strip + kk * kStrip), w1 = Load(strip + kk * kStrip + kLanes);
+    for (int i = 0; i < R; ++i) {
+      const Vec xv = Set(x[static_cast<size_t>(i) * a.k + kk]);
+      lo[i] = Fma(xv, w0, lo[i]);
+      hi[i] = Fma(xv, w1, hi[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float* y = a.y + static_cast<size_t>(m0 + i) * a.n + c0;
+    if (columns >= kStrip) {
+      Store(y, add ? Add(lo[i], Load(y)) : lo[i]);
+      Store(y + kLanes, add ? Add(hi[i], Load(y + kLanes)) : hi[i]);
+    } else {
+      const int first = std::min(columns, kLanes), second = columns - first;
+      StoreFirst(y, add ? Add(lo[i], LoadMasked(FirstLanes(first), y)) : lo[i], first);
+      if (second > 0) {
+        StoreFirst(y + kLanes, add ? Add(hi[i], LoadMasked(FirstLanes(second), y + kLanes)) : hi[i], second);
+      }
+    }
+  }
+}
+
+void RunGemm(const void* args, int u0, int u1) {
+  const Gemm& a = *static_cast<const Gemm*>(args);
+  thread_local std::vector<float> buffer;
+  buffer.resize(static_cast<size_t>(kDepth) * kBlockColumns + 64);
+  float* strips = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
+  for (int u = u0; u < u1; ++u) {
+    const int b0 = u * kBlockColumns, b1 = std::min(a.n, b0 + kBlockColumns);
+    const int count = (b1 - b0 + kStrip - 1) / kStrip;
+    for (int k0 = 0; k0 < a.k; k0 += kDepth) {
+      const int depth = std::min(kDepth, a.k - k0);
+      if (a.kind == Weights::kFloat32 && b1 - b0 == kBlockColumns) {
+        // A whole block of float32 rows: each row's kBlockColumns floats are contiguous, read in order.
+        const float* w = static_cast<const float*>(a.w) + b0;
+        for (int kk = 0; kk < depth; ++kk) {
+          const float* row = w + static_cast<size_t>(k0 + kk) * a.n;
+          for (int s = 0; s < count; ++s) {
+            float* strip = strips + static_cast<size_t>(s) * kDepth * kStrip + kk * kStrip;
+            Store(strip, Load(row + s * kStrip));
+            Store(strip + kLanes, Load(row + s * kStrip + kLanes));
+          }
+        }
+      } else {
+        for (int s = 0; s < count; ++s) {
+          PackStrip(a, k0, depth, b0 + s * kStrip, strips + static_cast<size_t>(s) * kDepth * kStrip);
+        }
+      }
+      const bool add = k0 > 0;
+      int m0 = 0;
+      for (; m0 + kTileRows <= a.m; m0 += kTileRows) {
+        for (int s = 0; s < count; ++s) {
+          const int c0 = b0 + s * kStrip;
+          Tile<kTileRows>(a, strips + static_cast<size_t>(s) * kDepth * kStrip, m0, k0, depth, c0, b1 - c0, add);
+        }
+      }
+      if (m0 < a.m) {
+        ForRows<kTileRows - 1>(a.m - m0, [&](auto rows) {
+          for (int s = 0; s < count; ++s) {
+            const int c0 = b0 + s * kStrip;
+            Tile<decltype(rows)::value>(a, strips + static_cast<size_t>(s) * kDepth * kStrip, m0, k0, depth, c0,
+                                        b1 - c0, add);
+          }
+        });
+      }
+    }
+  }
+}
+
+const char* RunProduct(const float* x, const void* w, float* y, int m, int k, int n, Weights kind) {
+  Gemm a{x, w, y, m, k, n, kind};
+  GetPool().Run(Task{&a, RunGemm, (n + kBlockColumns - 1) / kBlockColumns});
+  return nullptr;
+}
+
+static_assert(kPanel % kStrip == 0 || kStrip % kPanel == 0, "a strip is within one bfloat16 panel or is one");
+static_assert(kInt8Panel % kStrip == 0, "a strip is within one int8 panel");
+static_assert(kBlockColumns % kInt8Panel == 0, "a unit's strips start at panel boundaries");
+
+}  // namespace
+}  // namespace xlagen
+
+using namespace xlagen;
+
+extern "C" const char* xlagen_f32_many_product(const float* x, const float* w, float* y, int m, int k, int n) {
+  if (m < 1 || k < 1 || n < 1) return "xlagen_f32_many_product: m, k and n must be at least 1";
+  return RunProduct(x, w, y, m, k, n, Weights::kFloat32);
+}
+
+extern "C" const char* xlagen_bf16_many_product(const float* x, const uint32_t* w, float* y, int m, int k, int n) {
+  if (m < 1 || k < 1 || n < 1) return "xlagen_bf16_many_product: m, k and n must be at least 1";
+  return RunProduct(x, w, y, m, k, n, Weights::kBfloat16);
+}
+
+extern "C" const char* xlagen_int8_many_product(const float* x, const int8_t* w, float* y, int m, int k, int n) {
+  if (m < 1 || k < 1 || n < 1) return "xlagen_int8_many_product: m, k and n must be at least 1";
+  return RunProduct(x, w, y, m, k, n, Weights::kInt8);
+}
