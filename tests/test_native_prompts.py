@@ -1,0 +1,153 @@
+"""The kernels of long prompts and encoders: a prompt's masked self-attention (`native.masked_attention`) and
+the many-row products (`gemm.cc`), under XLA and inside `generate`, against XLA's own attention and dot.
+
+(Kept apart from test_native.py so that the suite's workers, which take whole files, share the time.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import random_ids, requires_kernels
+from test_native import FLOAT_INT8, FORMATS, _assert_same_outputs, _generate, _pair
+from xlagen import native
+
+pytestmark = requires_kernels
+
+
+@pytest.mark.parametrize("weight_dtype", list(FORMATS))
+def test_packed_products_of_many_rows_run_the_many_row_product(weight_dtype):
+    # More rows than packed_max_rows outside a step: the many-row product, x @ unpack(W) (without it: unpacked
+    # for XLA's dot); inside a step the streaming kernel, whatever the rows.
+    _, pack, streaming = FORMATS[weight_dtype]
+    many = native.GEMM_TARGETS[weight_dtype]
+    rng = np.random.default_rng(3)
+    words = tf.constant(pack(rng.standard_normal((300, 70)).astype(np.float32)))
+    rows = native.Kernels().packed_max_rows + 7
+    x = rng.standard_normal((rows, 300)).astype(np.float32)
+    function = tf.function(lambda x: native.matmul(x, words, 70), jit_compile=True)
+    with native.tracing(FLOAT_INT8):
+        hlo = function.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+        assert f'custom_call_target="{many}"' in hlo and streaming not in hlo
+        np.testing.assert_allclose(function(x).numpy(), x.astype(np.float64) @ native.unpack(words, 70).numpy(),
+                                   rtol=0, atol=2e-5 * np.sqrt(300) * np.abs(x).max())
+    with native.tracing(FLOAT_INT8.replace(many_rows=False)):
+        assert many not in tf.function(lambda x: native.matmul(x, words, 70), jit_compile=True
+                                       ).experimental_get_compiler_ir(x)(stage="optimized_hlo")
+
+    def step(i, y):
+        with native.decoding_step():
+            return i + 1, y + native.matmul(x, words, 70)
+
+    looped = tf.function(lambda: tf.while_loop(lambda i, y: i < 2, step, (0, tf.zeros((rows, 70))))[1],
+                         jit_compile=True)
+    with native.tracing(FLOAT_INT8):
+        hlo = looped.experimental_get_compiler_ir()(stage="optimized_hlo")
+    assert f'custom_call_target="{streaming}"' in hlo and many not in hlo
+
+
+@pytest.mark.parametrize("rows, k, n", [(17, 300, 70), (40, 768, 129), (100, 33, 1000)])
+def test_float32_many_row_product_matches_float64_numpy(rows, k, n):
+    rng = np.random.default_rng(rows + n)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    with native.tracing(native.Kernels(float32_many_rows=True)):
+        function = tf.function(lambda x: native.matmul_float32(x, tf.constant(w)), jit_compile=True)
+        assert f'custom_call_target="{native.GEMM_TARGETS["float32"]}"' in function.experimental_get_compiler_ir(x)(
+            stage="optimized_hlo")
+        np.testing.assert_allclose(function(x).numpy(), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
+
+
+def _count(hlo: str, target: str) -> int:
+    return hlo.count(f'custom_call_target="{target}"')
+
+
+@pytest.fixture(scope="module")
+def wide_heads(tmp_path_factory):
+    """family -> a tiny model with 16-wide heads (which the fused attentions take): GPT-2, and Mistral with 4
+    query heads per key/value head and a window of 5 positions."""
+    from models.test_llama import BASE, CLASSES
+
+    from conftest import save_tiny_gpt2
+    from xlagen import TFAutoModelForCausalLM
+
+    gpt2 = tmp_path_factory.mktemp("gpt2_wide")
+    save_tiny_gpt2(gpt2, n_embd=64, n_positions=160)  # room for a prompt of prompt_attention_min_tokens
+    mistral = tmp_path_factory.mktemp("mistral_wide")
+    config_class, model_class, _ = CLASSES["mistral"]
+    config = config_class(attn_implementation="eager", **{**BASE, "hidden_size": 64, "num_key_value_heads": 1,
+                                                          "head_dim": 16, "sliding_window": 5,
+                                                          "max_position_embeddings": 160})
+    import torch
+
+    torch.manual_seed(0)
+    model_class(config).eval().save_pretrained(mistral)
+    return {"gpt2": TFAutoModelForCausalLM.from_pretrained(gpt2),
+            "mistral": TFAutoModelForCausalLM.from_pretrained(mistral)}
+
+
+@pytest.mark.parametrize("family, options", [("gpt2", {"max_new_tokens": 6}), ("mistral", {"max_new_tokens": 6}),
+                                             ("mistral", {"max_new_tokens": 5, "num_beams": 2})])
+def test_prompt_attention_generates_as_xla_attention(wide_heads, family, options):
+    # Left padding (a row whose first queries see no key), a prompt longer than Mistral's window, and the
+    # cache's positions after the prompt, which the kernel never scores.
+    model = wide_heads[family]
+    ids = random_ids((2, 11), 60, seed=7)
+    mask = np.ones_like(ids)
+    mask[1, :4] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    fused, plain = native.Kernels(prompt_attention_min_tokens=2), native.Kernels(prompt_attention_min_tokens=None)
+    _assert_same_outputs(_generate(model, inputs, kernels=fused, **options),
+                         _generate(model, inputs, kernels=plain, **options))
+
+    def hlo(kernels, ids=ids, mask=mask):
+        program = tf.function(lambda ids, mask: model.generate(ids, attention_mask=mask, kernels=kernels, **options),
+                              jit_compile=True)
+        return program.experimental_get_compiler_ir(ids, mask)(stage="optimized_hlo")
+
+    layers = model.config.num_layers
+    assert _count(hlo(fused), native.MASKED_ATTENTION_TARGET) == layers
+    if family != "gpt2":
+        return
+    assert _count(hlo(plain), native.MASKED_ATTENTION_TARGET) == 0
+    # By default only from prompt_attention_min_tokens tokens.
+    most = native.Kernels().prompt_attention_min_tokens
+    assert _count(hlo(native.Kernels()), native.MASKED_ATTENTION_TARGET) == 0
+    longer = random_ids((1, most), 60, seed=8)
+    assert _count(hlo(native.Kernels(), longer, np.ones_like(longer)), native.MASKED_ATTENTION_TARGET) == layers
+
+
+def test_long_prompts_with_packed_weights_generate_as_float32_with_rounded_weights(gpt2_checkpoint):
+    # 3 prompts of 12 tokens: 36 rows, past packed_max_rows, so the prompt's products are the many-row product.
+    from xlagen import TFAutoModelForCausalLM
+
+    ids = random_ids((3, 12), 300, seed=9)
+    mask = np.ones_like(ids)
+    mask[2, :5] = 0
+    assert ids.size > native.Kernels().packed_max_rows
+    for weight_dtype in FORMATS:
+        packed, reference = _pair(lambda: TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0]), weight_dtype)
+        inputs = {"input_ids": ids, "attention_mask": mask}
+        with native.tracing(FLOAT_INT8):
+            _assert_same_outputs(_generate(packed, inputs, max_new_tokens=5), _generate(reference, inputs, max_new_tokens=5))
+            program = tf.function(lambda inputs: packed.generate(**inputs, max_new_tokens=5), jit_compile=True)
+            hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+        assert _count(hlo, native.GEMM_TARGETS[weight_dtype]) == 4 * packed.config.num_layers
+
+
+def test_float32_many_rows_in_a_prompt_pass_generate_as_xla_dot(gpt2_model):
+    ids = random_ids((2, 9), 300, seed=10)  # 18 rows: past float32_max_rows
+    inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    many = native.Kernels(float32_many_rows=True)
+    _assert_same_outputs(_generate(gpt2_model, inputs, kernels=many, max_new_tokens=4),
+                         _generate(gpt2_model, inputs, kernels=native.Kernels(float32=False), max_new_tokens=4))
+    program = tf.function(lambda inputs: gpt2_model.generate(**inputs, kernels=many, max_new_tokens=4),
+                          jit_compile=True)
+    hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+    assert _count(hlo, native.GEMM_TARGETS["float32"]) == 4 * gpt2_model.config.num_layers
+    # Not in a forward pass (training): XLA's dot, which has a gradient.
+    with native.tracing(many):
+        forward = tf.function(lambda ids: gpt2_model(ids).logits, jit_compile=True)
+        assert native.GEMM_TARGETS["float32"] not in forward.experimental_get_compiler_ir(ids)(stage="optimized_hlo")
