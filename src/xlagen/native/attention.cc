@@ -57,13 +57,17 @@ struct Attention {
   int mask_rows = 0, heads_per_mask = 1;
 };
 
+// The mask's row of keys for query row `row` of `head`.
+inline const uint8_t* MaskRow(const Attention& a, int head, int row) {
+  return a.mask + (static_cast<size_t>(head / a.heads_per_mask) * a.mask_rows + row % a.mask_rows) * a.s;
+}
+
 // The keys [*first, *last) any of the unit's rows sees, and which rows see none (bit r of the result).
 unsigned VisibleKeys(const Attention& a, int head, int t0, int rows, int* first, int* last) {
   unsigned empty = 0;
   int lo = a.s, hi = 0;
-  const uint8_t* mask = a.mask + static_cast<size_t>(head / a.heads_per_mask) * a.mask_rows * a.s;
   for (int r = 0; r < rows; ++r) {
-    const uint8_t* row = mask + static_cast<size_t>((t0 + r) % a.mask_rows) * a.s;
+    const uint8_t* row = MaskRow(a, head, t0 + r);
     int j0 = 0, j1 = a.s;
     while (j0 < a.s && !row[j0]) ++j0;
     while (j1 > j0 && !row[j1 - 1]) --j1;
@@ -218,8 +222,7 @@ void RunAttention(const void* args, int u0, int u1) {
         sums[r] = ExpInPlace(row, n, RowMax(row, n));
         continue;
       }
-      const uint8_t* seen = a.mask + (static_cast<size_t>(head / a.heads_per_mask) * a.mask_rows +
-                                      (t0 + r) % a.mask_rows) * a.s + first;
+      const uint8_t* seen = MaskRow(a, head, t0 + r) + first;
       for (int j = 0; j < n; ++j) row[j] = seen[j] ? row[j] : -INFINITY;
       ExpInPlace(row, n, RowMax(row, n));
       float total = 0.0f;  // masked keys weigh exactly 0
