@@ -38,9 +38,12 @@
                    dots over every cache position and the softmax's fusions per layer) against the native
                    masked attention; with --prompt-tokens 512 --new-tokens 1 the time is the first token's.
   integer          int8 weights (with --weights int8) multiplied in float32 at every row count
-                   (`int8_integer_min_rows=None`) against int8 x int8 products from `int8_integer_min_rows`
-                   rows (activations quantized per row); the two generate different tokens when the
-                   quantization of the activations changes a choice.
+                   (`int8_integer_min_rows=None`, `int8_many_integer_min_rows=None`) against int8 x int8
+                   products from `int8_integer_min_rows` rows (activations quantized per row); the two
+                   generate different tokens when the quantization of the activations changes a choice.
+  seven-bit        int8 weights' products of many rows in integers with 8-bit activations
+                   (`int8_many_integer_min_rows=None`) against 7-bit ones with a zero point from
+                   `int8_many_integer_min_rows` rows; --prompt-tokens 512 --new-tokens 1 times the first token.
 
 --weights bfloat16 or int8 packs the model's weights (`pack_weights`), whose products then run on the packed
 kernel under any policy but `off`.
@@ -74,7 +77,9 @@ POLICIES = {  # --compare: (name A, changes from the default for A), (name B, ch
     "argmax": (("xla_argmax", {"argmax": False}), ("native_argmax", {})),
     "fold": (("projected_memory", {"memory_attention_min_bytes": UNREACHABLE}), ("folded_memory", {})),
     "lookahead": (("no_lookahead", {}), ("lookahead", {})),
-    "integer": (("float32_compute", {"int8_integer_min_rows": None}), ("integer", {})),
+    "integer": (("float32_compute", {"int8_integer_min_rows": None, "int8_many_integer_min_rows": None}),
+                ("integer", {})),
+    "seven-bit": (("eight_bit", {"int8_many_integer_min_rows": None}), ("seven_bit", {})),
     "prefill": (("prefill_on_xla_dot", {"float32_prefill": False}), ("prefill_on_kernel", {})),
     "many-rows": (("unpacked_for_xla_dot", {"many_rows": False}), ("many_rows", {})),
     "many-rows-float32": (("xla_dot", {}), ("many_rows", {"float32_many_rows": True})),

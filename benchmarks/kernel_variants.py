@@ -18,8 +18,8 @@ numpy's BLAS on the same products is printed too (`--blas`), timed after the bui
 XLA's own dot is another program (see `ab.py --compare kernel` for the kernel against it inside `generate`).
 
 `--weights int8-integer` is the int8 x int8 product (`xlagen_int8_integer_product`: activations quantized
-to int8 per row) on the same packed int8 weights; its output is checked against numpy within the rounding
-of the activations. `--weights` takes one value, or one per source, of one packed layout, so that the two
+to int8 per row) on the same packed int8 weights, `int8-many-integer` the many-row one (7-bit activations
+with a zero point); their output is checked against numpy within the rounding of the activations. `--weights` takes one value, or one per source, of one packed layout, so that the two
 int8 products of one source can be compared:
 
     python benchmarks/kernel_variants.py --model gpt2 --rows 4 8 512 --weights int8 int8-integer \
@@ -62,8 +62,9 @@ MODELS = {
 
 
 ENTRY_POINTS = {"float32": "xlagen_f32_product", "bfloat16": "xlagen_bf16_product", "int8": "xlagen_int8_product",
-                "int8-integer": "xlagen_int8_integer_product"}
-LAYOUTS = {"int8-integer": "int8"}  # entry points that read another's packed weights
+                "int8-integer": "xlagen_int8_integer_product", "int8-many-integer": "xlagen_int8_many_integer_product"}
+LAYOUTS = {"int8-integer": "int8", "int8-many-integer": "int8"}  # entry points that read another's packed weights
+STEPS = {"int8-integer": 127 * 2, "int8-many-integer": 126}  # the activations' rounding: half a step of a row
 
 
 def _spin(seconds: float) -> None:
@@ -185,8 +186,10 @@ def main(argv=None) -> int:
                 step()
                 for (x, w, y, _, _), reference in zip(calls, references):
                     expected = x.astype(np.float64) @ (reference if step is not blas_step else w).astype(np.float64)
-                    # int8 activations: each row's rounding, at most max |x| / 254 per element
-                    atol = 0.02 * np.abs(expected).max() if product == "int8-integer" else 1e-3 * np.sqrt(x.shape[1])
+                    atol = 1e-3 * np.sqrt(x.shape[1])
+                    if product in STEPS:  # quantized activations: half a step of the row per element
+                        spread = np.abs(x).max(1) if product == "int8-integer" else np.ptp(np.c_[x, np.zeros(len(x))], 1)
+                        atol = atol + spread[:, None] / STEPS[product] * np.abs(reference).sum(0)[None, :]
                     if not np.allclose(y, expected, rtol=1e-4, atol=atol):
                         raise SystemExit(f"{name}: wrong product for {x.shape} @ {w.shape}")
             # numpy's BLAS is timed after the builds' rounds, not among them: its threads spin after a

@@ -42,8 +42,9 @@ TEXTS = (
 
 # --weight-dtypes choice -> (the model's weight_dtype, the changes to the default kernel policy)
 VARIANTS = {"bfloat16": ("bfloat16", {}), "int8": ("int8", {}),
-            "int8-float32-compute": ("int8", {"int8_integer_min_rows": None}),
-            "int8-integer": ("int8", {"int8_integer_min_rows": 1})}
+            "int8-float32-compute": ("int8", {"int8_integer_min_rows": None, "int8_many_integer_min_rows": None}),
+            "int8-integer": ("int8", {"int8_integer_min_rows": 1, "int8_many_integer_min_rows": None}),
+            "int8-integer-7-bit": ("int8", {"int8_many_integer_min_rows": 1})}
 
 
 def outputs(model, tokenizer, new_tokens: int, prompt_words: int, kernels=None,

@@ -61,9 +61,30 @@ def quantize_rows(x):
     return np.rint(x * inverse[:, None]).astype(np.int8), (top / np.float32(127)).astype(np.float32)
 
 
-def integer_product(x, quantized, scales):
-    """y of the integer product: exact int32 sums of Qx @ Q, times float32(sx * s), in float32."""
-    qx, sx = quantize_rows(x)
-    sums = qx.astype(np.int64) @ np.asarray(quantized, np.int64)
+def quantize_rows_seven(x):
+    """(Xq uint8, sx float32, zx int32): each row of float32 x quantized to 7 bits with a zero point as the
+    many-row integer product does: sx = (max(x, 0) - min(x, 0)) / 126, zx = round(-min(x, 0) * 126 / range),
+    Xq = clip(round(x * (126 / range)) + zx, 0, 127), ties to even (a row of zeros: 0, 0 and 0)."""
+    x = np.asarray(x, np.float32)
+    empty = np.zeros(len(x), np.float32)
+    largest = np.maximum(x.max(axis=1), 0) if x.shape[1] else empty
+    smallest = np.minimum(x.min(axis=1), 0) if x.shape[1] else empty
+    spread = (largest - smallest).astype(np.float32)
+    inverse = np.where(spread > 0, np.float32(126) / np.where(spread > 0, spread, 1), 0).astype(np.float32)
+    zeros = np.rint(-smallest * inverse).astype(np.int32)
+    xq = np.clip(np.rint(x * inverse[:, None]).astype(np.int32) + zeros[:, None], 0, 127).astype(np.uint8)
+    return xq, (spread / np.float32(126)).astype(np.float32), zeros
+
+
+def integer_product(x, quantized, scales, seven: bool = False):
+    """y of the integer product (`seven`: the many-row one): exact int32 sums of Xq @ Q (less zx times the
+    columns' sums of Q), times float32(sx * s), in float32."""
+    quantized = np.asarray(quantized, np.int64)
+    if seven:
+        qx, sx, zx = quantize_rows_seven(x)
+    else:
+        (qx, sx), zx = quantize_rows(x), np.zeros(len(x), np.int64)
+    sums = qx.astype(np.int64) @ quantized
     assert np.abs(sums).max(initial=0) < 2**31  # the kernel's int32 sums
+    sums -= zx[:, None].astype(np.int64) * quantized.sum(axis=0)[None, :]
     return sums.astype(np.int32).astype(np.float32) * (sx[:, None] * np.asarray(scales, np.float32)[None, :])

@@ -188,6 +188,23 @@ def test_int8_products_run_in_integers_from_their_min_rows(kernels_ready):
         native.Kernels(int8_integer_min_rows="x")
 
 
+def test_int8_products_of_many_rows_run_in_7_bit_integers_from_their_min_rows(kernels_ready):
+    def ask(kernels, rows):
+        with native.tracing(kernels):
+            return _under_xla(lambda: kernels.use_many_integer_product(tf.zeros((rows, 64))))
+
+    least = native.Kernels().int8_many_integer_min_rows
+    assert least is not None and least > 16  # a decoding step of 2 beams over a batch of 8 keeps 8 bits
+    everywhere = {"outside a step": True, "in a step": True, "in a prefill": True, "in a loop that is no step": True}
+    assert ask(native.Kernels(), least) == ask(native.Kernels(int8_integer_min_rows=None), 600) == everywhere
+    assert not any(ask(native.Kernels(), least - 1).values())
+    assert not any(ask(native.Kernels(int8_many_integer_min_rows=None), 600).values())
+    assert not any(ask(native.Kernels.OFF, 600).values())
+    assert native.Kernels(int8_many_integer_min_rows=0).use_many_integer_product(tf.zeros((1, 8))) is False  # eager
+    with pytest.raises(ValueError, match="Kernels.int8_many_integer_min_rows must be >= 0, got -1"):
+        native.Kernels(int8_many_integer_min_rows=-1)
+
+
 def test_attention_argmax_and_folded_memory_follow_their_fields(kernels_ready):
     q, k = tf.zeros((1, 2, 4, 64)), tf.zeros((1, 2, 256, 64))
     kt = tf.transpose(k, (0, 1, 3, 2))

@@ -40,7 +40,7 @@ def _quantized(w: np.ndarray) -> np.ndarray:
 
 
 # int8 weights multiplied in float32 at every row count: the packed product computes x @ (Q * s)
-FLOAT_INT8 = native.Kernels(int8_integer_min_rows=None)
+FLOAT_INT8 = native.Kernels(int8_integer_min_rows=None, int8_many_integer_min_rows=None)
 
 # weight dtype -> (what the layer multiplies by, the packing function, the custom-call target)
 FORMATS = {"bfloat16": (_rounded, native.pack_bfloat16, native.TARGET),
@@ -100,8 +100,9 @@ def test_kernel_computes_x_times_rounded_weights(rows, k, n, weight_dtype):
     np.testing.assert_allclose(eager, reference, atol=2e-6 * scale * np.sqrt(k), rtol=0)
 
 
-@pytest.mark.parametrize("rows,k,n", [(4, 768, 2304), (9, 40, 70), (100, 33, 130)])
+@pytest.mark.parametrize("rows,k,n", [(4, 768, 2304), (9, 40, 70), (23, 33, 130), (24, 33, 130), (100, 33, 130)])
 def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
+    # 8-bit activations from Kernels.int8_integer_min_rows rows, 7-bit from int8_many_integer_min_rows (24).
     rng = np.random.default_rng(rows + k)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -109,9 +110,11 @@ def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
     quantized, scales = kernel_reference.int8_parts(packed, k, n)
     words = tf.constant(packed)
     function = tf.function(lambda x: native.matmul(x, words, n), jit_compile=True)
-    assert f'custom_call_target="{native.INT8_INTEGER_TARGET}"' in function.experimental_get_compiler_ir(x)(
-        stage="optimized_hlo")
-    np.testing.assert_array_equal(function(x).numpy(), kernel_reference.integer_product(x, quantized, scales))
+    seven = rows >= native.Kernels().int8_many_integer_min_rows
+    hlo = function.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+    for target, expected in ((native.INT8_MANY_INTEGER_TARGET, seven), (native.INT8_INTEGER_TARGET, not seven)):
+        assert (f'custom_call_target="{target}"' in hlo) == expected
+    np.testing.assert_array_equal(function(x).numpy(), kernel_reference.integer_product(x, quantized, scales, seven))
 
 
 @pytest.mark.parametrize("weight_dtype", list(FORMATS))

@@ -99,53 +99,71 @@ def _int8_weights(w):
     return (stored, *kernel_reference.int8_parts(stored, *w.shape))
 
 
-@pytest.mark.parametrize("m, k, n", SHAPES + [(4, 4, 64), (5, 6, 65), (70, 31, 130), (64, 8, 16), (3, 2, 7)])
-def test_int8_integer_product_matches_its_numpy_reference_exactly(m, k, n):
+INTEGER_PRODUCTS = {"xlagen_int8_integer_product": False, "xlagen_int8_many_integer_product": True}  # : 7-bit
+
+
+@pytest.mark.parametrize("name", INTEGER_PRODUCTS)
+@pytest.mark.parametrize("m, k, n", SHAPES + [(4, 4, 64), (5, 6, 65), (70, 31, 130), (64, 8, 16), (3, 2, 7),
+                                             (7, 40, 64), (10, 33, 96), (130, 70, 200)])
+def test_int8_integer_products_match_their_numpy_reference_exactly(name, m, k, n):
     rng = np.random.default_rng(m * k + n + 2)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
     x[m // 2, :] = 0  # an all-zero row: sx = 0, y = 0
+    if m > 2:
+        x[m - 1] = np.abs(x[m - 1])  # one-signed rows: the zero point at an end
+        x[m - 2] = -np.abs(x[m - 2])
     w = rng.standard_normal((k, n)).astype(np.float32)
     w[:, n // 2] = 0  # an all-zero column: scale 0
     stored, quantized, scales = _int8_weights(w)
-    y = _product("xlagen_int8_integer_product", x, stored, n)
-    np.testing.assert_array_equal(y, kernel_reference.integer_product(x, quantized, scales))
+    y = _product(name, x, stored, n)
+    np.testing.assert_array_equal(y, kernel_reference.integer_product(x, quantized, scales, INTEGER_PRODUCTS[name]))
     assert not y[m // 2].any()
 
 
-def test_int8_integer_product_sums_extremes_without_saturating():
-    # Every product +-127 * +-127 (the pairs maddubs sums reach 2 * 127 * 127 = 32258), long rows.
+@pytest.mark.parametrize("name", INTEGER_PRODUCTS)
+def test_int8_integer_products_sum_extremes_without_saturating(name):
+    # Every weight +-127 and x of +-1 (8-bit: +-127; 7-bit: 0 and 126), long rows: maddubs's pairs reach
+    # 2 * 127 * 127 (8-bit) and 2 * 126 * 127 (7-bit).
     k, n = 1000, 70
     x = np.where(np.arange(k) % 3 == 0, -1.0, 1.0).astype(np.float32)[None].repeat(5, 0)
     x[1] *= -1
     w = np.where((np.arange(k)[:, None] + np.arange(n)[None]) % 2 == 0, 1.0, -1.0).astype(np.float32)
+    w[:, 3] = 1  # a column of +127 only: sums of one sign
     stored, quantized, scales = _int8_weights(w)
-    y = _product("xlagen_int8_integer_product", x, stored, n)
-    np.testing.assert_array_equal(y, kernel_reference.integer_product(x, quantized, scales))
-    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-6)
+    y = _product(name, x, stored, n)
+    np.testing.assert_array_equal(y, kernel_reference.integer_product(x, quantized, scales, INTEGER_PRODUCTS[name]))
+    np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-6, atol=1e-4)
 
 
-def test_int8_integer_product_of_zeros_is_zero():
+@pytest.mark.parametrize("name", INTEGER_PRODUCTS)
+def test_int8_integer_products_of_zeros_are_zero(name):
     w = np.random.default_rng(0).standard_normal((9, 70)).astype(np.float32)
-    y = _product("xlagen_int8_integer_product", np.zeros((6, 9), np.float32), native.pack_int8(w), 70)
+    y = _product(name, np.zeros((6, 9), np.float32), native.pack_int8(w), 70)
     assert not y.any()
 
 
-def test_int8_integer_product_error_is_that_of_int8_activations():
-    # Against float64 x @ (Q * s): the activations' rounding error, at most sx / 2 per element.
+@pytest.mark.parametrize("name", INTEGER_PRODUCTS)
+def test_int8_integer_products_error_is_that_of_their_activations(name):
+    # Against float64 x @ (Q * s): the activations' rounding error, at most half a step per element (8-bit:
+    # max |x| / 127; 7-bit: (max(x, 0) - min(x, 0)) / 126).
     rng = np.random.default_rng(3)
     x = rng.standard_normal((40, 300)).astype(np.float32)
+    x[:20] = np.maximum(x[:20], -0.2)  # rows skewed as after GELU
     w = rng.standard_normal((300, 100)).astype(np.float32)
     stored, quantized, scales = _int8_weights(w)
-    y = _product("xlagen_int8_integer_product", x, stored, 100)
+    y = _product(name, x, stored, 100)
     exact = x.astype(np.float64) @ (quantized * scales.astype(np.float64))
-    bound = (np.abs(x).max(1, keepdims=True) / 127 / 2) @ np.abs(quantized * scales.astype(np.float64)).sum(0,
-                                                                                                              keepdims=True)
+    if INTEGER_PRODUCTS[name]:
+        step = (np.maximum(x.max(1), 0) - np.minimum(x.min(1), 0))[:, None] / 126
+    else:
+        step = np.abs(x).max(1, keepdims=True) / 127
+    bound = (step / 2) @ np.abs(quantized * scales.astype(np.float64)).sum(0, keepdims=True)
     assert np.all(np.abs(y - exact) <= bound + 1e-4)
     assert np.abs(y - exact).max() < 0.05 * np.abs(exact).max()
 
 
 @pytest.mark.parametrize("name", ["xlagen_f32_product", "xlagen_bf16_product", "xlagen_int8_product",
-                                  "xlagen_int8_integer_product"])
+                                  "xlagen_int8_integer_product", "xlagen_int8_many_integer_product"])
 @pytest.mark.parametrize("m, k, n", [(0, 4, 4), (1, 0, 4), (1, 4, 0), (-1, 4, 4)])
 def test_products_refuse_empty_sizes(name, m, k, n):
     y = np.zeros(4, np.float32)

@@ -17,7 +17,9 @@ xlagen brings its own product for the few rows of a decoding step, in three form
 - int8 weights with one float32 scale per output column (`matmul`, `pack_int8`): a quarter of float32's
   bytes, widened in registers and multiplied in float32; `x @ (Q * s)` up to float32 rounding. From
   `Kernels.int8_integer_min_rows` rows (batch decoding, prompts, encoders) the activations are quantized
-  to int8 per row as well and multiplied in integers (int32 sums), about half the instructions.
+  to int8 per row as well and multiplied in integers (int32 sums), about half the instructions; from
+  `Kernels.int8_many_integer_min_rows` rows (prompts, encoders) to 7 bits with a zero point, which AVX2
+  multiplies in three quarters of the 8-bit product's instructions.
 
 And one fused attention (`attention`): `softmax(scale * q k^T) v` over every key, for long unmasked
 float32 attention under XLA: Whisper's encoder (1500 positions), whose scores XLA writes out and reads
@@ -52,7 +54,7 @@ from xlagen.native.build import NO_COMPILER, SOURCES, NativeUnavailable, compile
 from xlagen.native.library import (configure_pool, constant, hardware_reason, load, lookahead_counts, lookahead_kib,
                                    ready, set_lookahead, status_supported, unavailable_reason)
 from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, FLOAT32_TARGET, GEMM_TARGETS, INT8_INTEGER_TARGET,
-                               INT8_TARGET,
+                               INT8_MANY_INTEGER_TARGET, INT8_TARGET,
                                MASKED_ATTENTION_TARGET, MEMORY_ATTENTION_TARGET, STEP_ATTENTION_TARGET, TARGET, argmax,
                                attention, masked_attention, matmul, matmul_float32, memory_attention,
                                reference_memory_attention, step_attention)
@@ -73,7 +75,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "FLOAT32_TARGET", "GEMM_TARGETS",
-           "INT8_INTEGER_TARGET",
+           "INT8_INTEGER_TARGET", "INT8_MANY_INTEGER_TARGET",
            "INT8_TARGET", "Kernels", "MASKED_ATTENTION_TARGET",
            "MEMORY_ATTENTION_TARGET", "NO_COMPILER", "NativeUnavailable", "PoolSettings", "SOURCES",
            "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "argmax", "attention", "compile_library",

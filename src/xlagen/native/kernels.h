@@ -50,6 +50,9 @@ const char* xlagen_int8_product(const float* x, const int8_t* w, float* y, int m
 // y[m, n] ~ x[m, k] @ (Q * s) in integers: x quantized to int8 per row (symmetric, scale max |x[r]| / 127),
 // int32 sums of int8 x int8, y = sums * (row scale * column scale); weights as xlagen_int8_product's.
 const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
+// The same for many rows (prompts, encoders): x quantized to 7 bits per row with a zero point (scale
+// (max(x, 0) - min(x, 0)) / 126), which multiplies in fewer instructions (packed_product.cc).
+const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
 // The same three products for many rows (prompts, encoders: gemm.cc), the weights widened to float32 once
 // per block and reused by every row of x: y[m, n] = x[m, k] @ W, W float32 row-major, packed bfloat16, or
 // packed int8 (y = x @ (Q * s)).

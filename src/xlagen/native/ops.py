@@ -15,6 +15,7 @@ TARGET = "xlagen_bf16_matmul"
 FLOAT32_TARGET = "xlagen_f32_matmul"
 INT8_TARGET = "xlagen_int8_matmul"
 INT8_INTEGER_TARGET = "xlagen_int8_imatmul"
+INT8_MANY_INTEGER_TARGET = "xlagen_int8_many_imatmul"
 GEMM_TARGETS = {"float32": "xlagen_f32_gemm", "bfloat16": "xlagen_bf16_gemm", "int8": "xlagen_int8_gemm"}
 ATTENTION_TARGET = "xlagen_f32_attention"
 MASKED_ATTENTION_TARGET = "xlagen_f32_masked_attention"
@@ -34,10 +35,13 @@ def matmul(x, words, n: int):
     product (`Kernels.many_rows`), which widens each block of weights once and reuses it for every row.
     All compute `x @ unpack(W)`.
 
-    int8 weights multiplied by many rows (`Kernels.use_integer_product`: at least `int8_integer_min_rows`,
+    int8 weights multiplied by several rows (`Kernels.use_integer_product`: at least `int8_integer_min_rows`,
     in or out of a decoding step) run in integers instead: each row of x quantized to int8 with its own scale
     (max |x| / 127, no zero point), int8 x int8 products summed exactly in int32, then scaled by the row's
-    and the column's scales in float32; which adds the rounding of x to int8 to that of the weights.
+    and the column's scales in float32; which adds the rounding of x to int8 to that of the weights. From
+    `int8_many_integer_min_rows` rows (`Kernels.use_many_integer_product`: prompts, encoders) each row of x
+    is quantized to 7 bits with a zero point instead (scale (max(x, 0) - min(x, 0)) / 126), which the CPU
+    multiplies in fewer instructions.
 
     Raises:
         TypeError: x is not float32.
@@ -48,6 +52,9 @@ def matmul(x, words, n: int):
     if x.dtype != tf.float32:
         raise TypeError(f"packed weights multiply float32 activations; got {x.dtype.name}")
     policy = current()
+    if words.dtype == tf.int8 and policy.use_many_integer_product(x):
+        load()
+        return _custom_call(INT8_MANY_INTEGER_TARGET, x, words, n)
     if words.dtype == tf.int8 and policy.use_integer_product(x):
         load()
         return _custom_call(INT8_INTEGER_TARGET, x, words, n)

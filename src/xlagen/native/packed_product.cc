@@ -153,28 +153,48 @@ void RunInt8Panels(const void* args, int p0, int p1) {
   }
 }
 
-// The integer product of int8 weights: y = (Qx @ Q) * (sx x s), x quantized per row (Qx = round(x / sx),
-// sx = max |x[r, :]| / 127, symmetric: no zero point, so no correction by the columns' sums, and the
-// products' operands stay within -127..127, which DotQuads needs), int32 sums exact, one float32 multiply
-// by sx[r] * s[c] at the end. The weights are the int8 panels as packed (pack_int8); each worker rewrites
-// the panel it takes into quads, quads[q][c][j] = Q[4q + j, c] (rows past K zero), so one 32-byte load
-// holds 4 rows of 8 columns, the 4 bytes DotQuads multiplies by 4 of a row of Qx. Qx is [M, Kq], K rounded
-// up to a multiple of 4 with zeros.
-constexpr int kIntRows = kAvx512 ? 8 : 4;                       // rows of x per tile (2 kIntRows accumulators)
-constexpr int kIntVectors = 2;                                  // vectors of 8 columns per tile
-constexpr int kIntPasses = kInt8Panel / (8 * kIntVectors);      // tiles across a panel
+// The integer products of int8 weights. The weights are the int8 panels as packed (pack_int8); each worker
+// rewrites the panel it takes into quads, quads[q][c][j] = Q[4q + j, c] (rows past K zero), so that one
+// 32-byte load holds 4 rows of 8 columns, the 4 bytes a DotQuads or DotUnsigned multiplies by 4 of a row of
+// quantized x, Xq [M, Kq] (K rounded up to a multiple of 4). The int32 sums are exact; one float32 multiply
+// by the row's and the column's scales ends.
+//
+// 8-bit (xlagen_int8_integer_product, few rows: batch decoding): y = (Xq @ Q) * (sx x s), each row of x
+// quantized symmetrically (Xq = round(x / sx), sx = max |x[r, :]| / 127: no zero point, so no correction by
+// the columns' sums, and the operands stay within -127..127, which DotQuads needs; 4 instructions per 32
+// multiply-adds without VNNI).
+//
+// 7-bit (xlagen_int8_many_integer_product, many rows: prompts, encoders): y = (Xq - zx) @ Q * (sx x s), each
+// row quantized to 7 bits with a zero point (Xq = round(x / sx) + zx, sx = (max(x, 0) - min(x, 0)) / 126,
+// zx = round(-min(x, 0) / sx), so that 0 is exact; 126 steps, not 127, so that rounding zx never pushes the
+// row's largest value past 127, and every value is within sx / 2): bytes of 0..127 are what maddubs takes
+// unsigned without saturating (DotUnsigned), 3 instructions per 32 multiply-adds, for the price of one bit
+// of the activations (half that where a row is one-signed, as after GELU or ReLU). The quads' pass also sums
+// each column of Q, and zx times those sums is taken off the row's sums.
+constexpr int kIntRows = kAvx512 ? 8 : 4;                       // 8-bit: rows of x per tile (kIntVectors each)
+constexpr int kIntVectors = 2;                                  // 8-bit: vectors of 8 columns per tile
+constexpr int kSevenRows = kAvx512 ? 6 : 3;                     // 7-bit: rows of x per tile
+constexpr int kSevenVectors = 4;                                // 7-bit: vectors of 8 columns per tile
 constexpr int kIntRowChunk = 64;                                // rows of x per pass over a panel's tiles
 constexpr long kQuantizeAlone = 32768;                          // elements of x the caller quantizes alone
 
 struct QuantizedRows {
   const float* x;
-  int8_t* q;
+  int8_t* q;  // 7-bit: uint8_t values 0..127
   float* scales;
+  int32_t* zeros;  // 7-bit only
   int k, kq;
 };
 
-// Qx and sx for rows [r0, r1) of x: Qx = round(x * (127 / max |x|)), ties to even; a row of zeros gives
-// Qx = 0, sx = 0.
+// The largest of v's 8 lanes.
+inline float Largest(__m256 v) {
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+}
+
+// Xq and sx for rows [r0, r1) of x, 8-bit: Xq = round(x * (127 / max |x|)), ties to even; a row of zeros
+// gives Xq = 0, sx = 0.
 void QuantizeRows(const void* args, int r0, int r1) {
   const QuantizedRows& a = *static_cast<const QuantizedRows*>(args);
   const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -185,9 +205,7 @@ void QuantizeRows(const void* args, int r0, int r1) {
     __m256 peak = _mm256_setzero_ps();
     int i = 0;
     for (; i + 8 <= a.k; i += 8) peak = _mm256_max_ps(peak, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
-    __m128 half = _mm_max_ps(_mm256_castps256_ps128(peak), _mm256_extractf128_ps(peak, 1));
-    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
-    float top = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+    float top = Largest(peak);
     for (; i < a.k; ++i) top = std::fmax(top, std::fabs(x[i]));
     const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
     a.scales[r] = top / 127.0f;
@@ -204,18 +222,68 @@ void QuantizeRows(const void* args, int r0, int r1) {
   }
 }
 
+// Xq, sx and zx for rows [r0, r1) of x, 7-bit with a zero point (above), ties to even; a row of zeros gives
+// Xq = 0, sx = 0, zx = 0.
+void QuantizeRowsSeven(const void* args, int r0, int r1) {
+  const QuantizedRows& a = *static_cast<const QuantizedRows*>(args);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i top = _mm256_set1_epi8(127);
+  for (int r = r0; r < r1; ++r) {
+    const float* x = a.x + static_cast<size_t>(r) * a.k;
+    uint8_t* q = reinterpret_cast<uint8_t*>(a.q) + static_cast<size_t>(r) * a.kq;
+    __m256 high = _mm256_setzero_ps(), low = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= a.k; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      high = _mm256_max_ps(high, v);
+      low = _mm256_min_ps(low, v);
+    }
+    float largest = Largest(high), smallest = -Largest(_mm256_sub_ps(_mm256_setzero_ps(), low));
+    for (; i < a.k; ++i) {
+      largest = std::fmax(largest, x[i]);
+      smallest = std::fmin(smallest, x[i]);
+    }
+    const float range = largest - smallest;
+    const float inverse = range > 0.0f ? 126.0f / range : 0.0f;
+    const int32_t zero = static_cast<int32_t>(std::nearbyint(-smallest * inverse));
+    a.scales[r] = range / 126.0f;
+    a.zeros[r] = zero;
+    const __m256 factor = _mm256_set1_ps(inverse);
+    const __m256i offset = _mm256_set1_epi32(zero);
+    i = 0;
+    for (; i + 32 <= a.k; i += 32) {
+      __m256i v[4];
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_add_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * j), factor)), offset);
+      }
+      const __m256i bytes = _mm256_packus_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i),
+                          _mm256_min_epu8(_mm256_permutevar8x32_epi32(bytes, order), top));
+    }
+    for (; i < a.k; ++i) {
+      const int32_t u = static_cast<int32_t>(std::nearbyint(x[i] * inverse)) + zero;
+      q[i] = static_cast<uint8_t>(u < 0 ? 0 : u > 127 ? 127 : u);
+    }
+    for (; i < a.kq; ++i) q[i] = 0;
+  }
+}
+
 struct IntegerProduct {
   const int8_t* xq;
   const float* xs;
+  const int32_t* xz;  // 7-bit only
   const int8_t* w;
   float* y;
   int m, k, n, kq;
 };
 
-// A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4]. 32 columns at a time: the byte and
-// word interleaves work within 128-bit halves (columns 0-15 and 16-31), which the last step puts in order.
-void Quads(const int8_t* panel, int k, int kq, int8_t* quads) {
-  const __m256i zero = _mm256_setzero_si256();
+// A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4], and, if `sums`, sums[c] = the sum of
+// Q[:, c]. 32 columns at a time: the byte and word interleaves work within 128-bit halves (columns 0-15 and
+// 16-31), which the last step puts in order.
+void Quads(const int8_t* panel, int k, int kq, int8_t* quads, int32_t* sums) {
+  const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi8(1);
+  __m256i totals[kInt8Panel / 8];
+  for (auto& total : totals) total = zero;
   for (int q = 0; q < kq / 4; ++q) {
     for (int c = 0; c < kInt8Panel; c += 32) {
       __m256i rows[4];
@@ -228,70 +296,164 @@ void Quads(const int8_t* panel, int k, int kq, int8_t* quads) {
       // columns 0-3 | 16-19, 4-7 | 20-23, 8-11 | 24-27, 12-15 | 28-31
       const __m256i o0 = _mm256_unpacklo_epi16(t0, t2), o1 = _mm256_unpackhi_epi16(t0, t2);
       const __m256i o2 = _mm256_unpacklo_epi16(t1, t3), o3 = _mm256_unpackhi_epi16(t1, t3);
-      __m256i* out = reinterpret_cast<__m256i*>(quads + static_cast<size_t>(q) * 4 * kInt8Panel + 4 * c);
-      _mm256_storeu_si256(out, _mm256_permute2x128_si256(o0, o1, 0x20));
-      _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(o2, o3, 0x20));
-      _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(o0, o1, 0x31));
-      _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(o2, o3, 0x31));
+      const __m256i out[4] = {_mm256_permute2x128_si256(o0, o1, 0x20), _mm256_permute2x128_si256(o2, o3, 0x20),
+                              _mm256_permute2x128_si256(o0, o1, 0x31), _mm256_permute2x128_si256(o2, o3, 0x31)};
+      __m256i* to = reinterpret_cast<__m256i*>(quads + static_cast<size_t>(q) * 4 * kInt8Panel + 4 * c);
+      for (int v = 0; v < 4; ++v) {
+        _mm256_storeu_si256(to + v, out[v]);
+        if (sums != nullptr) totals[c / 8 + v] = DotUnsigned(totals[c / 8 + v], ones, out[v]);
+      }
     }
   }
+  if (sums == nullptr) return;
+  for (int v = 0; v < kInt8Panel / 8; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + 8 * v), totals[v]);
 }
 
-// y for R rows of x from m0 and the panel's columns c0 + 16 h ... c0 + 16 h + 15 (pass h), over all of Kq.
-template <int R>
-inline void IntegerTile(const IntegerProduct& a, const int8_t* quads, const float* scales, int m0, int c0, int h) {
-  constexpr int G = kIntVectors;
-  Ints acc[R][G];
+// The int32 sums of R rows of Xq (kq bytes apart) from x by G vectors of 8 columns of quads from w (4 x
+// kInt8Panel bytes per quad of rows), 8-bit or 7-bit.
+template <bool kSeven, int R, int G>
+void TileSums(const int8_t* x, int kq, const int8_t* w, Ints (&sums)[R][G]) {
   for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = ZeroInts();
-  const int8_t* x = a.xq + static_cast<size_t>(m0) * a.kq;
-  const int8_t* w = quads + 4 * 8 * G * h;
-  for (int q = 0; q < a.kq / 4; ++q) {
+    for (int g = 0; g < G; ++g) sums[r][g] = ZeroInts();
+  for (int q = 0; q < kq / 4; ++q) {
     const int8_t* row = w + static_cast<size_t>(q) * 4 * kInt8Panel;
     Ints wv[G], magnitudes[G];
     for (int g = 0; g < G; ++g) {
       wv[g] = LoadInts(row + 32 * g);
-      magnitudes[g] = Magnitudes(wv[g]);
+      if constexpr (!kSeven) magnitudes[g] = Magnitudes(wv[g]);
     }
     for (int r = 0; r < R; ++r) {
-      const Ints xv = BroadcastQuad(x + static_cast<size_t>(r) * a.kq + 4 * q);
-      for (int g = 0; g < G; ++g) acc[r][g] = DotQuads(acc[r][g], wv[g], magnitudes[g], xv);
-    }
-  }
-  const int columns = (a.n - c0 < kInt8Panel ? a.n - c0 : kInt8Panel) - 8 * G * h;
-  for (int g = 0; g < G; ++g) {
-    const int left = columns - 8 * g;
-    if (left <= 0) break;
-    const __m256 s = _mm256_loadu_ps(scales + 8 * (G * h + g));
-    for (int r = 0; r < R; ++r) {
-      const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[m0 + r]), s);
-      StoreFirst8(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + 8 * (G * h + g),
-                  _mm256_mul_ps(IntsToFloats(acc[r][g]), factor), left);
+      const Ints xv = BroadcastQuad(x + static_cast<size_t>(r) * kq + 4 * q);
+      for (int g = 0; g < G; ++g) {
+        if constexpr (kSeven) {
+          sums[r][g] = DotUnsigned(sums[r][g], xv, wv[g]);
+        } else {
+          sums[r][g] = DotQuads(sums[r][g], wv[g], magnitudes[g], xv);
+        }
+      }
     }
   }
 }
 
+#if !defined(__AVX512F__)
+// AVX2's whole 7-bit tile, 3 rows by 4 vectors: the 12 sums, the ones and 3 scratch registers are all 16 of
+// AVX2's registers. The loop's body is written in assembly: from the same code in C++, GCC 12 kept most of
+// the sums on the stack, at about half the speed.
+static_assert(kSevenRows == 3 && kSevenVectors == 4, "the assembly below is a tile of 3 rows by 4 vectors");
+template <>
+void TileSums<true, 3, 4>(const int8_t* x, int kq, const int8_t* w, Ints (&sums)[3][4]) {
+  Ints a00 = ZeroInts(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+  Ints a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+  const Ints ones = _mm256_set1_epi16(1);
+  const long stride = kq;
+  for (int q = 0; q < kq / 4; ++q, x += 4, w += 4 * kInt8Panel) {
+    // A row: broadcast its 4 bytes, then per vector of weights (a memory operand) maddubs, madd and add.
+#define XLAGEN_ROW(address, s0, s1, s2, s3)                \
+  "vpbroadcastd " address ", %%ymm13\n\t"                  \
+  "vpmaddubsw (%[w]), %%ymm13, %%ymm14\n\t"                \
+  "vpmaddubsw 32(%[w]), %%ymm13, %%ymm15\n\t"              \
+  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                 \
+  "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"                 \
+  "vpaddd %%ymm14, %[" s0 "], %[" s0 "]\n\t"               \
+  "vpaddd %%ymm15, %[" s1 "], %[" s1 "]\n\t"               \
+  "vpmaddubsw 64(%[w]), %%ymm13, %%ymm14\n\t"              \
+  "vpmaddubsw 96(%[w]), %%ymm13, %%ymm15\n\t"              \
+  "vpmaddwd %[ones], %%ymm14, %%ymm14\n\t"                 \
+  "vpmaddwd %[ones], %%ymm15, %%ymm15\n\t"                 \
+  "vpaddd %%ymm14, %[" s2 "], %[" s2 "]\n\t"               \
+  "vpaddd %%ymm15, %[" s3 "], %[" s3 "]\n\t"
+    asm(XLAGEN_ROW("(%[x])", "a00", "a01", "a02", "a03")
+        XLAGEN_ROW("(%[x],%[stride],1)", "a10", "a11", "a12", "a13")
+        XLAGEN_ROW("(%[x],%[stride],2)", "a20", "a21", "a22", "a23")
+        : [a00] "+x"(a00), [a01] "+x"(a01), [a02] "+x"(a02), [a03] "+x"(a03), [a10] "+x"(a10), [a11] "+x"(a11),
+          [a12] "+x"(a12), [a13] "+x"(a13), [a20] "+x"(a20), [a21] "+x"(a21), [a22] "+x"(a22), [a23] "+x"(a23)
+        : [x] "r"(x), [stride] "r"(stride), [w] "r"(w), [ones] "x"(ones)
+        : "xmm13", "xmm14", "xmm15", "memory");
+#undef XLAGEN_ROW
+  }
+  sums[0][0] = a00, sums[0][1] = a01, sums[0][2] = a02, sums[0][3] = a03;
+  sums[1][0] = a10, sums[1][1] = a11, sums[1][2] = a12, sums[1][3] = a13;
+  sums[2][0] = a20, sums[2][1] = a21, sums[2][2] = a22, sums[2][3] = a23;
+}
+#endif
+
+// y for R rows of x from m0 and the panel's columns c0 + 8 G h ... c0 + 8 G (h + 1) - 1 (pass h), over all
+// of Kq; `column_sums` (7-bit only) those of the panel's columns.
+template <bool kSeven, int R, int G>
+inline void IntegerTile(const IntegerProduct& a, const int8_t* quads, const int32_t* column_sums,
+                        const float* scales, int m0, int c0, int h) {
+  Ints acc[R][G];
+  TileSums<kSeven, R, G>(a.xq + static_cast<size_t>(m0) * a.kq, a.kq, quads + 4 * 8 * G * h, acc);
+  const int columns = (a.n - c0 < kInt8Panel ? a.n - c0 : kInt8Panel) - 8 * G * h;
+  for (int g = 0; g < G; ++g) {
+    const int left = columns - 8 * g;
+    if (left <= 0) break;
+    const int j = 8 * (G * h + g);
+    const __m256 s = _mm256_loadu_ps(scales + j);
+    for (int r = 0; r < R; ++r) {
+      Ints sums = acc[r][g];
+      if constexpr (kSeven) {
+        sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_set1_epi32(a.xz[m0 + r]), LoadInts(column_sums + j)));
+      }
+      const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[m0 + r]), s);
+      StoreFirst8(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + j, _mm256_mul_ps(IntsToFloats(sums), factor), left);
+    }
+  }
+}
+
+template <bool kSeven>
 void RunIntegerPanels(const void* args, int p0, int p1) {
+  constexpr int R = kSeven ? kSevenRows : kIntRows, G = kSeven ? kSevenVectors : kIntVectors;
+  constexpr int kChunk = kIntRowChunk / R * R;
   const IntegerProduct& a = *static_cast<const IntegerProduct*>(args);
   thread_local std::vector<int8_t> quads;
   quads.resize(static_cast<size_t>(a.kq) * kInt8Panel);
+  int32_t column_sums[kInt8Panel];
   for (int p = p0; p < p1; ++p) {
     const int8_t* w = a.w + static_cast<size_t>(p) * (a.k + 4) * kInt8Panel;
     const float* scales = reinterpret_cast<const float*>(w + static_cast<size_t>(a.k) * kInt8Panel);
     const int c0 = p * kInt8Panel;
-    Quads(w, a.k, a.kq, quads.data());
-    // Chunks of rows outside, the panel's passes inside: the chunk's rows of Qx stay in the core's cache.
-    for (int r0 = 0; r0 < a.m; r0 += kIntRowChunk) {
-      const int r1 = a.m - r0 < kIntRowChunk ? a.m : r0 + kIntRowChunk;
-      for (int h = 0; h < kIntPasses && c0 + 8 * kIntVectors * h < a.n; ++h) {
+    Quads(w, a.k, a.kq, quads.data(), kSeven ? column_sums : nullptr);
+    // Chunks of rows outside, the panel's passes inside: the chunk's rows of Xq stay in the core's cache.
+    for (int r0 = 0; r0 < a.m; r0 += kChunk) {
+      const int r1 = a.m - r0 < kChunk ? a.m : r0 + kChunk;
+      for (int h = 0; h < kInt8Panel / (8 * G) && c0 + 8 * G * h < a.n; ++h) {
         int m0 = r0;
-        for (; m0 + kIntRows <= r1; m0 += kIntRows) IntegerTile<kIntRows>(a, quads.data(), scales, m0, c0, h);
-        ForRows<kIntRows - 1>(r1 - m0, [&](auto rows) {
-          IntegerTile<decltype(rows)::value>(a, quads.data(), scales, m0, c0, h);
+        // Whole tiles, except that one row left over takes one of the last tile's: 4 rows as 2 + 2, not
+        // 3 + 1 (a tile of one row reads the weights for few multiply-adds).
+        const int last = (r1 - r0) % R == 1 && r1 - r0 > R ? r1 - R - 1 : r1;
+        for (; m0 + R <= last; m0 += R) IntegerTile<kSeven, R, G>(a, quads.data(), column_sums, scales, m0, c0, h);
+        if (last < r1) {
+          IntegerTile<kSeven, (R + 1) / 2, G>(a, quads.data(), column_sums, scales, m0, c0, h);
+          m0 += (R + 1) / 2;
+        }
+        ForRows<R - 1>(r1 - m0, [&](auto rows) {
+          IntegerTile<kSeven, decltype(rows)::value, G>(a, quads.data(), column_sums, scales, m0, c0, h);
         });
       }
     }
   }
+}
+
+// Quantizes x's rows (by the pool unless they are few) and runs the integer product's panels on the pool.
+template <bool kSeven>
+void RunIntegerProduct(const float* x, const int8_t* w, float* y, int m, int k, int n) {
+  const int kq = (k + 3) / 4 * 4;
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xs;
+  thread_local std::vector<int32_t> xz;
+  xq.resize(static_cast<size_t>(m) * kq);
+  xs.resize(m);
+  xz.resize(m);
+  QuantizedRows rows{x, xq.data(), xs.data(), xz.data(), k, kq};
+  void (*quantize)(const void*, int, int) = kSeven ? QuantizeRowsSeven : QuantizeRows;
+  if (static_cast<long>(m) * k <= kQuantizeAlone) {
+    quantize(&rows, 0, m);  // a decoding step's few rows: not worth waking the pool
+  } else {
+    GetPool().Run(Task{&rows, quantize, m});
+  }
+  IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq};
+  GetPool().Run(Task{&a, RunIntegerPanels<kSeven>, (n + kInt8Panel - 1) / kInt8Panel});
 }
 
 }  // namespace
@@ -315,18 +477,13 @@ extern "C" const char* xlagen_int8_product(const float* x, const int8_t* w, floa
 
 extern "C" const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_int8_integer_product: m, k and n must be at least 1";
-  const int kq = (k + 3) / 4 * 4;
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> xs;
-  xq.resize(static_cast<size_t>(m) * kq);
-  xs.resize(m);
-  QuantizedRows rows{x, xq.data(), xs.data(), k, kq};
-  if (static_cast<long>(m) * k <= kQuantizeAlone) {
-    QuantizeRows(&rows, 0, m);  // a decoding step's few rows: not worth waking the pool
-  } else {
-    GetPool().Run(Task{&rows, QuantizeRows, m});
-  }
-  IntegerProduct a{xq.data(), xs.data(), w, y, m, k, n, kq};
-  GetPool().Run(Task{&a, RunIntegerPanels, (n + kInt8Panel - 1) / kInt8Panel});
+  RunIntegerProduct<false>(x, w, y, m, k, n);
+  return nullptr;
+}
+
+extern "C" const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, float* y, int m, int k,
+                                                        int n) {
+  if (m < 1 || k < 1 || n < 1) return "xlagen_int8_many_integer_product: m, k and n must be at least 1";
+  RunIntegerProduct<true>(x, w, y, m, k, n);
   return nullptr;
 }

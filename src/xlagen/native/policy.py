@@ -34,7 +34,8 @@ import numpy as np
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the fused attentions have code for
 
 
-_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "prompt_attention_min_tokens")  # the Kernels fields that may be None
+_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "int8_many_integer_min_rows",
+             "prompt_attention_min_tokens")  # the Kernels fields that may be None
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,15 @@ class Kernels:
             at 4, 1.35x at 8, 1.40x at 64, 1.77x at 512 (per product, mostly idle, 1.05-1.25x at 4 rows
             and 0.63-0.88x at 1-2); in `generate` (`benchmarks/ab.py --compare integer --weights int8`,
             greedy): GPT-2-small 1.16x at batch 4, 1.23x at batch 8, T5-small 1.21x at batch 8.
+        int8_many_integer_min_rows: Products of int8 weights with at least this many rows (a prompt's tokens x
+            batch, an encoder's positions; a decoding step's batch x beams) run in integers with the
+            activations quantized to 7 bits per row with a zero point (`xlagen_int8_many_imatmul`: scale
+            (max(x, 0) - min(x, 0)) / 126), which needs 3 instructions per 32 multiply-adds on AVX2 where the
+            8-bit product needs 4, for one bit of the activations (none where a row is one-signed, as after
+            GELU). Takes precedence over `int8_integer_min_rows`; None: never. Against the 8-bit product,
+            all of GPT-2-small's products (`benchmarks/kernel_variants.py --model gpt2 --weights int8-integer
+            int8-many-integer`, AVX2, 2 threads): 0.92x as fast at 8 rows, 0.98x at 16, 1.10x at 24, 1.14x at
+            32, 1.30x at 64, 1.26x at 128, 1.44x at 512 (the layers' products alone).
         attention_min_keys: Unmasked float32 attention over at least this many keys runs as the fused kernel
             under XLA: Whisper's encoder and its decoder's cross-attention (1500 positions).
         cross_attention: Whether a decoder's cross-attention over keys projected once and kept transposed
@@ -122,6 +132,7 @@ class Kernels:
     many_rows: bool = True
     float32_many_rows: bool = False
     int8_integer_min_rows: int | None = 4
+    int8_many_integer_min_rows: int | None = 24
     attention_min_keys: int = 256
     cross_attention: bool = True
     memory_attention_min_bytes: int = 8 * 2**20
@@ -208,6 +219,14 @@ class Kernels:
         if not self.enabled or self.int8_integer_min_rows is None or not rows or not under_xla():
             return False
         return rows >= max(self.int8_integer_min_rows, 1)
+
+    def use_many_integer_product(self, x) -> bool:
+        """Whether `x @ W` for int8 weights should be the 7-bit integer kernel: under XLA with kernels
+        `enabled`, when x has at least `int8_many_integer_min_rows` rows (and that is not None)."""
+        rows = x.shape[:-1].num_elements()
+        if not self.enabled or self.int8_many_integer_min_rows is None or not rows or not under_xla():
+            return False
+        return rows >= max(self.int8_many_integer_min_rows, 1)
 
     def use_attention(self, query, key, mask=None, bias=None, dropout: bool = False,
                       key_transposed: bool = False) -> bool:

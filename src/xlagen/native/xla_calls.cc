@@ -127,6 +127,12 @@ extern "C" void xlagen_int8_imatmul(void* out, const void** in, const char* opaq
   ProductCall<int8_t>("xlagen_int8_imatmul", xlagen_int8_integer_product, out, in, opaque, opaque_len, status);
 }
 
+extern "C" void xlagen_int8_many_imatmul(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                         XlaCustomCallStatus_* status) {
+  ProductCall<int8_t>("xlagen_int8_many_imatmul", xlagen_int8_many_integer_product, out, in, opaque, opaque_len,
+                      status);
+}
+
 extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* status) {
   ProductCall<float>("xlagen_f32_matmul", xlagen_f32_product, out, in, opaque, opaque_len, status);
@@ -310,6 +316,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), host);
   add(global(), std::string("xlagen_int8_matmul"), reinterpret_cast<void*>(&xlagen_int8_matmul), host);
   add(global(), std::string("xlagen_int8_imatmul"), reinterpret_cast<void*>(&xlagen_int8_imatmul), host);
+  add(global(), std::string("xlagen_int8_many_imatmul"), reinterpret_cast<void*>(&xlagen_int8_many_imatmul), host);
   add(global(), std::string("xlagen_f32_gemm"), reinterpret_cast<void*>(&xlagen_f32_gemm), host);
   add(global(), std::string("xlagen_bf16_gemm"), reinterpret_cast<void*>(&xlagen_bf16_gemm), host);
   add(global(), std::string("xlagen_int8_gemm"), reinterpret_cast<void*>(&xlagen_int8_gemm), host);
