@@ -164,10 +164,19 @@ def test_prompt_attention_only_in_a_prompt_pass_from_its_token_count(kernels_rea
     assert not any(ask(native.Kernels(prompt_attention_min_tokens=None)).values())
     assert not any(ask(native.Kernels.OFF).values())
     assert not any(ask(native.Kernels(float32=False)).values())
-    assert not any(ask(native.Kernels(), bias=tf.zeros((1, 2, 128, 300))).values())
+    assert not any(ask(native.Kernels(), bias=tf.zeros((1, 2, 128, 300))).values())  # a bias of grouped queries
     assert not any(ask(native.Kernels(), dropout=True).values())
     assert not any(ask(native.Kernels(), mask_shape=(1, 2, 128, 300)).values())  # a mask per head
-    assert not any(ask(native.Kernels(prompt_attention_min_tokens=1), mask_shape=(1, 1, 1, 300)).values())
+    # An encoder's: a padding mask of one row, T5's position bias per head (shared by the batch or not).
+    ungrouped = tf.zeros((2, 2, 128, 16))
+    for bias in (None, tf.zeros((1, 2, 128, 300)), tf.zeros((2, 2, 128, 300))):
+        assert ask(native.Kernels(), mask_shape=(2, 1, 1, 300), query=ungrouped, key=tf.zeros((2, 2, 300, 16)),
+                   bias=bias)["in a prefill"]
+    assert not any(ask(native.Kernels(), mask_shape=(2, 1, 1, 300), query=ungrouped, key=tf.zeros((2, 2, 300, 16)),
+                       bias=tf.zeros((1, 2, 1, 300))).values())  # a bias to broadcast
+    # A decoder's cross-attention from one query row: no prompt.
+    assert not any(ask(native.Kernels(prompt_attention_min_tokens=1), mask_shape=(1, 1, 1, 300),
+                       query=tf.zeros((1, 2, 1, 16))).values())
     assert not any(ask(native.Kernels(), key=tf.zeros((1, 2, 300, 24)), query=tf.zeros((1, 2, 256, 24))).values())
 
 

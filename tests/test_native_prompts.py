@@ -151,3 +151,39 @@ def test_float32_many_rows_in_a_prompt_pass_generate_as_xla_dot(gpt2_model):
     with native.tracing(many):
         forward = tf.function(lambda ids: gpt2_model(ids).logits, jit_compile=True)
         assert native.GEMM_TARGETS["float32"] not in forward.experimental_get_compiler_ir(ids)(stage="optimized_hlo")
+
+
+def test_t5_encoder_attention_with_its_position_bias_generates_as_xla_attention(tmp_path):
+    # T5's encoder: a padding mask of one row per sequence ([B, 1, 1, S], the first sequence right-padded)
+    # and the relative position bias [1, H, T, S] added to the scores, both in the kernel.
+    import torch
+    import transformers
+    from models.test_t5 import T5_BASE
+
+    from xlagen import TFAutoModelForSeq2SeqLM
+
+    torch.manual_seed(3)
+    config = transformers.T5Config(attn_implementation="eager",
+                                   **{**T5_BASE, "d_model": 64, "d_kv": 16, "feed_forward_proj": "relu"})
+    reference = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            if "relative_attention_bias" in name:
+                parameter.mul_(4)  # a bias that moves the weights, so that a bias left out would show
+    reference.save_pretrained(tmp_path)
+    model = TFAutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    ids = random_ids((2, 12), 64, seed=9)
+    mask = np.ones_like(ids)
+    mask[0, 9:] = 0
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    fused, plain = native.Kernels(prompt_attention_min_tokens=2), native.Kernels(prompt_attention_min_tokens=None)
+    _assert_same_outputs(_generate(model, inputs, kernels=fused, max_new_tokens=5),
+                         _generate(model, inputs, kernels=plain, max_new_tokens=5))
+
+    def hlo(kernels):
+        program = tf.function(lambda ids, mask: model.generate(ids, attention_mask=mask, kernels=kernels,
+                                                               max_new_tokens=5), jit_compile=True)
+        return program.experimental_get_compiler_ir(ids, mask)(stage="optimized_hlo")
+
+    assert _count(hlo(fused), native.BIASED_ATTENTION_TARGET) == config.num_layers  # the encoder's layers
+    assert _count(hlo(plain), native.BIASED_ATTENTION_TARGET) == 0

@@ -231,6 +231,34 @@ def test_masked_attention_matches_numpy(batch, kv_heads, groups, t, s, d, left_p
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("batch, heads, t, s, d, shared", [(1, 2, 9, 9, 32, True), (2, 3, 20, 20, 64, True),
+                                                        (2, 2, 17, 30, 16, False)])
+def test_biased_attention_matches_numpy(batch, heads, t, s, d, shared):
+    # An encoder's self-attention as T5's: a padding mask of one row [B, 1, S] (the second sequence
+    # padded), a bias per head and position pair (shared by the batch, or one per sequence), scale 1.
+    rng = np.random.default_rng(t * s + d + batch)
+    q = rng.standard_normal((batch * heads, t, d)).astype(np.float32)
+    k = (3 * rng.standard_normal((batch * heads, s, d))).astype(np.float32)
+    v = rng.standard_normal((batch * heads, s, d)).astype(np.float32)
+    mask = np.ones((batch, 1, s), np.uint8)
+    mask[-1, :, :3] = 0
+    bias = (4 * rng.standard_normal(((1 if shared else batch) * heads, t, s))).astype(np.float32)
+    out = np.full(q.shape, np.nan, np.float32)
+    biased = _entry("xlagen_biased_attention", *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4, ctypes.c_float,
+                    *[ctypes.c_int] * 3)
+    error = biased(_p(q), _p(k), _p(v), _p(mask), _p(bias), _p(out), batch * heads, t, s, d, 1.0, heads, 1,
+                   bias.shape[0])
+    assert error is None, error
+    full = np.repeat(mask.astype(bool), heads, axis=0)  # [B * H, 1, S]
+    scores = np.einsum("htd,hsd->hts", q.astype(np.float64), k) + np.tile(bias, (len(q) // len(bias), 1, 1))
+    scores = np.where(full, scores, MASK_VALUE)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("hts,hsd->htd", weights / weights.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
+    error = biased(_p(q), _p(k), _p(v), _p(mask), _p(bias), _p(out), batch * heads, t, s, d, 1.0, heads, 1, 4 * heads)
+    assert error is not None and b"bias_heads must divide heads" in error
+
+
 def test_masked_attention_refuses_a_mask_it_cannot_share():
     out = np.zeros((4, 4, 16), np.float32)
     error, _ = _masked_attention(out, out, out, np.ones((3, 4, 4), bool), 3, 1.0)  # 4 heads, 3 per mask

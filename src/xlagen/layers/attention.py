@@ -194,8 +194,9 @@ class _MultiHead(keras.layers.Layer):
         if groups > 1:  # each key/value head's queries as one group of rows: the keys are never repeated
             query = group_queries(query, groups)
         if not key_transposed and native.use_prompt_attention(query, key, mask, bias, dropout):
-            # A prompt over the cache; its mask [B, 1, T, S] is shared by the g groups of rows, never tiled.
-            attended = native.masked_attention(query, key, value, mask, self.scale, MASK_VALUE)
+            # A prompt over the cache, or an encoder; its mask [B, 1, T or 1, S] is shared by the g groups of
+            # rows, never tiled.
+            attended = native.masked_attention(query, key, value, mask, self.scale, MASK_VALUE, bias)
         else:
             if groups > 1 and mask is not None and mask.shape[2] != 1:  # [B, 1, T, S] -> [B, 1, g * T, S]
                 mask = ops.tile(mask, (1, 1, groups, 1))

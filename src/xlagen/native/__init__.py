@@ -53,7 +53,7 @@ The modules: `build` (compile and cache the library), `library` (load it, its co
 from xlagen.native.build import NO_COMPILER, SOURCES, NativeUnavailable, compile_library
 from xlagen.native.library import (configure_pool, constant, hardware_reason, load, lookahead_counts, lookahead_kib,
                                    ready, set_lookahead, status_supported, unavailable_reason)
-from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, FLOAT32_TARGET, GEMM_TARGETS, INT8_INTEGER_TARGET,
+from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BIASED_ATTENTION_TARGET, FLOAT32_TARGET, GEMM_TARGETS, INT8_INTEGER_TARGET,
                                INT8_MANY_INTEGER_TARGET, INT8_TARGET,
                                MASKED_ATTENTION_TARGET, MEMORY_ATTENTION_TARGET, STEP_ATTENTION_TARGET, TARGET, argmax,
                                attention, masked_attention, matmul, matmul_float32, memory_attention,
@@ -74,7 +74,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "FLOAT32_TARGET", "GEMM_TARGETS",
+__all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "BIASED_ATTENTION_TARGET", "FLOAT32_TARGET", "GEMM_TARGETS",
            "INT8_INTEGER_TARGET", "INT8_MANY_INTEGER_TARGET",
            "INT8_TARGET", "Kernels", "MASKED_ATTENTION_TARGET",
            "MEMORY_ATTENTION_TARGET", "NO_COMPILER", "NativeUnavailable", "PoolSettings", "SOURCES",

@@ -19,7 +19,7 @@ namespace {
 // "xlagen_f32_attention": softmax(scale * q k^T) v over all keys (no mask), for each of B x H heads, for
 // long self-attention (Whisper's encoder: 1500 positions). XLA computes the scores, writes them out
 // [T, S], reads them back for the softmax and again for the product with v; here each unit (8 query rows
-// of one head) keeps its scores in the core's cache: the head's k (transposed once per thread, [D, S])
+// of one head) keeps its scores in the core's cache: the head's k (transposed once per thread, in panels of keys)
 // and v stay in L2 across its units. The scores are scaled after the product, as XLA does; the softmax
 // divides once per output row rather than once per weight.
 //
@@ -34,6 +34,9 @@ constexpr int kTileSums = kAvx512 ? 16 : 8;
 // The unit's scores against a head's keys in tiles of kScoreRows query rows x kScoreVectors vectors of keys.
 constexpr int kScoreRows = kAvx512 ? 8 : 4;
 constexpr int kScoreVectors = 2;
+// A head's keys, transposed once per thread and call, in panels of kKeyPanel keys: kt[j / kKeyPanel][c][j %
+// kKeyPanel], so that a tile of scores reads its keys' d x kKeyPanel values in one contiguous run.
+constexpr int kKeyPanel = kLanes * kScoreVectors;
 // Vectors of a head's columns per pass over the weights and values (AttentionOutput, MemoryProject).
 constexpr int kMostHeadVectors = 8;
 
@@ -55,6 +58,10 @@ struct Attention {
   // query row may see the key.
   const uint8_t* mask = nullptr;
   int mask_rows = 0, heads_per_mask = 1;
+  // Optional, with a mask: bias[head % bias_heads][row][key], added to the scaled scores (T5's relative
+  // positions, shared by a batch's sequences when bias_heads is the heads of one).
+  const float* bias = nullptr;
+  int bias_heads = 1;
 };
 
 // The mask's row of keys for query row `row` of `head`.
@@ -173,11 +180,13 @@ void RunAttention(const void* args, int u0, int u1) {
       TransposedScores(a, a.k + head_offset, a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, rows,
                        scores.data(), padded);
     } else {
-      if (kt_call != a.call || kt_head != head) {  // k [s, d] -> kt [d, padded], zeros past s
+      if (kt_call != a.call || kt_head != head) {  // k [s, d] -> kt in panels of keys, zeros past s
         kt.assign(static_cast<size_t>(a.d) * padded, 0.0f);
         const float* k = a.k + head_offset;
-        for (int j = 0; j < a.s; ++j)
-          for (int c = 0; c < a.d; ++c) kt[static_cast<size_t>(c) * padded + j] = k[static_cast<size_t>(j) * a.d + c];
+        for (int j = 0; j < a.s; ++j) {
+          float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel + j % kKeyPanel;
+          for (int c = 0; c < a.d; ++c) panel[static_cast<size_t>(c) * kKeyPanel] = k[static_cast<size_t>(j) * a.d + c];
+        }
         kt_call = a.call;
         kt_head = head;
       }
@@ -192,8 +201,9 @@ void RunAttention(const void* args, int u0, int u1) {
           Vec acc[R][V];
           for (int r = 0; r < R; ++r)
             for (int v = 0; v < V; ++v) acc[r][v] = Zero();
+          const float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel;
           for (int c = 0; c < a.d; ++c) {
-            const float* row = kt.data() + static_cast<size_t>(c) * padded + j;
+            const float* row = panel + static_cast<size_t>(c) * kKeyPanel;
             Vec k[V];
             for (int v = 0; v < V; ++v) k[v] = Load(row + kLanes * v);
             for (int r = 0; r < R; ++r) {
@@ -223,6 +233,10 @@ void RunAttention(const void* args, int u0, int u1) {
         continue;
       }
       const uint8_t* seen = MaskRow(a, head, t0 + r) + first;
+      if (a.bias != nullptr) {
+        const float* bias = a.bias + (static_cast<size_t>(head % a.bias_heads) * a.t + t0 + r) * a.s + first;
+        for (int j = 0; j < n; ++j) row[j] += bias[j];
+      }
       for (int j = 0; j < n; ++j) row[j] = seen[j] ? row[j] : -INFINITY;
       ExpInPlace(row, n, RowMax(row, n));
       float total = 0.0f;  // masked keys weigh exactly 0
@@ -231,9 +245,13 @@ void RunAttention(const void* args, int u0, int u1) {
     }
     const float* v = a.v + head_offset;
     float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
-    ForHeadVectors(a.d, [&](auto vectors) {
-      AttentionOutput<decltype(vectors)::value>(a, scores.data(), padded, sums, v, out, rows, first, last);
-    });
+    // Two vectors of the head's columns per pass, so that a tile of weights has kTileSums / 2 rows: each
+    // value is read once per that many rows (with the whole head per pass, once per row).
+    if (a.d >= 2 * kLanes) {
+      AttentionOutput<2>(a, scores.data(), padded, sums, v, out, rows, first, last);
+    } else {
+      AttentionOutput<1>(a, scores.data(), padded, sums, v, out, rows, first, last);
+    }
     for (int r = 0; r < rows; ++r) {
       if (!(empty >> r & 1)) continue;
       float* row = out + static_cast<size_t>(r) * a.d;
@@ -557,20 +575,29 @@ extern "C" const char* xlagen_attention(const float* q, const float* k, const fl
   return nullptr;
 }
 
-extern "C" const char* xlagen_masked_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
-                                               float* out, int heads, int t, int s, int d, float scale,
-                                               int heads_per_mask, int mask_rows) {
+extern "C" const char* xlagen_biased_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
+                                               const float* bias, float* out, int heads, int t, int s, int d,
+                                               float scale, int heads_per_mask, int mask_rows, int bias_heads) {
   if (heads < 1 || t < 1 || s < 1) return "xlagen_masked_attention: heads, t and s must be at least 1";
   if (!WholeHeadSize(d)) return "xlagen_masked_attention: the head size d must be 16, 32, 64 or 128";
   if (heads_per_mask < 1 || heads % heads_per_mask != 0 || mask_rows < 1 || t % mask_rows != 0) {
     return "xlagen_masked_attention: heads_per_mask must divide heads and mask_rows divide t";
   }
+  if (bias != nullptr && (bias_heads < 1 || heads % bias_heads != 0)) {
+    return "xlagen_masked_attention: bias_heads must divide heads";
+  }
   if (kAttentionRows > 32) return "xlagen_masked_attention: a unit has more rows than its row bits";
-  Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, 0, mask, mask_rows, heads_per_mask};
+  Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, 0, mask, mask_rows, heads_per_mask, bias, bias_heads};
   a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
   a.call = g_attention_calls.fetch_add(1) + 1;
   GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
   return nullptr;
+}
+
+extern "C" const char* xlagen_masked_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
+                                               float* out, int heads, int t, int s, int d, float scale,
+                                               int heads_per_mask, int mask_rows) {
+  return xlagen_biased_attention(q, k, v, mask, nullptr, out, heads, t, s, d, scale, heads_per_mask, mask_rows, 1);
 }
 
 extern "C" const char* xlagen_step_attention(const float* q, const float* k, const float* v, const float* new_k,

@@ -67,6 +67,10 @@ const char* xlagen_attention(const float* q, const float* k, const float* v, flo
 // query row i of head h may see key j; masked keys weigh 0, a row that sees no key is the mean of v.
 const char* xlagen_masked_attention(const float* q, const float* k, const float* v, const uint8_t* mask, float* out,
                                     int heads, int t, int s, int d, float scale, int heads_per_mask, int mask_rows);
+// The same with bias[h % bias_heads][i][j] added to the scaled scores before the mask (T5's relative positions).
+const char* xlagen_biased_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
+                                    const float* bias, float* out, int heads, int t, int s, int d, float scale,
+                                    int heads_per_mask, int mask_rows, int bias_heads);
 // A decoding step's self-attention (see attention.cc): q, new_k, new_v, out [groups, heads, queries, d]; the
 // cache k, v [groups, heads, s, d]; bias [groups, bias_heads, queries, s + 1] added to the scaled scores,
 // -inf marking a key a query may not see (its score is then `mask_value`).

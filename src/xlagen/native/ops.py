@@ -19,6 +19,7 @@ INT8_MANY_INTEGER_TARGET = "xlagen_int8_many_imatmul"
 GEMM_TARGETS = {"float32": "xlagen_f32_gemm", "bfloat16": "xlagen_bf16_gemm", "int8": "xlagen_int8_gemm"}
 ATTENTION_TARGET = "xlagen_f32_attention"
 MASKED_ATTENTION_TARGET = "xlagen_f32_masked_attention"
+BIASED_ATTENTION_TARGET = "xlagen_f32_biased_attention"
 STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
@@ -159,26 +160,31 @@ def attention(query, key, value, scale: float, key_transposed: bool = False):
                                     query, key, value)
 
 
-def _reference_masked_attention(query, key, value, mask, scale: float, mask_value: float):
+def _reference_masked_attention(query, key, value, mask, scale: float, mask_value: float, bias=None):
     import tensorflow as tf
 
     groups = query.shape[2] // mask.shape[2]
     scores = tf.matmul(query, key, transpose_b=True) * scale
+    if bias is not None:
+        scores = scores + bias
     weights = tf.nn.softmax(tf.where(tf.tile(mask, (1, 1, groups, 1)), scores, mask_value), axis=-1)
     return tf.matmul(weights, value)
 
 
-def masked_attention(query, key, value, mask, scale: float, mask_value: float):
-    """A prompt's self-attention, `softmax(where(mask, scale * query @ key^T, mask_value)) @ value`, as the
-    native kernel's custom call (call it under XLA only; see `Kernels.use_prompt_attention`).
+def masked_attention(query, key, value, mask, scale: float, mask_value: float, bias=None):
+    """A prompt's self-attention, `softmax(where(mask, scale * query @ key^T + bias, mask_value)) @ value`, as
+    the native kernel's custom call (call it under XLA only; see `Kernels.use_prompt_attention`).
 
     Args:
         query: float32 `[B, Hkv, g * T, D]`: T queries per head, the g query heads that share a key/value
             head as g groups of T rows (`xlagen.layers.attention.group_queries`).
         key, value: float32 `[B, Hkv, S, D]` (the cache: S may be longer than the prompt).
-        mask: bool `[B, 1, T, S]` (`xlagen.layers.attention.causal_mask`), shared by the heads and groups.
+        mask: bool `[B, 1, T, S]` (`xlagen.layers.attention.causal_mask`), or `[B, 1, 1, S]` (an encoder's
+            padding mask), shared by the heads and groups.
         scale: Multiplier of the scores.
         mask_value: The score of a masked key: a row that sees no key is then the mean of all values.
+        bias: Optional float32 `[1 or B, Hkv, T, S]` added to the scaled scores (T5's relative positions),
+            without grouped queries (g = 1).
 
     The kernel scores only the keys between the first and the last that a unit of 8 query rows may see:
     under a causal mask about half of them, none of the cache's positions after the prompt. Gradients are
@@ -195,20 +201,29 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float):
                          f"{length} keys")
     if head_dim not in ATTENTION_HEAD_DIMS or key.shape[3] != head_dim:
         raise ValueError(f"masked_attention: head size {head_dim}; the kernel takes {ATTENTION_HEAD_DIMS}")
+    if bias is not None and (bias.shape.rank != 4 or bias.shape[0] not in (1, batch) or
+                             tuple(bias.shape[1:]) != (kv_heads, rows, length)):
+        raise ValueError(f"masked_attention: bias {bias.shape} does not match queries {query.shape} over "
+                         f"{length} keys")
     config = (f"{batch * kv_heads},{rows},{length},{head_dim},{float(np.float32(scale))!r},{kv_heads},"
               f"{mask.shape[2]}")
+    target = MASKED_ATTENTION_TARGET
+    if bias is not None:
+        target, config = BIASED_ATTENTION_TARGET, f"{config},{bias.shape[0] * kv_heads}"
 
-    def call(query, key, value):
+    def call(query, key, value, *bias):
         (out,) = gen_xla_ops.xla_custom_call_v2(
             operands=[tf.reshape(query, (batch * kv_heads, rows, head_dim)),
                       *(tf.reshape(t, (batch * kv_heads, length, head_dim)) for t in (key, value)),
-                      tf.cast(tf.reshape(mask, (batch, -1, length)), tf.uint8)],
-            call_target_name=MASKED_ATTENTION_TARGET, backend_config=config, has_side_effect=False,
+                      tf.cast(tf.reshape(mask, (batch, -1, length)), tf.uint8),
+                      *(tf.reshape(b, (-1, rows, length)) for b in bias)],
+            call_target_name=target, backend_config=config, has_side_effect=False,
             result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([batch * kv_heads, rows, head_dim])])
         return tf.reshape(out, (batch, kv_heads, rows, head_dim))
 
     return _with_reference_gradient(
-        call, lambda *inputs: _reference_masked_attention(*inputs, mask, scale, mask_value), query, key, value)
+        call, lambda *inputs: _reference_masked_attention(*inputs[:3], mask, scale, mask_value, *inputs[3:]),
+        query, key, value, *([tf.cast(bias, tf.float32)] if bias is not None else []))
 
 
 def step_attention(query, keys, values, key, value, bias, scale: float, mask_value: float):

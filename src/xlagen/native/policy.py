@@ -113,7 +113,8 @@ class Kernels:
             its masked self-attention as one native call per layer (`ops.masked_attention`), which scores
             only the keys each block of 8 queries may see: under the causal mask about half of XLA's work,
             and none of the cache's positions after the prompt, with the scores kept in the core's cache.
-            None: never. GPT-2-small's first token (`benchmarks/ab.py --compare prompt-attention
+            So does an encoder's self-attention under its padding mask in the prompt pass, T5's with its
+            relative position bias added to the scores. None: never. GPT-2-small's first token (`benchmarks/ab.py --compare prompt-attention
             --prompt-tokens P --new-tokens 1`, AVX2, 2 threads): 1.07-1.10x as fast as XLA's attention from
             512 tokens, even (0.91-0.98x) at 64.
         argmax: Whether greedy decoding's choice of token runs as the native argmax (XLA's reduces one logit
@@ -267,24 +268,33 @@ class Kernels:
         return query.shape[3] <= constant("step_attention_max_head_dim")
 
     def use_prompt_attention(self, query, key, mask, bias=None, dropout: bool = False) -> bool:
-        """Whether a prompt's self-attention (`xlagen.layers.attention._MultiHead._attend` over the cache)
-        should be `ops.masked_attention`: float32 `[B, Hkv, g * T, D]` queries and `[B, Hkv, S, D]` keys
-        of static shapes, a bool mask `[B, 1, T, S]` with T >= `prompt_attention_min_tokens` (and at least
-        2: a decoder's cross-attention mask `[B, 1, 1, L]` is not a prompt's), no score bias, no dropout, D in `ATTENTION_HEAD_DIMS`, in a generation's prompt pass compiled
-        by XLA, and the kernels loadable."""
+        """Whether a prompt's self-attention (`xlagen.layers.attention._MultiHead._attend` over the cache) or
+        an encoder's should be `ops.masked_attention`: float32 `[B, Hkv, g * T, D]` queries and `[B, Hkv, S,
+        D]` keys of static shapes, a bool mask `[B, 1, T, S]` (a prompt's) or `[B, 1, 1, S]` (an encoder's
+        padding), g * T >= `prompt_attention_min_tokens` and T >= 2 for a prompt's mask, optionally a float32
+        score bias `[1 or B, Hkv, T, S]` without grouped queries (T5's relative positions), no dropout, D in
+        `ATTENTION_HEAD_DIMS`, in a generation's prompt pass (its encoder included) compiled by XLA, and the
+        kernels loadable."""
         import tensorflow as tf
 
-        if self.prompt_attention_min_tokens is None or bias is not None or dropout or mask is None:
+        if self.prompt_attention_min_tokens is None or dropout or mask is None:
             return False
         if not self._static_float32(4, query, key) or mask.dtype != tf.bool or not mask.shape.is_fully_defined():
             return False
         batch, _, tokens, length = mask.shape
         if mask.shape.rank != 4 or batch != query.shape[0] or mask.shape[1] != 1 or length != key.shape[2]:
             return False
-        if tokens < max(self.prompt_attention_min_tokens, 2) or query.shape[2] % tokens:
+        rows = query.shape[2]  # g * T
+        prompt = tokens if tokens > 1 else rows
+        if prompt < max(self.prompt_attention_min_tokens, 2) or rows % tokens:
             return False
         if query.shape[3] not in ATTENTION_HEAD_DIMS or key.shape[3] != query.shape[3]:
             return False
+        if bias is not None:
+            if not self._static_float32(4, bias) or bias.shape[0] not in (1, batch):
+                return False
+            if tuple(bias.shape[1:]) != (query.shape[1], rows, length):
+                return False
         return in_prefill() and under_xla() and _ready()
 
     def use_argmax(self, scores) -> bool:

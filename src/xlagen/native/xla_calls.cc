@@ -190,6 +190,26 @@ extern "C" void xlagen_f32_masked_attention(void* out, const void** in, const ch
                                 static_cast<float*>(out), heads, t, s, d, scale, heads_per_mask, mask_rows));
 }
 
+// The backend config is "heads,t,s,d,scale,heads_per_mask,mask_rows,bias_heads"; operands q, k, v, the mask
+// (as xlagen_f32_masked_attention's) and the bias (float32 [bias_heads, t, s]).
+extern "C" void xlagen_f32_biased_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                            XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int heads, t, s, d, heads_per_mask, mask_rows, bias_heads;
+  float scale;
+  if (!(f.Int(&heads) && f.Int(&t) && f.Int(&s) && f.Int(&d) && f.Float(&scale) && f.Int(&heads_per_mask) &&
+        f.Int(&mask_rows) && f.Int(&bias_heads) && f.Done())) {
+    return Fail(status, "xlagen_f32_biased_attention",
+                "backend config " + Quoted(opaque, opaque_len) +
+                    " is not heads,t,s,d,scale,heads_per_mask,mask_rows,bias_heads");
+  }
+  Check(status, "xlagen_f32_biased_attention",
+        xlagen_biased_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
+                                static_cast<const float*>(in[2]), static_cast<const uint8_t*>(in[3]),
+                                static_cast<const float*>(in[4]), static_cast<float*>(out), heads, t, s, d, scale,
+                                heads_per_mask, mask_rows, bias_heads));
+}
+
 // The backend config is "groups,heads,queries,s,d,bias_heads,scale,mask_value" (floats printed with 9
 // significant digits).
 extern "C" void xlagen_f32_step_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
@@ -322,6 +342,8 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_int8_gemm"), reinterpret_cast<void*>(&xlagen_int8_gemm), host);
   add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention), host);
   add(global(), std::string("xlagen_f32_masked_attention"), reinterpret_cast<void*>(&xlagen_f32_masked_attention),
+      host);
+  add(global(), std::string("xlagen_f32_biased_attention"), reinterpret_cast<void*>(&xlagen_f32_biased_attention),
       host);
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
