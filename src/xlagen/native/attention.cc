@@ -237,6 +237,10 @@ void RunAttention(const void* args, int u0, int u1) {
         const float* bias = a.bias + (static_cast<size_t>(head % a.bias_heads) * a.t + t0 + r) * a.s + first;
         for (int j = 0; j < n; ++j) row[j] += bias[j];
       }
+      if (std::memchr(seen, 0, n) == nullptr) {  // every key of the range visible (an encoder's real rows)
+        sums[r] = ExpInPlace(row, n, RowMax(row, n));
+        continue;
+      }
       for (int j = 0; j < n; ++j) row[j] = seen[j] ? row[j] : -INFINITY;
       ExpInPlace(row, n, RowMax(row, n));
       float total = 0.0f;  // masked keys weigh exactly 0
