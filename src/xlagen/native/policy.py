@@ -94,9 +94,9 @@ class Kernels:
             (max(x, 0) - min(x, 0)) / 126), which needs 3 instructions per 32 multiply-adds on AVX2 where the
             8-bit product needs 4, for one bit of the activations (none where a row is one-signed, as after
             GELU). Takes precedence over `int8_integer_min_rows`; None: never. Against the 8-bit product,
-            all of GPT-2-small's products (`benchmarks/kernel_variants.py --model gpt2 --weights int8-integer
-            int8-many-integer`, AVX2, 2 threads): 0.92x as fast at 8 rows, 0.98x at 16, 1.10x at 24, 1.14x at
-            32, 1.30x at 64, 1.26x at 128, 1.44x at 512 (the layers' products alone).
+            all of GPT-2-small's products, its LM head included (`benchmarks/kernel_variants.py --model gpt2
+            --weights int8-integer int8-many-integer`, AVX2, 2 threads): 0.94x as fast at 8 rows, 0.95x at
+            16, 1.04x at 24, 1.08x at 32, 1.17x at 64, 1.27x at 512.
         attention_min_keys: Unmasked float32 attention over at least this many keys runs as the fused kernel
             under XLA: Whisper's encoder and its decoder's cross-attention (1500 positions).
         cross_attention: Whether a decoder's cross-attention over keys projected once and kept transposed
