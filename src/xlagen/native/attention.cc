@@ -19,8 +19,8 @@ namespace {
 // "xlagen_f32_attention": softmax(scale * q k^T) v over all keys (no mask), for each of B x H heads, for
 // long self-attention (Whisper's encoder: 1500 positions). XLA computes the scores, writes them out
 // [T, S], reads them back for the softmax and again for the product with v; here each unit (8 query rows
-// of one head) keeps its scores in the core's cache: the head's k (transposed once per thread, in panels of keys)
-// and v stay in L2 across its units. The scores are scaled after the product, as XLA does; the softmax
+// of one head) keeps its scores in the core's cache: the head's k (transposed once per thread, in panels of
+// keys) and v stay in L2 across its units. The scores are scaled after the product, as XLA does; the softmax
 // divides once per output row rather than once per weight.
 //
 // With keys given transposed ([heads, d, s]: a decoder's cross-attention memory, transposed once when it
@@ -228,16 +228,12 @@ void RunAttention(const void* args, int u0, int u1) {
         sums[r] = 1.0f;
         continue;
       }
-      if (a.mask == nullptr) {
-        sums[r] = ExpInPlace(row, n, RowMax(row, n));
-        continue;
-      }
-      const uint8_t* seen = MaskRow(a, head, t0 + r) + first;
-      if (a.bias != nullptr) {
+      if (a.bias != nullptr) {  // (a bias comes with a mask)
         const float* bias = a.bias + (static_cast<size_t>(head % a.bias_heads) * a.t + t0 + r) * a.s + first;
         for (int j = 0; j < n; ++j) row[j] += bias[j];
       }
-      if (std::memchr(seen, 0, n) == nullptr) {  // every key of the range visible (an encoder's real rows)
+      const uint8_t* seen = a.mask ? MaskRow(a, head, t0 + r) + first : nullptr;
+      if (seen == nullptr || std::memchr(seen, 0, n) == nullptr) {  // every key of the range visible
         sums[r] = ExpInPlace(row, n, RowMax(row, n));
         continue;
       }

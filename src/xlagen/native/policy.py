@@ -114,9 +114,9 @@ class Kernels:
             only the keys each block of 8 queries may see: under the causal mask about half of XLA's work,
             and none of the cache's positions after the prompt, with the scores kept in the core's cache.
             So does an encoder's self-attention under its padding mask in the prompt pass, T5's with its
-            relative position bias added to the scores. None: never. GPT-2-small's first token (`benchmarks/ab.py --compare prompt-attention
-            --prompt-tokens P --new-tokens 1`, AVX2, 2 threads): 1.07-1.10x as fast as XLA's attention from
-            512 tokens, even (0.91-0.98x) at 64.
+            relative position bias added to the scores. None: never. GPT-2-small's first token
+            (`benchmarks/ab.py --compare prompt-attention --prompt-tokens P --new-tokens 1`, AVX2, 2
+            threads): 1.07-1.10x as fast as XLA's attention from 512 tokens, even (0.91-0.98x) at 64.
         argmax: Whether greedy decoding's choice of token runs as the native argmax (XLA's reduces one logit
             at a time: over Whisper-tiny's 8 x 51,865 logits about 0.9 ms of a 12 ms step).
         share_traces: Identical blocks of a model are traced once and called once per layer under XLA
@@ -216,18 +216,12 @@ class Kernels:
         """Whether `x @ W` for int8 weights should be the int8 x int8 kernel: where `use_packed_product`
         says the packed kernel (or XLA's dot on unpacked weights) runs, when x has at least
         `int8_integer_min_rows` rows (and that is not None)."""
-        rows = x.shape[:-1].num_elements()
-        if not self.enabled or self.int8_integer_min_rows is None or not rows or not under_xla():
-            return False
-        return rows >= max(self.int8_integer_min_rows, 1)
+        return self._integer_rows(x, self.int8_integer_min_rows)
 
     def use_many_integer_product(self, x) -> bool:
         """Whether `x @ W` for int8 weights should be the 7-bit integer kernel: under XLA with kernels
         `enabled`, when x has at least `int8_many_integer_min_rows` rows (and that is not None)."""
-        rows = x.shape[:-1].num_elements()
-        if not self.enabled or self.int8_many_integer_min_rows is None or not rows or not under_xla():
-            return False
-        return rows >= max(self.int8_many_integer_min_rows, 1)
+        return self._integer_rows(x, self.int8_many_integer_min_rows)
 
     def use_attention(self, query, key, mask=None, bias=None, dropout: bool = False,
                       key_transposed: bool = False) -> bool:
@@ -317,6 +311,14 @@ class Kernels:
         if 4 * states.shape.num_elements() < self.memory_attention_min_bytes:
             return False
         return under_xla() and _ready()
+
+    def _integer_rows(self, x, least: int | None) -> bool:
+        """Whether an int8 product of x runs in integers from `least` rows (None: never): under XLA, with
+        kernels `enabled`, x with at least that many rows (at least one)."""
+        rows = x.shape[:-1].num_elements()
+        if not self.enabled or least is None or not rows or not under_xla():
+            return False
+        return rows >= max(least, 1)
 
     def _float32(self) -> bool:
         return self.enabled and self.float32

@@ -201,20 +201,10 @@ inline Ints BroadcastQuad(const void* p) {
 // |w| per byte, for DotQuads' `magnitudes` (computed once per weight vector, used for every row of x).
 inline Ints Magnitudes(Ints w) { return _mm256_abs_epi8(w); }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-inline Ints DotQuads(Ints acc, Ints w, Ints magnitudes, Ints x) {
-  return _mm256_dpbusd_epi32(acc, magnitudes, _mm256_sign_epi8(x, w));
-}
-#else
-inline Ints DotQuads(Ints acc, Ints w, Ints magnitudes, Ints x) {
-  const __m256i pairs = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(x, w));
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-#endif
-
-// DotUnsigned(acc, x, w): as DotQuads, for x's bytes unsigned in 0..127 and w's signed in -127..127 (the
-// many-row integer product's 7-bit activations): maddubs takes them as they are, a pair sums at most
-// 2 * 127 * 127, and no sign is moved; 3 instructions per 32 multiply-adds without VNNI, not 4.
+// DotUnsigned(acc, x, w) adds to each int32 lane i the dot product of the 4 unsigned bytes of x's word i and
+// the 4 signed bytes of w's word i, for x in 0..127 (the many-row integer product's 7-bit activations): 3
+// instructions per 32 multiply-adds without VNNI. DotQuads(acc, w, magnitudes, x) is the same for signed x in
+// -127..127, as |w| (`magnitudes`) by x carrying w's sign: one instruction more.
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 inline Ints DotUnsigned(Ints acc, Ints x, Ints w) { return _mm256_dpbusd_epi32(acc, x, w); }
 #else
@@ -222,6 +212,9 @@ inline Ints DotUnsigned(Ints acc, Ints x, Ints w) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(x, w), _mm256_set1_epi16(1)));
 }
 #endif
+inline Ints DotQuads(Ints acc, Ints w, Ints magnitudes, Ints x) {
+  return DotUnsigned(acc, magnitudes, _mm256_sign_epi8(x, w));
+}
 
 // 8 int32 lanes as float32 (rounded to nearest, as numpy's astype(float32)).
 inline __m256 IntsToFloats(Ints v) { return _mm256_cvtepi32_ps(v); }

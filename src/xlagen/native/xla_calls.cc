@@ -172,42 +172,35 @@ extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opa
                          transposed));
 }
 
-// The backend config is "heads,t,s,d,scale,heads_per_mask,mask_rows"; operands q, k, v and the mask (uint8
-// [heads / heads_per_mask, mask_rows, s]).
-extern "C" void xlagen_f32_masked_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
-                                            XlaCustomCallStatus_* status) {
+// A prompt's or an encoder's attention, `biased` or not. The backend config is
+// "heads,t,s,d,scale,heads_per_mask,mask_rows", then ",bias_heads" if `biased`; operands q, k, v, the mask
+// (uint8 [heads / heads_per_mask, mask_rows, s]) and, if `biased`, the bias (float32 [bias_heads, t, s]).
+static void MaskedAttentionCall(const char* target, bool biased, void* out, const void** in, const char* opaque,
+                                size_t opaque_len, XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
-  int heads, t, s, d, heads_per_mask, mask_rows;
+  int heads, t, s, d, heads_per_mask, mask_rows, bias_heads = 1;
   float scale;
   if (!(f.Int(&heads) && f.Int(&t) && f.Int(&s) && f.Int(&d) && f.Float(&scale) && f.Int(&heads_per_mask) &&
-        f.Int(&mask_rows) && f.Done())) {
-    return Fail(status, "xlagen_f32_masked_attention",
-                "backend config " + Quoted(opaque, opaque_len) + " is not heads,t,s,d,scale,heads_per_mask,mask_rows");
+        f.Int(&mask_rows) && (!biased || f.Int(&bias_heads)) && f.Done())) {
+    return Fail(status, target,
+                "backend config " + Quoted(opaque, opaque_len) + " is not heads,t,s,d,scale,heads_per_mask,mask_rows" +
+                    (biased ? ",bias_heads" : ""));
   }
-  Check(status, "xlagen_f32_masked_attention",
-        xlagen_masked_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
-                                static_cast<const float*>(in[2]), static_cast<const uint8_t*>(in[3]),
-                                static_cast<float*>(out), heads, t, s, d, scale, heads_per_mask, mask_rows));
-}
-
-// The backend config is "heads,t,s,d,scale,heads_per_mask,mask_rows,bias_heads"; operands q, k, v, the mask
-// (as xlagen_f32_masked_attention's) and the bias (float32 [bias_heads, t, s]).
-extern "C" void xlagen_f32_biased_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
-                                            XlaCustomCallStatus_* status) {
-  Fields f(opaque, opaque_len);
-  int heads, t, s, d, heads_per_mask, mask_rows, bias_heads;
-  float scale;
-  if (!(f.Int(&heads) && f.Int(&t) && f.Int(&s) && f.Int(&d) && f.Float(&scale) && f.Int(&heads_per_mask) &&
-        f.Int(&mask_rows) && f.Int(&bias_heads) && f.Done())) {
-    return Fail(status, "xlagen_f32_biased_attention",
-                "backend config " + Quoted(opaque, opaque_len) +
-                    " is not heads,t,s,d,scale,heads_per_mask,mask_rows,bias_heads");
-  }
-  Check(status, "xlagen_f32_biased_attention",
+  Check(status, target,
         xlagen_biased_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
                                 static_cast<const float*>(in[2]), static_cast<const uint8_t*>(in[3]),
-                                static_cast<const float*>(in[4]), static_cast<float*>(out), heads, t, s, d, scale,
-                                heads_per_mask, mask_rows, bias_heads));
+                                biased ? static_cast<const float*>(in[4]) : nullptr, static_cast<float*>(out), heads,
+                                t, s, d, scale, heads_per_mask, mask_rows, bias_heads));
+}
+
+extern "C" void xlagen_f32_masked_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                            XlaCustomCallStatus_* status) {
+  MaskedAttentionCall("xlagen_f32_masked_attention", false, out, in, opaque, opaque_len, status);
+}
+
+extern "C" void xlagen_f32_biased_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                            XlaCustomCallStatus_* status) {
+  MaskedAttentionCall("xlagen_f32_biased_attention", true, out, in, opaque, opaque_len, status);
 }
 
 // The backend config is "groups,heads,queries,s,d,bias_heads,scale,mask_value" (floats printed with 9
