@@ -12,7 +12,8 @@ weights of their own (so they come from memory, as in a real step, not from the 
 on `--rows` rows of x. The builds take turns, `--repeats` steps each per round, so that a shared machine's
 bandwidth, which moves from minute to minute, is shared alike. Every build's output is checked against
 numpy first. Prints, per row count, each build's median ms per step, the weights' GB/s, its GFLOP/s, and
-the first build's time over each other's (above 1: that build is faster).
+the first build's time over each other's (above 1: that build is faster). A source may also be a library
+already built (a `.so` file, e.g. the one xlagen loaded), which is then loaded as it is.
 
 numpy's BLAS on the same products is printed too (`--blas`), timed after the builds, as a yardstick;
 XLA's own dot is another program (see `ab.py --compare kernel` for the kernel against it inside `generate`).
@@ -90,11 +91,14 @@ def stored(w: np.ndarray, weights: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def build(source: Path, folder: Path, built: dict) -> Path:
-    """Compiles `source` into `folder`; a source named again is copied from its first build (its own file, so
-    that it loads as a library of its own) instead of compiled again."""
+    """Compiles `source` into `folder`; a source named again, or a library already built (a `.so` file), is
+    copied (its own file, so that it loads as a library of its own) instead of compiled."""
     from xlagen import native
 
     library = folder / f"{len(list(folder.iterdir()))}-{source.name}.so"
+    if source.is_file() and source.suffix == ".so":
+        shutil.copyfile(source, library)
+        return library
     first = built.setdefault(source.resolve(), library)
     if first is library:
         native.compile_library(source, library)
@@ -112,7 +116,8 @@ def entry(library: Path, weights: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sources", nargs="+", type=Path, required=True, help="folders of kernel sources to compare")
+    parser.add_argument("--sources", nargs="+", type=Path, required=True,
+                        help="folders of kernel sources to compare, or libraries already built (.so)")
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8], help="rows of x (batch x beams)")
     parser.add_argument("--rounds", type=int, default=15)

@@ -249,16 +249,25 @@ def test_profile_step_script_sums_xla_instructions_per_step():
     assert "thread" in out.split("share of the call")[-1], "the --timeline window printed no events"
 
 
+@pytest.fixture(scope="module")
+def built_library() -> str:
+    """The kernel library xlagen built and loaded (a `.so` file in its cache folder)."""
+    from xlagen.native import build, library
+
+    library.load()
+    return str(build.cache_folder() / build.library_name())
+
+
 @requires_kernels
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
-def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
-    # benchmarks/kernel_variants.py compiles each source, checks its products against numpy, and times them.
-    # Each weight type runs two builds beside numpy; the refusal of a wrong build is checked once (float32),
-    # since every compilation of the sources costs tens of seconds.
+def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights, built_library):
+    # benchmarks/kernel_variants.py loads each build (here two copies of the library xlagen loaded), checks its
+    # products against numpy, and times them. The refusal of a wrong build compiles sources, once (float32),
+    # since every compilation costs tens of seconds.
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_variants.py")
     source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native")
     command = [sys.executable, script, "--model", "tiny", "--weights", weights, "--rows", "1", "3", "8",
-               "--rounds", "2", "--repeats", "1", "--blas", "--sources", source, source]
+               "--rounds", "2", "--repeats", "1", "--blas", "--sources", built_library, built_library]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
     assert out.count("first / this") == 3 * 3 and "rows 8:" in out and "numpy:" in out, out
     if weights != "float32":
@@ -275,9 +284,9 @@ def test_kernel_variants_script_checks_and_times_builds(tmp_path, weights):
 
 
 @requires_kernels
-def test_kernel_variants_script_spins_between_products_and_sets_each_builds_lookahead():
+def test_kernel_variants_script_spins_between_products_and_sets_each_builds_lookahead(built_library):
     script = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "kernel_variants.py")
-    source = os.path.join(os.path.dirname(__file__), "..", "src", "xlagen", "native")
+    source = built_library
     command = [sys.executable, script, "--model", "tiny", "--rows", "1", "--rounds", "2", "--repeats", "1",
                "--gap-us", "20", "--lookahead", "0", "768", "--sources", source, source]
     out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
