@@ -231,6 +231,26 @@ def test_masked_attention_matches_numpy(batch, kv_heads, groups, t, s, d, left_p
     np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
 
 
+@pytest.mark.parametrize("t, s, d", [(13, 70, 64), (30, 37, 16), (25, 100, 128)])
+def test_masked_attention_with_any_visible_keys_matches_numpy(t, s, d):
+    # Masks of no pattern: each row sees keys at random (about half, some rows all, one row a single key in
+    # the last vector's tail, one none), and a visible key's byte is any nonzero value, as a kernel reading
+    # bytes eight or sixteen at a time must take them.
+    rng = np.random.default_rng(t + s + d)
+    q = rng.standard_normal((2, t, d)).astype(np.float32)
+    k = (3 * rng.standard_normal((2, s, d))).astype(np.float32)
+    v = rng.standard_normal((2, s, d)).astype(np.float32)
+    mask = rng.random((1, t, s)) < 0.5
+    mask[0, 1], mask[0, 2], mask[0, 3], mask[0, 4, -1] = True, False, False, True
+    error, out = _masked_attention(q, k, v, mask.astype(np.uint8) * rng.integers(1, 256, mask.shape), 2, 0.3)
+    assert error is None, error
+    full = np.repeat(mask, 2, axis=0)
+    scores = np.where(full, np.einsum("htd,hsd->hts", q.astype(np.float64), k) * 0.3, MASK_VALUE)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("hts,hsd->htd", weights / weights.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(out, expected, rtol=0, atol=2e-5)
+
+
 @pytest.mark.parametrize("batch, heads, t, s, d, shared", [(1, 2, 9, 9, 32, True), (2, 3, 20, 20, 64, True),
                                                         (2, 2, 17, 30, 16, False)])
 def test_biased_attention_matches_numpy(batch, heads, t, s, d, shared):

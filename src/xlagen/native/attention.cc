@@ -18,21 +18,22 @@ namespace {
 
 // "xlagen_f32_attention": softmax(scale * q k^T) v over all keys (no mask), for each of B x H heads, for
 // long self-attention (Whisper's encoder: 1500 positions). XLA computes the scores, writes them out
-// [T, S], reads them back for the softmax and again for the product with v; here each unit (8 query rows
-// of one head) keeps its scores in the core's cache: the head's k (transposed once per thread, in panels of
-// keys) and v stay in L2 across its units. The scores are scaled after the product, as XLA does; the softmax
+// [T, S], reads them back for the softmax and again for the product with v; here each unit (kAttentionRows
+// query rows of one head) keeps its scores in the core's cache: the head's k and v (copied once per thread,
+// k in panels of keys, v in panels of columns, as far as the thread's units read them) stay in L2 across its
+// units. The scores are scaled after the product, as XLA does; the softmax
 // divides once per output row rather than once per weight.
 //
 // With keys given transposed ([heads, d, s]: a decoder's cross-attention memory, transposed once when it
 // is projected), the unit's few query rows read the keys straight from memory, one contiguous row of s
 // keys per head dimension, rather than through a copy: each key and value is read once per unit, at the
 // rate memory streams (XLA's dots over Whisper's memory read it at a third of that).
-constexpr int kAttentionRows = 8;  // query rows per unit
-// Sums a register tile keeps: 16 of AVX-512's 32 registers, 8 of AVX2's 16 (the rest hold the values or keys
-// loaded and the broadcast weights).
-constexpr int kTileSums = kAvx512 ? 16 : 8;
+constexpr int kAttentionRows = kAvx512 ? 8 : 12;  // query rows per unit
+// Sums a register tile keeps: 16 of AVX-512's 32 registers, 12 of AVX2's 16 (the rest hold the values or keys
+// loaded and the broadcast weights). With fewer than 12, AVX2 tiles load about as often as they multiply.
+constexpr int kTileSums = kAvx512 ? 16 : 12;
 // The unit's scores against a head's keys in tiles of kScoreRows query rows x kScoreVectors vectors of keys.
-constexpr int kScoreRows = kAvx512 ? 8 : 4;
+constexpr int kScoreRows = kAvx512 ? 8 : 6;
 constexpr int kScoreVectors = 2;
 // A head's keys, transposed once per thread and call, in panels of kKeyPanel keys: kt[j / kKeyPanel][c][j %
 // kKeyPanel], so that a tile of scores reads its keys' d x kKeyPanel values in one contiguous run.
@@ -69,15 +70,38 @@ inline const uint8_t* MaskRow(const Attention& a, int head, int row) {
   return a.mask + (static_cast<size_t>(head / a.heads_per_mask) * a.mask_rows + row % a.mask_rows) * a.s;
 }
 
+// The index of the first nonzero byte of p[0..n), or n; 32 bytes at a time.
+int FirstNonzero(const uint8_t* p, int n) {
+  int j = 0;
+  for (; j + 32 <= n; j += 32) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j));
+    const unsigned zeros = static_cast<unsigned>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())));
+    if (zeros != 0xFFFFFFFFu) return j + __builtin_ctz(~zeros);
+  }
+  while (j < n && !p[j]) ++j;
+  return j;
+}
+
+// One past the last nonzero byte of p[0..n), or 0; 32 bytes at a time from the end.
+int EndOfNonzero(const uint8_t* p, int n) {
+  int j = n;
+  for (; j >= 32; j -= 32) {
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j - 32));
+    const unsigned zeros = static_cast<unsigned>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())));
+    if (zeros != 0xFFFFFFFFu) return j - __builtin_clz(~zeros);
+  }
+  while (j > 0 && !p[j - 1]) --j;
+  return j;
+}
+
 // The keys [*first, *last) any of the unit's rows sees, and which rows see none (bit r of the result).
 unsigned VisibleKeys(const Attention& a, int head, int t0, int rows, int* first, int* last) {
   unsigned empty = 0;
   int lo = a.s, hi = 0;
   for (int r = 0; r < rows; ++r) {
     const uint8_t* row = MaskRow(a, head, t0 + r);
-    int j0 = 0, j1 = a.s;
-    while (j0 < a.s && !row[j0]) ++j0;
-    while (j1 > j0 && !row[j1 - 1]) --j1;
+    const int j0 = FirstNonzero(row, a.s);
+    const int j1 = j0 + EndOfNonzero(row + j0, a.s - j0);
     if (j0 == j1) {
       empty |= 1u << r;
       continue;
@@ -107,18 +131,22 @@ __attribute__((always_inline)) inline void ForHeadVectors(int d, const Body& bod
 
 // out[rows of the unit] = weights[:, first:last] @ v[first:last] / sums, DV vectors of columns at a time (the
 // whole head vector, except for D = 128 with AVX2), R rows of weights at a time (kTileSums sums).
+// Value j's columns [c0, c0 + kLanes * DV) are at v + j * row_stride + c0 / (kLanes * DV) * block_stride: v
+// itself (row_stride d, block_stride kLanes * DV), or a copy in column panels (row_stride kLanes * DV,
+// block_stride s * kLanes * DV) whose runs of values a pass reads in order.
 template <int DV>
 void AttentionOutput(const Attention& a, const float* weights, int padded, const float* sums, const float* v,
-                     float* out, int rows, int first, int last) {
+                     size_t row_stride, size_t block_stride, float* out, int rows, int first, int last) {
   constexpr int R = kTileSums / DV < 1 ? 1 : (kTileSums / DV > kAttentionRows ? kAttentionRows : kTileSums / DV);
   for (int c0 = 0; c0 < a.d; c0 += kLanes * DV) {
+    const float* block = v + static_cast<size_t>(c0 / (kLanes * DV)) * block_stride;
     for (int r0 = 0; r0 < rows; r0 += R) {
       Vec acc[R][DV];
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < DV; ++c) acc[r][c] = Zero();
       for (int j = first; j < last; ++j) {
         Vec vv[DV];
-        for (int c = 0; c < DV; ++c) vv[c] = Load(v + static_cast<size_t>(j) * a.d + c0 + kLanes * c);
+        for (int c = 0; c < DV; ++c) vv[c] = Load(block + static_cast<size_t>(j) * row_stride + kLanes * c);
         for (int r = 0; r < R; ++r) {
           const Vec w = Set(weights[static_cast<size_t>(r0 + r) * padded + j]);
           for (int c = 0; c < DV; ++c) acc[r][c] = Fma(w, vv[c], acc[r][c]);
@@ -165,9 +193,10 @@ void TransposedScores(const Attention& a, const float* kt, const float* q, int r
 void RunAttention(const void* args, int u0, int u1) {
   const Attention& a = *static_cast<const Attention*>(args);
   const int padded = (a.s + 31) / 32 * 32;  // score columns, in pairs of vectors
-  thread_local std::vector<float> kt, scores, q;
+  thread_local std::vector<float> kt, vt, scores, q;
   thread_local uint64_t kt_call = 0;
   thread_local int kt_head = -1;
+  thread_local int copied = 0;  // keys of kt_head in kt and vt
   scores.resize(static_cast<size_t>(kAttentionRows) * padded);
   q.resize(static_cast<size_t>(kAttentionRows) * a.d);
   for (int u = u0; u < u1; ++u) {
@@ -180,15 +209,33 @@ void RunAttention(const void* args, int u0, int u1) {
       TransposedScores(a, a.k + head_offset, a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, rows,
                        scores.data(), padded);
     } else {
-      if (kt_call != a.call || kt_head != head) {  // k [s, d] -> kt in panels of keys, zeros past s
-        kt.assign(static_cast<size_t>(a.d) * padded, 0.0f);
-        const float* k = a.k + head_offset;
-        for (int j = 0; j < a.s; ++j) {
-          float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel + j % kKeyPanel;
-          for (int c = 0; c < a.d; ++c) panel[static_cast<size_t>(c) * kKeyPanel] = k[static_cast<size_t>(j) * a.d + c];
-        }
+      if (kt_call != a.call || kt_head != head) {
+        kt.resize(static_cast<size_t>(a.d) * padded);
+        vt.resize(static_cast<size_t>(a.s) * a.d);
         kt_call = a.call;
         kt_head = head;
+        copied = 0;
+      }
+      // The head's keys and values as far as this unit reads them, copied once per thread and head: k [s, d]
+      // -> kt in panels of keys (zeros past s), v [s, d] -> vt in panels of the columns AttentionOutput takes
+      // per pass, vt[c / w][j][c % w].
+      const int upto = std::min((last + kKeyPanel - 1) / kKeyPanel * kKeyPanel, padded);
+      if (copied < upto) {
+        const float* k = a.k + head_offset;
+        const float* v = a.v + head_offset;
+        const int width = a.d >= 2 * kLanes ? 2 * kLanes : kLanes;
+        for (int j = copied; j < upto; ++j) {
+          float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel + j % kKeyPanel;
+          for (int c = 0; c < a.d; ++c) {
+            panel[static_cast<size_t>(c) * kKeyPanel] = j < a.s ? k[static_cast<size_t>(j) * a.d + c] : 0.0f;
+          }
+          if (j >= a.s) continue;
+          for (int c = 0; c < a.d; c += width) {
+            std::memcpy(vt.data() + (static_cast<size_t>(c / width) * a.s + j) * width,
+                        v + static_cast<size_t>(j) * a.d + c, sizeof(float) * width);
+          }
+        }
+        copied = upto;
       }
       // The unit's query rows, zeros past t (their scores are computed and not used).
       std::fill(q.begin(), q.end(), 0.0f);
@@ -196,12 +243,12 @@ void RunAttention(const void* args, int u0, int u1) {
       const Vec scale = Set(a.scale);
       constexpr int R = kScoreRows, V = kScoreVectors;
       const int j0 = first / (kLanes * V) * (kLanes * V);
-      for (int r0 = 0; r0 < kAttentionRows; r0 += R) {
-        for (int j = j0; j < last; j += kLanes * V) {
+      for (int j = j0; j < last; j += kLanes * V) {  // each panel of keys read from L1 by every tile of rows
+        const float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel;
+        for (int r0 = 0; r0 < kAttentionRows; r0 += R) {
           Vec acc[R][V];
           for (int r = 0; r < R; ++r)
             for (int v = 0; v < V; ++v) acc[r][v] = Zero();
-          const float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel;
           for (int c = 0; c < a.d; ++c) {
             const float* row = panel + static_cast<size_t>(c) * kKeyPanel;
             Vec k[V];
@@ -237,20 +284,25 @@ void RunAttention(const void* args, int u0, int u1) {
         sums[r] = ExpInPlace(row, n, RowMax(row, n));
         continue;
       }
-      for (int j = 0; j < n; ++j) row[j] = seen[j] ? row[j] : -INFINITY;
-      ExpInPlace(row, n, RowMax(row, n));
-      float total = 0.0f;  // masked keys weigh exactly 0
-      for (int j = 0; j < n; ++j) total += row[j] = seen[j] ? row[j] : 0.0f;
-      sums[r] = total;
+      sums[r] = MaskedExpInPlace(row, seen, n);  // masked keys weigh exactly 0
     }
     const float* v = a.v + head_offset;
     float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
     // Two vectors of the head's columns per pass, so that a tile of weights has kTileSums / 2 rows: each
     // value is read once per that many rows (with the whole head per pass, once per row).
-    if (a.d >= 2 * kLanes) {
-      AttentionOutput<2>(a, scores.data(), padded, sums, v, out, rows, first, last);
+    if (a.transposed) {
+      if (a.d >= 2 * kLanes) {
+        AttentionOutput<2>(a, scores.data(), padded, sums, v, a.d, 2 * kLanes, out, rows, first, last);
+      } else {
+        AttentionOutput<1>(a, scores.data(), padded, sums, v, a.d, kLanes, out, rows, first, last);
+      }
     } else {
-      AttentionOutput<1>(a, scores.data(), padded, sums, v, out, rows, first, last);
+      const size_t width = a.d >= 2 * kLanes ? 2 * kLanes : kLanes;
+      if (a.d >= 2 * kLanes) {
+        AttentionOutput<2>(a, scores.data(), padded, sums, vt.data(), width, width * a.s, out, rows, first, last);
+      } else {
+        AttentionOutput<1>(a, scores.data(), padded, sums, vt.data(), width, width * a.s, out, rows, first, last);
+      }
     }
     for (int r = 0; r < rows; ++r) {
       if (!(empty >> r & 1)) continue;

@@ -137,8 +137,8 @@ def attention(query, key, value, scale: float, key_transposed: bool = False):
     """`softmax(scale * query @ key^T) @ value` for float32 `[B, H, T, D]` queries and `[B, H, S, D]`
     keys and values, as the native kernel's custom call (call it under XLA only; see
     `Kernels.use_attention`). With `key_transposed` the keys are `[B, H, D, S]` (a decoder's
-    cross-attention memory, `CrossAttention.project_memory`) and are read in place. The scores of 8 query
-    rows at a time stay in the core's cache instead of being written out `[T, S]` and read back twice
+    cross-attention memory, `CrossAttention.project_memory`) and are read in place. The scores of a few query
+    rows at a time (12 with AVX2, 8 with AVX-512) stay in the core's cache instead of being written out `[T, S]` and read back twice
     (Whisper-tiny's encoder, 1500 positions: about 2x XLA's attention; its decoding steps' cross-attention:
     `benchmarks/ab.py --compare cross-attention`). Gradients are those of the same formula in TensorFlow ops."""
     import tensorflow as tf
@@ -186,7 +186,7 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float, b
         bias: Optional float32 `[1 or B, Hkv, T, S]` added to the scaled scores (T5's relative positions),
             without grouped queries (g = 1).
 
-    The kernel scores only the keys between the first and the last that a unit of 8 query rows may see:
+    The kernel scores only the keys between the first and the last that a unit of a few query rows may see:
     under a causal mask about half of them, none of the cache's positions after the prompt. Gradients are
     those of the same formula in TensorFlow ops.
     """
@@ -212,6 +212,11 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float, b
         target, config = BIASED_ATTENTION_TARGET, f"{config},{bias.shape[0] * kv_heads}"
 
     def call(query, key, value, *bias):
+        # Keys and values that are a cache just written (a prompt's) are also the cache the call returns: the
+        # barrier keeps XLA from computing them twice, once for this operand and once for the cache, and
+        # from writing that cache on another thread while the kernel runs (the kernel's own threads would
+        # then share the cores with it).
+        key, value = gen_xla_ops.xla_optimization_barrier([key, value])
         (out,) = gen_xla_ops.xla_custom_call_v2(
             operands=[tf.reshape(query, (batch * kv_heads, rows, head_dim)),
                       *(tf.reshape(t, (batch * kv_heads, length, head_dim)) for t in (key, value)),

@@ -48,6 +48,12 @@ inline void StoreMasked(float* p, Mask m, Vec v) { _mm512_mask_storeu_ps(p, m, v
 inline void StoreFirst(float* p, Vec v, int count) { _mm512_mask_storeu_ps(p, FirstLanes(count), v); }
 // v in the lanes of m, 0 elsewhere.
 inline Vec KeepMasked(Mask m, Vec v) { return _mm512_maskz_mov_ps(m, v); }
+// The lanes whose byte of p[0..kLanes) is nonzero, and a in the lanes of m with b in the others.
+inline Mask NonzeroBytes(const uint8_t* p) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_test_epi32_mask(x, x);
+}
+inline Vec Select(Mask m, Vec a, Vec b) { return _mm512_mask_blend_ps(m, b, a); }
 // The lanes of m: max(acc, p's), the others acc.
 inline Vec MaxMasked(Vec acc, Mask m, const float* p) { return _mm512_mask_max_ps(acc, m, acc, LoadMasked(m, p)); }
 
@@ -137,6 +143,11 @@ inline void StoreFirst(float* p, Vec v, int count) {
   }
 }
 inline Vec KeepMasked(Mask m, Vec v) { return _mm256_and_ps(_mm256_castsi256_ps(m), v); }
+inline Mask NonzeroBytes(const uint8_t* p) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cmpgt_epi32(x, _mm256_setzero_si256());
+}
+inline Vec Select(Mask m, Vec a, Vec b) { return _mm256_blendv_ps(b, a, _mm256_castsi256_ps(m)); }
 inline Vec MaxMasked(Vec acc, Mask m, const float* p) {
   return _mm256_blendv_ps(acc, _mm256_max_ps(acc, LoadMasked(m, p)), _mm256_castsi256_ps(m));
 }

@@ -4,6 +4,7 @@
 #define XLAGEN_NATIVE_VECTOR_MATH_H_
 
 #include <cmath>
+#include <cstring>
 
 #include "simd.h"
 
@@ -34,6 +35,32 @@ inline float ExpInPlace(float* row, int n, float top) {
   }
   if (left) {
     const Vec e = KeepMasked(tail, ExpNonPositive(Sub(LoadMasked(tail, row + whole), high)));
+    StoreMasked(row + whole, tail, e);
+    total = Add(total, e);
+  }
+  return ReduceAdd(total);
+}
+
+// row[j] = exp(row[j] - top) where seen[j] is nonzero and exactly 0 where it is 0, over j < n, with top the
+// largest row[j] seen (a row sees at least one key); returns their sum.
+inline float MaskedExpInPlace(float* row, const uint8_t* seen, int n) {
+  const int whole = n / kLanes * kLanes;
+  const int left = n - whole;
+  const Mask tail = FirstLanes(left);
+  uint8_t tail_seen[kLanes] = {};  // the last bytes, zeros past n: NonzeroBytes reads kLanes of them
+  std::memcpy(tail_seen, seen + whole, left);
+  Vec high = Set(-INFINITY);
+  for (int j = 0; j < whole; j += kLanes) high = Select(NonzeroBytes(seen + j), Max(high, Load(row + j)), high);
+  if (left) high = Select(NonzeroBytes(tail_seen), Max(high, LoadMasked(tail, row + whole)), high);
+  const Vec top = Set(ReduceMax(high));
+  Vec total = Zero();
+  for (int j = 0; j < whole; j += kLanes) {
+    const Vec e = Select(NonzeroBytes(seen + j), ExpNonPositive(Sub(Load(row + j), top)), Zero());
+    Store(row + j, e);
+    total = Add(total, e);
+  }
+  if (left) {
+    const Vec e = Select(NonzeroBytes(tail_seen), ExpNonPositive(Sub(LoadMasked(tail, row + whole), top)), Zero());
     StoreMasked(row + whole, tail, e);
     total = Add(total, e);
   }
