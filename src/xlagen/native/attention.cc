@@ -70,12 +70,17 @@ inline const uint8_t* MaskRow(const Attention& a, int head, int row) {
   return a.mask + (static_cast<size_t>(head / a.heads_per_mask) * a.mask_rows + row % a.mask_rows) * a.s;
 }
 
+// Bit i set where p[i] is 0, for the 32 bytes p[0..32).
+inline unsigned ZeroBytes(const uint8_t* p) {
+  const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return static_cast<unsigned>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())));
+}
+
 // The index of the first nonzero byte of p[0..n), or n; 32 bytes at a time.
 int FirstNonzero(const uint8_t* p, int n) {
   int j = 0;
   for (; j + 32 <= n; j += 32) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j));
-    const unsigned zeros = static_cast<unsigned>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())));
+    const unsigned zeros = ZeroBytes(p + j);
     if (zeros != 0xFFFFFFFFu) return j + __builtin_ctz(~zeros);
   }
   while (j < n && !p[j]) ++j;
@@ -86,8 +91,7 @@ int FirstNonzero(const uint8_t* p, int n) {
 int EndOfNonzero(const uint8_t* p, int n) {
   int j = n;
   for (; j >= 32; j -= 32) {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j - 32));
-    const unsigned zeros = static_cast<unsigned>(_mm256_movemask_epi8(_mm256_cmpeq_epi8(bytes, _mm256_setzero_si256())));
+    const unsigned zeros = ZeroBytes(p + j - 32);
     if (zeros != 0xFFFFFFFFu) return j - __builtin_clz(~zeros);
   }
   while (j > 0 && !p[j - 1]) --j;
@@ -193,6 +197,8 @@ void TransposedScores(const Attention& a, const float* kt, const float* q, int r
 void RunAttention(const void* args, int u0, int u1) {
   const Attention& a = *static_cast<const Attention*>(args);
   const int padded = (a.s + 31) / 32 * 32;  // score columns, in pairs of vectors
+  // Columns of v per pass of AttentionOutput: two vectors, or one for a head that small.
+  const int width = a.d >= 2 * kLanes ? 2 * kLanes : kLanes;
   thread_local std::vector<float> kt, vt, scores, q;
   thread_local uint64_t kt_call = 0;
   thread_local int kt_head = -1;
@@ -223,7 +229,6 @@ void RunAttention(const void* args, int u0, int u1) {
       if (copied < upto) {
         const float* k = a.k + head_offset;
         const float* v = a.v + head_offset;
-        const int width = a.d >= 2 * kLanes ? 2 * kLanes : kLanes;
         for (int j = copied; j < upto; ++j) {
           float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel + j % kKeyPanel;
           for (int c = 0; c < a.d; ++c) {
@@ -290,19 +295,14 @@ void RunAttention(const void* args, int u0, int u1) {
     float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
     // Two vectors of the head's columns per pass, so that a tile of weights has kTileSums / 2 rows: each
     // value is read once per that many rows (with the whole head per pass, once per row).
-    if (a.transposed) {
-      if (a.d >= 2 * kLanes) {
-        AttentionOutput<2>(a, scores.data(), padded, sums, v, a.d, 2 * kLanes, out, rows, first, last);
-      } else {
-        AttentionOutput<1>(a, scores.data(), padded, sums, v, a.d, kLanes, out, rows, first, last);
-      }
+    // v itself with transposed keys (nothing was copied), else the thread's copy in column panels.
+    const float* values = a.transposed ? v : vt.data();
+    const size_t row_stride = a.transposed ? a.d : width;
+    const size_t block_stride = a.transposed ? width : static_cast<size_t>(width) * a.s;
+    if (width == 2 * kLanes) {
+      AttentionOutput<2>(a, scores.data(), padded, sums, values, row_stride, block_stride, out, rows, first, last);
     } else {
-      const size_t width = a.d >= 2 * kLanes ? 2 * kLanes : kLanes;
-      if (a.d >= 2 * kLanes) {
-        AttentionOutput<2>(a, scores.data(), padded, sums, vt.data(), width, width * a.s, out, rows, first, last);
-      } else {
-        AttentionOutput<1>(a, scores.data(), padded, sums, vt.data(), width, width * a.s, out, rows, first, last);
-      }
+      AttentionOutput<1>(a, scores.data(), padded, sums, values, row_stride, block_stride, out, rows, first, last);
     }
     for (int r = 0; r < rows; ++r) {
       if (!(empty >> r & 1)) continue;

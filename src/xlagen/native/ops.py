@@ -137,10 +137,10 @@ def attention(query, key, value, scale: float, key_transposed: bool = False):
     """`softmax(scale * query @ key^T) @ value` for float32 `[B, H, T, D]` queries and `[B, H, S, D]`
     keys and values, as the native kernel's custom call (call it under XLA only; see
     `Kernels.use_attention`). With `key_transposed` the keys are `[B, H, D, S]` (a decoder's
-    cross-attention memory, `CrossAttention.project_memory`) and are read in place. The scores of a few query
-    rows at a time (12 with AVX2, 8 with AVX-512) stay in the core's cache instead of being written out `[T, S]` and read back twice
-    (Whisper-tiny's encoder, 1500 positions: about 2x XLA's attention; its decoding steps' cross-attention:
-    `benchmarks/ab.py --compare cross-attention`). Gradients are those of the same formula in TensorFlow ops."""
+    cross-attention memory, `CrossAttention.project_memory`) and are read in place. The scores of a few
+    query rows at a time (12 with AVX2, 8 with AVX-512) stay in the core's cache instead of being written out
+    `[T, S]` and read back twice (Whisper-tiny's encoder, 1500 positions: about 2x XLA's attention; its
+    decoding steps' cross-attention: `benchmarks/ab.py --compare cross-attention`). Gradients are those of the same formula in TensorFlow ops."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
