@@ -586,6 +586,56 @@ def test_attention_kernel_gradients_are_the_formulas(transposed):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["unmasked", "biased encoder", "prompt over a cache"])
+def test_attention_kernels_read_the_heads_of_a_fused_projection_in_place(kind):
+    # The heads of a projection [B, T, 3 H D] (`native.Heads`, columns of q, then k, then v) as the kernels'
+    # operands, and the output merged into [B, T, H D]: the same values and gradients as the formulas over
+    # the heads split out by TensorFlow. Over a cache, only the queries are in place (the keys and values
+    # are the cache [B, H, S, D]).
+    batch, heads, t, d, cache = 2, 3, 20, 32, 27
+    rng = np.random.default_rng(5)
+    projection = tf.constant(rng.standard_normal((batch, t, 3 * heads * d + 4)).astype(np.float32))
+    cached = [tf.constant(rng.standard_normal((batch, heads, cache, d)).astype(np.float32)) for _ in range(2)]
+    bias = tf.constant((3 * rng.standard_normal((1, heads, t, t))).astype(np.float32))
+    causal = np.arange(cache)[None, :] <= np.arange(t)[:, None] + 2
+    masks = {"biased encoder": tf.constant(np.arange(t)[None, None, None, :] < [[[[t]]], [[[t - 5]]]]),
+             "prompt over a cache": tf.constant(np.broadcast_to(causal, (batch, 1, t, cache)))}
+    mask = masks.get(kind)
+
+    def run(projection, key_cache, value_cache, in_place):
+        parts = [native.Heads(projection, i * heads * d, heads, d) for i in range(3)]
+        query, key, value = parts if in_place else [p.split() for p in parts]
+        if kind == "prompt over a cache":
+            key, value = key_cache, value_cache
+        if kind == "unmasked":
+            if in_place:
+                return native.attention(query, key, value, 0.3, merged=True)
+            return native.ops._reference_attention(query, key, value, 0.3)
+        extra = {"bias": bias} if kind == "biased encoder" else {}
+        if in_place:
+            return native.masked_attention(query, key, value, mask, 0.3, -1e9, merged=True, **extra)
+        return native.ops._reference_masked_attention(query, key, value, mask, 0.3, -1e9, **extra)
+
+    def outputs_and_gradients(in_place):
+        with tf.GradientTape() as tape:
+            tape.watch([projection, *cached])
+            out = run(projection, *cached, in_place)
+            if not in_place:
+                out = tf.reshape(tf.transpose(out, (0, 2, 1, 3)), (batch, t, heads * d))
+            loss = tf.reduce_sum(tf.sin(out))
+        return [out, *tape.gradient(loss, [projection, *cached], unconnected_gradients="zero")]
+
+    ours = tf.function(lambda: outputs_and_gradients(True), jit_compile=True)()
+    reference = tf.function(lambda: outputs_and_gradients(False), jit_compile=True)()
+    assert ours[0].shape == (batch, t, heads * d)
+    for got, expected in zip(ours, reference):
+        np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=0, atol=2e-5)
+    hlo = tf.function(lambda p: run(p, *cached, True), jit_compile=True).experimental_get_compiler_ir(projection)(
+        stage="optimized_hlo")
+    width = 3 * heads * d + 4
+    assert f"0,{t * width},{d},{width}," in hlo  # the queries' layout: read from the projection, in place
+
+
 def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla():
     q, k = tf.zeros((1, 2, 4, 64)), tf.zeros((1, 2, native.Kernels().attention_min_keys, 64))
     seen = {}

@@ -279,6 +279,46 @@ def test_biased_attention_matches_numpy(batch, heads, t, s, d, shared):
     assert error is not None and b"bias_heads must divide heads" in error
 
 
+@pytest.mark.parametrize("batch, heads, t, d, masked, biased", [(1, 1, 1, 16, False, False), (2, 3, 13, 32, True, True),
+                                                            (2, 2, 30, 64, True, False), (1, 4, 9, 128, False, False),
+                                                            (3, 2, 25, 16, False, True)])
+def test_attention_at_reads_heads_in_place_and_writes_tokens(batch, heads, t, d, masked, biased):
+    # An encoder's self-attention straight from its fused projection [B, T, 3 H D] (q, k, v one after the
+    # other along the columns), its output written as [B, T, H D], the next product's input: nothing
+    # transposed around the call. The columns around each head hold NaN, which no read may touch.
+    rng = np.random.default_rng(batch * t + d)
+    width = 3 * heads * d + 5  # and 5 columns of nothing
+    projection = np.full((batch, t, width), np.nan, np.float32)
+    projection[..., :3 * heads * d] = rng.standard_normal((batch, t, 3 * heads * d))
+    q, k, v = (projection[..., i * heads * d:(i + 1) * heads * d].reshape(batch, t, heads, d).transpose(0, 2, 1, 3)
+               for i in range(3))
+    mask = np.ones((batch, 1, t), np.uint8)
+    if masked:
+        mask[-1, :, :min(3, t - 1)] = 0
+    bias = (4 * rng.standard_normal((heads, t, t))).astype(np.float32) if biased else None
+    out = np.full((batch, t, heads * d + 3), np.nan, np.float32)  # rows of 3 more columns, left as they are
+    layout = np.array([0, t * width, d, width,  # q
+                       heads * d, t * width, d, width,  # k
+                       2 * heads * d, t * width, d, width,  # v
+                       0, t * out.shape[2], d, out.shape[2]], np.int32)  # out
+    at = _entry("xlagen_attention_at", *[ctypes.c_void_p] * 6, *[ctypes.c_int] * 4, ctypes.c_float,
+                *[ctypes.c_int] * 3, ctypes.c_void_p)
+    error = at(*(_p(a) for a in (projection, projection, projection)), _p(mask) if masked else None,
+               _p(bias) if biased else None, _p(out), batch * heads, t, t, d, 0.5, heads, 1, heads, _p(layout))
+    assert error is None, error
+    scores = np.einsum("bhtd,bhsd->bhts", q.astype(np.float64), k) * 0.5 + (0 if bias is None else bias)
+    scores = np.where(mask[:, None].astype(bool), scores, MASK_VALUE)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    expected = np.einsum("bhts,bhsd->bhtd", weights / weights.sum(-1, keepdims=True), v)
+    np.testing.assert_allclose(out[..., :heads * d], expected.transpose(0, 2, 1, 3).reshape(batch, t, heads * d),
+                               rtol=0, atol=2e-5)
+    assert np.isnan(out[..., heads * d:]).all()
+    layout[5] = -1
+    error = at(*(_p(a) for a in (projection, projection, projection)), None, None, _p(out), batch * heads, t, t, d,
+               0.5, heads, 1, 1, _p(layout))
+    assert error is not None and b"at least 0" in error
+
+
 def test_masked_attention_refuses_a_mask_it_cannot_share():
     out = np.zeros((4, 4, 16), np.float32)
     error, _ = _masked_attention(out, out, out, np.ones((3, 4, 4), bool), 3, 1.0)  # 4 heads, 3 per mask

@@ -184,28 +184,38 @@ class _MultiHead(keras.layers.Layer):
         """`[B, T, parts * H * D]` -> `parts` tensors `[B, H, T, D]`."""
         return [split_heads(p, self.num_heads, self.head_dim) for p in ops.split(x, parts, axis=-1)]
 
-    def _attend(self, query, key, value, mask, bias, training, key_transposed=False):
+    def _attend(self, query, key, value, mask, bias, training, key_transposed=False, in_place=None):
         """Attention of `[B, H, T, D]` queries over `[B, Hkv, S, D]` keys -> `[B, T, hidden]`. Long unmasked
         attention under XLA (an encoder's, or a decoder's over it) is the fused native kernel
         (`xlagen.native.attention`), and so is a generation's prompt over the cache
-        (`xlagen.native.masked_attention`)."""
+        (`xlagen.native.masked_attention`). `in_place`: the same query, key and value (each, or None) as
+        `native.Heads` of the fused projection, which the kernels read where they are; the kernels then also
+        write their output as the output projection's input `[B, T, H * D]` (without grouped queries)."""
         dropout = self.dropout.rate > 0 and training is not None and training is not False
         groups = self.groups
         if groups > 1:  # each key/value head's queries as one group of rows: the keys are never repeated
             query = group_queries(query, groups)
+        merged = groups == 1
+        placed = [given if placed is None else placed for given, placed in zip((query, key, value), in_place or (
+            None, None, None))]
         if not key_transposed and native.use_prompt_attention(query, key, mask, bias, dropout):
             # A prompt over the cache, or an encoder; its mask [B, 1, T or 1, S] is shared by the g groups of
             # rows, never tiled.
-            attended = native.masked_attention(query, key, value, mask, self.scale, MASK_VALUE, bias)
+            attended = native.masked_attention(*placed, mask, self.scale, MASK_VALUE, bias, merged=merged)
         else:
             if groups > 1 and mask is not None and mask.shape[2] != 1:  # [B, 1, T, S] -> [B, 1, g * T, S]
                 mask = ops.tile(mask, (1, 1, groups, 1))
+            merged = merged and not key_transposed
             if native.use_attention_kernel(query, key, mask, bias, dropout, key_transposed=key_transposed):
-                attended = native.attention(query, key, value, self.scale, key_transposed)
+                attended = (native.attention(*placed, self.scale, merged=True) if merged else
+                            native.attention(query, key, value, self.scale, key_transposed))
             else:
+                merged = False
                 weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed),
                                        training=training)
                 attended = ops.matmul(weights, value)
+        if merged:
+            return self.output_projection(attended)
         if groups > 1:
             attended = ungroup_queries(attended, groups)
         return self.output_projection(merge_heads(attended))
@@ -254,20 +264,29 @@ class Attention(_MultiHead):
         Returns:
             `(output [B, T, hidden], layer_cache or None)`.
         """
-        query, key, value = self._project(x)
+        projection = self.qkv(x)
+        query, key, value = self._project(projection)
+        # The heads as the projection left them, for the attention kernels to read in place (unless rotated,
+        # normed or grouped first); the transposes into heads then go unused and are never computed.
+        in_place = None
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)
+        elif self.query_norm is None and self.groups == 1:
+            width = self.num_heads * self.head_dim
+            in_place = [native.Heads(projection, i * width, self.num_heads, self.head_dim) for i in range(3)]
         if layer_cache is None:
-            return self._attend(query, key, value, key_mask, bias, training), None
+            return self._attend(query, key, value, key_mask, bias, training, in_place=in_place), None
         if query.shape[2] == 1:
             return self._step(query, key, value, key_mask, layer_cache, cache_index, bias, training)
         layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
-        return self._attend(query, layer_cache.key, layer_cache.value, key_mask, bias, training), layer_cache
+        return self._attend(query, layer_cache.key, layer_cache.value, key_mask, bias, training,
+                            in_place=in_place and [in_place[0], None, None]), layer_cache
 
-    def _project(self, x):
-        """`x` `[B, T, hidden]` -> query `[B, H, T, D]`, key and value `[B, Hkv, T, D]` (heads normed if so)."""
+    def _project(self, projection):
+        """The fused projection `[B, T, (H + 2 * Hkv) * D]` -> query `[B, H, T, D]`, key and value `[B, Hkv,
+        T, D]` (heads normed if so)."""
         queries = self.num_heads * self.head_dim
-        query, key, value = ops.split(self.qkv(x), [queries, queries + self.num_key_value_heads * self.head_dim],
+        query, key, value = ops.split(projection, [queries, queries + self.num_key_value_heads * self.head_dim],
                                       axis=-1)
         query = split_heads(query, self.num_heads, self.head_dim)
         key, value = (split_heads(t, self.num_key_value_heads, self.head_dim) for t in (key, value))

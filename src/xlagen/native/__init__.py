@@ -53,8 +53,8 @@ The modules: `build` (compile and cache the library), `library` (load it, its co
 from xlagen.native.build import NO_COMPILER, SOURCES, NativeUnavailable, compile_library
 from xlagen.native.library import (configure_pool, constant, hardware_reason, load, lookahead_counts, lookahead_kib,
                                    ready, set_lookahead, status_supported, unavailable_reason)
-from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BIASED_ATTENTION_TARGET, FLOAT32_TARGET, GEMM_TARGETS, INT8_INTEGER_TARGET,
-                               INT8_MANY_INTEGER_TARGET, INT8_TARGET,
+from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BIASED_ATTENTION_TARGET, FLOAT32_TARGET, GEMM_TARGETS,
+                               INT8_INTEGER_TARGET, INT8_MANY_INTEGER_TARGET, INT8_TARGET, Heads,
                                MASKED_ATTENTION_TARGET, MEMORY_ATTENTION_TARGET, STEP_ATTENTION_TARGET, TARGET, argmax,
                                attention, masked_attention, matmul, matmul_float32, memory_attention,
                                reference_memory_attention, step_attention)
@@ -75,7 +75,7 @@ def __getattr__(name: str):
 
 
 __all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "BIASED_ATTENTION_TARGET", "FLOAT32_TARGET", "GEMM_TARGETS",
-           "INT8_INTEGER_TARGET", "INT8_MANY_INTEGER_TARGET",
+           "Heads", "INT8_INTEGER_TARGET", "INT8_MANY_INTEGER_TARGET",
            "INT8_TARGET", "Kernels", "MASKED_ATTENTION_TARGET",
            "MEMORY_ATTENTION_TARGET", "NO_COMPILER", "NativeUnavailable", "PoolSettings", "SOURCES",
            "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "argmax", "attention", "compile_library",

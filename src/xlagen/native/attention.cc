@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -46,24 +47,46 @@ constexpr int kMostHeadVectors = 8;
 // from the first any of its rows may see to the last: under a causal mask that is about half of them, and
 // none of the cache's positions after the prompt. Masked keys weigh exactly 0; a row that may see no key
 // (a left-padding position) is the mean of all values, as XLA's softmax over equal masked scores gives.
+//
+// q, k (not transposed), v and out need not be tensors [heads, rows, d] of their own: each is read or written
+// where its Layout says, e.g. the heads of a fused projection [B, T, 3 * H * d] in place, and the output as
+// [B, T, H * d], the next product's input, with no transposes around the call.
+struct Layout {
+  // Row r of head h = sequence * heads_per_mask + i starts at offset + sequence * batch + i * head + r * row
+  // (floats).
+  size_t offset, batch, head, row;
+};
+
+// The layout of a tensor [heads, rows, d] of its own.
+constexpr Layout Packed(int heads, int rows, int d) {
+  return {0, static_cast<size_t>(heads) * rows * d, static_cast<size_t>(rows) * d, static_cast<size_t>(d)};
+}
+
 struct Attention {
-  const float* q;  // [heads, t, d]
-  const float* k;  // [heads, s, d], or [heads, d, s] when transposed
-  const float* v;  // [heads, s, d]
-  float* out;      // [heads, t, d]
+  const float* q;  // [heads, t, d] (as laid out by lq)
+  const float* k;  // [heads, s, d] (lk), or [heads, d, s] when transposed
+  const float* v;  // [heads, s, d] (lv)
+  float* out;      // [heads, t, d] (lo)
   int heads, t, s, d, blocks;  // blocks: units per head
   float scale;
   uint64_t call;  // which call this is: a thread's transposed k is reused within one call only
   int transposed;
   // Optional (not transposed only): mask[heads / heads_per_mask][row % mask_rows][key], nonzero where the
-  // query row may see the key.
+  // query row may see the key. heads_per_mask is also the heads of one sequence in the layouts.
   const uint8_t* mask = nullptr;
   int mask_rows = 0, heads_per_mask = 1;
   // Optional, with a mask: bias[head % bias_heads][row][key], added to the scaled scores (T5's relative
   // positions, shared by a batch's sequences when bias_heads is the heads of one).
   const float* bias = nullptr;
   int bias_heads = 1;
+  Layout lq, lk, lv, lo;
 };
+
+// Where row `row` of `head` starts in an operand laid out by l.
+inline size_t At(const Attention& a, const Layout& l, int head, int row) {
+  return l.offset + static_cast<size_t>(head / a.heads_per_mask) * l.batch +
+         static_cast<size_t>(head % a.heads_per_mask) * l.head + static_cast<size_t>(row) * l.row;
+}
 
 // The mask's row of keys for query row `row` of `head`.
 inline const uint8_t* MaskRow(const Attention& a, int head, int row) {
@@ -137,10 +160,12 @@ __attribute__((always_inline)) inline void ForHeadVectors(int d, const Body& bod
 // whole head vector, except for D = 128 with AVX2), R rows of weights at a time (kTileSums sums).
 // Value j's columns [c0, c0 + kLanes * DV) are at v + j * row_stride + c0 / (kLanes * DV) * block_stride: v
 // itself (row_stride d, block_stride kLanes * DV), or a copy in column panels (row_stride kLanes * DV,
-// block_stride s * kLanes * DV) whose runs of values a pass reads in order.
+// block_stride s * kLanes * DV) whose runs of values a pass reads in order. The unit's output rows are out_row
+// floats apart.
 template <int DV>
 void AttentionOutput(const Attention& a, const float* weights, int padded, const float* sums, const float* v,
-                     size_t row_stride, size_t block_stride, float* out, int rows, int first, int last) {
+                     size_t row_stride, size_t block_stride, float* out, size_t out_row, int rows, int first,
+                     int last) {
   constexpr int R = kTileSums / DV < 1 ? 1 : (kTileSums / DV > kAttentionRows ? kAttentionRows : kTileSums / DV);
   for (int c0 = 0; c0 < a.d; c0 += kLanes * DV) {
     const float* block = v + static_cast<size_t>(c0 / (kLanes * DV)) * block_stride;
@@ -159,7 +184,7 @@ void AttentionOutput(const Attention& a, const float* weights, int padded, const
       for (int r = 0; r < R && r0 + r < rows; ++r) {
         const Vec inverse = Set(1.0f / sums[r0 + r]);
         for (int c = 0; c < DV; ++c) {
-          Store(out + static_cast<size_t>(r0 + r) * a.d + c0 + kLanes * c, Mul(acc[r][c], inverse));
+          Store(out + static_cast<size_t>(r0 + r) * out_row + c0 + kLanes * c, Mul(acc[r][c], inverse));
         }
       }
     }
@@ -208,12 +233,16 @@ void RunAttention(const void* args, int u0, int u1) {
   for (int u = u0; u < u1; ++u) {
     const int head = u / a.blocks, t0 = (u % a.blocks) * kAttentionRows;
     const int rows = a.t - t0 < kAttentionRows ? a.t - t0 : kAttentionRows;
-    const size_t head_offset = static_cast<size_t>(head) * a.s * a.d;
     int first = 0, last = a.s;
     const unsigned empty = a.mask ? VisibleKeys(a, head, t0, rows, &first, &last) : 0;
+    // The unit's query rows, zeros past t (their scores are computed and not used).
+    std::fill(q.begin(), q.end(), 0.0f);
+    for (int r = 0; r < rows; ++r) {
+      std::memcpy(q.data() + static_cast<size_t>(r) * a.d, a.q + At(a, a.lq, head, t0 + r), sizeof(float) * a.d);
+    }
+    const float* v = a.v + At(a, a.lv, head, 0);
     if (a.transposed) {
-      TransposedScores(a, a.k + head_offset, a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, rows,
-                       scores.data(), padded);
+      TransposedScores(a, a.k + static_cast<size_t>(head) * a.s * a.d, q.data(), rows, scores.data(), padded);
     } else {
       if (kt_call != a.call || kt_head != head) {
         kt.resize(static_cast<size_t>(a.d) * padded);
@@ -227,24 +256,18 @@ void RunAttention(const void* args, int u0, int u1) {
       // per pass, vt[c / w][j][c % w].
       const int upto = std::min((last + kKeyPanel - 1) / kKeyPanel * kKeyPanel, padded);
       if (copied < upto) {
-        const float* k = a.k + head_offset;
-        const float* v = a.v + head_offset;
         for (int j = copied; j < upto; ++j) {
           float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel + j % kKeyPanel;
-          for (int c = 0; c < a.d; ++c) {
-            panel[static_cast<size_t>(c) * kKeyPanel] = j < a.s ? k[static_cast<size_t>(j) * a.d + c] : 0.0f;
-          }
+          const float* k = j < a.s ? a.k + At(a, a.lk, head, j) : nullptr;
+          for (int c = 0; c < a.d; ++c) panel[static_cast<size_t>(c) * kKeyPanel] = k ? k[c] : 0.0f;
           if (j >= a.s) continue;
           for (int c = 0; c < a.d; c += width) {
             std::memcpy(vt.data() + (static_cast<size_t>(c / width) * a.s + j) * width,
-                        v + static_cast<size_t>(j) * a.d + c, sizeof(float) * width);
+                        v + static_cast<size_t>(j) * a.lv.row + c, sizeof(float) * width);
           }
         }
         copied = upto;
       }
-      // The unit's query rows, zeros past t (their scores are computed and not used).
-      std::fill(q.begin(), q.end(), 0.0f);
-      std::memcpy(q.data(), a.q + (static_cast<size_t>(head) * a.t + t0) * a.d, sizeof(float) * rows * a.d);
       const Vec scale = Set(a.scale);
       constexpr int R = kScoreRows, V = kScoreVectors;
       const int j0 = first / (kLanes * V) * (kLanes * V);
@@ -291,25 +314,26 @@ void RunAttention(const void* args, int u0, int u1) {
       }
       sums[r] = MaskedExpInPlace(row, seen, n);  // masked keys weigh exactly 0
     }
-    const float* v = a.v + head_offset;
-    float* out = a.out + (static_cast<size_t>(head) * a.t + t0) * a.d;
+    float* out = a.out + At(a, a.lo, head, t0);
     // Two vectors of the head's columns per pass, so that a tile of weights has kTileSums / 2 rows: each
     // value is read once per that many rows (with the whole head per pass, once per row).
     // v itself with transposed keys (nothing was copied), else the thread's copy in column panels.
     const float* values = a.transposed ? v : vt.data();
-    const size_t row_stride = a.transposed ? a.d : width;
+    const size_t row_stride = a.transposed ? a.lv.row : width;
     const size_t block_stride = a.transposed ? width : static_cast<size_t>(width) * a.s;
     if (width == 2 * kLanes) {
-      AttentionOutput<2>(a, scores.data(), padded, sums, values, row_stride, block_stride, out, rows, first, last);
+      AttentionOutput<2>(a, scores.data(), padded, sums, values, row_stride, block_stride, out, a.lo.row, rows,
+                         first, last);
     } else {
-      AttentionOutput<1>(a, scores.data(), padded, sums, values, row_stride, block_stride, out, rows, first, last);
+      AttentionOutput<1>(a, scores.data(), padded, sums, values, row_stride, block_stride, out, a.lo.row, rows,
+                         first, last);
     }
     for (int r = 0; r < rows; ++r) {
       if (!(empty >> r & 1)) continue;
-      float* row = out + static_cast<size_t>(r) * a.d;
+      float* row = out + static_cast<size_t>(r) * a.lo.row;
       std::fill(row, row + a.d, 0.0f);
       for (int j = 0; j < a.s; ++j)
-        for (int c = 0; c < a.d; ++c) row[c] += v[static_cast<size_t>(j) * a.d + c];
+        for (int c = 0; c < a.d; ++c) row[c] += v[static_cast<size_t>(j) * a.lv.row + c];
       for (int c = 0; c < a.d; ++c) row[c] /= static_cast<float>(a.s);
     }
   }
@@ -614,42 +638,69 @@ using namespace xlagen;
 
 namespace {
 bool WholeHeadSize(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
-}  // namespace
 
-extern "C" const char* xlagen_attention(const float* q, const float* k, const float* v, float* out, int heads, int t,
-                                        int s, int d, float scale, int transposed) {
-  if (heads < 1 || t < 1 || s < 1) return "xlagen_attention: heads, t and s must be at least 1";
-  if (!WholeHeadSize(d)) return "xlagen_attention: the head size d must be 16, 32, 64 or 128";
-  Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, transposed != 0};
+// Checks what the three entry points below share, and runs the attention a describes.
+const char* RunAttentionCall(Attention& a) {
+  if (a.heads < 1 || a.t < 1 || a.s < 1) return "heads, t and s must be at least 1";
+  if (!WholeHeadSize(a.d)) return "the head size d must be 16, 32, 64 or 128";
+  if (a.heads_per_mask < 1 || a.heads % a.heads_per_mask != 0 || a.mask_rows < 1 || a.t % a.mask_rows != 0) {
+    return "heads_per_mask must divide heads and mask_rows divide t";
+  }
+  if (a.bias != nullptr && (a.bias_heads < 1 || a.heads % a.bias_heads != 0)) return "bias_heads must divide heads";
+  if (kAttentionRows > 32) return "a unit has more rows than its row bits";
   a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
   a.call = g_attention_calls.fetch_add(1) + 1;
   GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
   return nullptr;
 }
 
+// "name: what", kept for the caller (entry points return static strings).
+const char* Refusal(const char* name, const char* what) {
+  if (what == nullptr) return nullptr;
+  thread_local std::string message;
+  message = std::string(name) + ": " + what;
+  return message.c_str();
+}
+}  // namespace
+
+extern "C" const char* xlagen_attention(const float* q, const float* k, const float* v, float* out, int heads, int t,
+                                        int s, int d, float scale, int transposed) {
+  Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, transposed != 0, nullptr, 1, heads};
+  a.lq = a.lo = Packed(heads, t, d);
+  a.lk = a.lv = Packed(heads, s, d);
+  return Refusal("xlagen_attention", RunAttentionCall(a));
+}
+
 extern "C" const char* xlagen_biased_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
                                                const float* bias, float* out, int heads, int t, int s, int d,
                                                float scale, int heads_per_mask, int mask_rows, int bias_heads) {
-  if (heads < 1 || t < 1 || s < 1) return "xlagen_masked_attention: heads, t and s must be at least 1";
-  if (!WholeHeadSize(d)) return "xlagen_masked_attention: the head size d must be 16, 32, 64 or 128";
-  if (heads_per_mask < 1 || heads % heads_per_mask != 0 || mask_rows < 1 || t % mask_rows != 0) {
-    return "xlagen_masked_attention: heads_per_mask must divide heads and mask_rows divide t";
-  }
-  if (bias != nullptr && (bias_heads < 1 || heads % bias_heads != 0)) {
-    return "xlagen_masked_attention: bias_heads must divide heads";
-  }
-  if (kAttentionRows > 32) return "xlagen_masked_attention: a unit has more rows than its row bits";
   Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, 0, mask, mask_rows, heads_per_mask, bias, bias_heads};
-  a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
-  a.call = g_attention_calls.fetch_add(1) + 1;
-  GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
-  return nullptr;
+  a.lq = a.lo = Packed(heads_per_mask, t, d);
+  a.lk = a.lv = Packed(heads_per_mask, s, d);
+  return Refusal("xlagen_masked_attention", RunAttentionCall(a));
 }
 
 extern "C" const char* xlagen_masked_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
                                                float* out, int heads, int t, int s, int d, float scale,
                                                int heads_per_mask, int mask_rows) {
   return xlagen_biased_attention(q, k, v, mask, nullptr, out, heads, t, s, d, scale, heads_per_mask, mask_rows, 1);
+}
+
+extern "C" const char* xlagen_attention_at(const float* q, const float* k, const float* v, const uint8_t* mask,
+                                           const float* bias, float* out, int heads, int t, int s, int d, float scale,
+                                           int heads_per_sequence, int mask_rows, int bias_heads, const int* layout) {
+  for (int i = 0; i < 16; ++i) {
+    if (layout[i] < 0) return "xlagen_attention_at: the layout's offsets and strides must be at least 0";
+  }
+  Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, 0, mask, mask ? mask_rows : 1, heads_per_sequence,
+              bias, bias_heads};
+  Layout* layouts[] = {&a.lq, &a.lk, &a.lv, &a.lo};
+  for (int i = 0; i < 4; ++i) {
+    const int* l = layout + 4 * i;
+    *layouts[i] = {static_cast<size_t>(l[0]), static_cast<size_t>(l[1]), static_cast<size_t>(l[2]),
+                   static_cast<size_t>(l[3])};
+  }
+  return Refusal("xlagen_attention_at", RunAttentionCall(a));
 }
 
 extern "C" const char* xlagen_step_attention(const float* q, const float* k, const float* v, const float* new_k,

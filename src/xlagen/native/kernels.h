@@ -71,6 +71,14 @@ const char* xlagen_masked_attention(const float* q, const float* k, const float*
 const char* xlagen_biased_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
                                     const float* bias, float* out, int heads, int t, int s, int d, float scale,
                                     int heads_per_mask, int mask_rows, int bias_heads);
+// Any of the three, each of q, k, v and out read or written where `layout` says (16 ints, 4 per operand in that
+// order: offset, batch, head and row strides, in floats): row r of head h = sequence * heads_per_sequence + i
+// starts at offset + sequence * batch + i * head + r * row. E.g. the heads of a fused projection [B, T, 3 H d]
+// read in place (q: offset 0, batch T * 3 H d, head d, row 3 H d) and the output written as [B, T, H d]. mask
+// and bias may be null; heads_per_sequence is also the mask's heads_per_mask.
+const char* xlagen_attention_at(const float* q, const float* k, const float* v, const uint8_t* mask,
+                                const float* bias, float* out, int heads, int t, int s, int d, float scale,
+                                int heads_per_sequence, int mask_rows, int bias_heads, const int* layout);
 // A decoding step's self-attention (see attention.cc): q, new_k, new_v, out [groups, heads, queries, d]; the
 // cache k, v [groups, heads, s, d]; bias [groups, bias_heads, queries, s + 1] added to the scaled scores,
 // -inf marking a key a query may not see (its score is then `mask_value`).

@@ -5,6 +5,8 @@ emit the call.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import numpy as np
 
 from xlagen.native.library import constant, load
@@ -126,6 +128,91 @@ def _with_reference_gradient(call, reference, *inputs):
     return fused(*inputs)
 
 
+class Heads(NamedTuple):
+    """Heads `[B, H, T, D]` left where a fused projection `tensor` `[B, T, W]` put them: head h's D columns
+    start at column `column + h * D` of each token's row. The attention kernels read them in place, so no
+    transpose into heads runs before the call (`split` is that transpose, for everything else)."""
+
+    tensor: Any
+    column: int
+    heads: int
+    head_dim: int
+
+    def split(self, tensor=None):
+        """The heads as a tensor `[B, H, T, D]` (of `tensor` in place of `self.tensor`, for gradients)."""
+        import tensorflow as tf
+
+        tensor = self.tensor if tensor is None else tensor
+        part = tensor[..., self.column:self.column + self.heads * self.head_dim]
+        return tf.transpose(tf.reshape(part, (-1, part.shape[1], self.heads, self.head_dim)), (0, 2, 1, 3))
+
+    @property
+    def shape(self):
+        import tensorflow as tf
+
+        return tf.TensorShape([self.tensor.shape[0], self.heads, self.tensor.shape[1], self.head_dim])
+
+
+def _operand(heads, rows: int):
+    """A kernel's operand for `heads` (`Heads`, or a tensor `[B, H, rows, D]`) and its layout (offset and
+    the strides of a sequence, a head and a row, in floats: see `xlagen_attention_at`), with how the
+    operand's tensor turns back into heads `[B, H, rows, D]` for the reference formula."""
+    if isinstance(heads, Heads):
+        width = heads.tensor.shape[-1]
+        return heads.tensor, [heads.column, rows * width, heads.head_dim, width], heads.split
+    count, head_dim = heads.shape[1], heads.shape[3]
+    return heads, [0, count * rows * head_dim, rows * head_dim, head_dim], lambda tensor: tensor
+
+
+def _attention_call(target: str, config: str, query, key, value, extra, bias, merged: bool, reference):
+    """The attention custom call `target` on `query`, `key` and `value` (each `Heads` or a tensor `[B, H,
+    rows, D]`), the further operands `extra` and the optional `bias`, with their layout appended to
+    `config`; returns `[B, H, T, D]`, or with `merged` `[B, T, H * D]` (the next product's input, no
+    transpose after the call). `reference(query, key, value, *bias)` of heads tensors is the formula the
+    gradients come from. Keys and values given as tensors (a cache just written) pass an XLA optimization
+    barrier first (see `masked_attention`)."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    batch, heads, length, head_dim = query.shape
+    keys = key.shape[2]
+    laid = [_operand(query, length), _operand(key, keys), _operand(value, keys)]
+    if merged:
+        out_shape, out_layout = (batch, length, heads * head_dim), [0, length * heads * head_dim, head_dim,
+                                                                     heads * head_dim]
+    else:
+        out_shape, out_layout = (batch * heads, length, head_dim), [0, heads * length * head_dim,
+                                                                     length * head_dim, head_dim]
+    layout = ",".join(str(n) for n in [*(n for _, numbers, _ in laid for n in numbers), *out_layout])
+    cached = [i for i in (1, 2) if not isinstance((query, key, value)[i], Heads)]
+    # The distinct tensors (one projection may hold q, k and v): a gradient per tensor, not one per use.
+    tensors = []
+    for tensor, _, _ in laid:
+        if not any(tensor is t for t in tensors):
+            tensors.append(tensor)
+    which = [next(i for i, t in enumerate(tensors) if t is tensor) for tensor, _, _ in laid]
+    given = len(tensors)
+
+    def call(*inputs):
+        operands = [inputs[i] for i in which]
+        if cached:
+            for i, t in zip(cached, gen_xla_ops.xla_optimization_barrier([operands[i] for i in cached])):
+                operands[i] = t
+        biases = [tf.reshape(b, (-1, length, keys)) for b in inputs[given:]]
+        (out,) = gen_xla_ops.xla_custom_call_v2(
+            operands=[*operands, *extra, *biases], call_target_name=target, backend_config=f"{config},{layout}",
+            has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape(out_shape)])
+        return out if merged else tf.reshape(out, (batch, heads, length, head_dim))
+
+    def formula(*inputs):
+        attended = reference(*(split(inputs[i]) for (_, _, split), i in zip(laid, which)), *inputs[given:])
+        if merged:
+            return tf.reshape(tf.transpose(attended, (0, 2, 1, 3)), (-1, length, heads * head_dim))
+        return attended
+
+    return _with_reference_gradient(call, formula, *tensors, *([] if bias is None else [bias]))
+
+
 def _reference_attention(query, key, value, scale: float, key_transposed: bool = False):
     import tensorflow as tf
 
@@ -133,14 +220,16 @@ def _reference_attention(query, key, value, scale: float, key_transposed: bool =
     return tf.matmul(weights, value)
 
 
-def attention(query, key, value, scale: float, key_transposed: bool = False):
+def attention(query, key, value, scale: float, key_transposed: bool = False, merged: bool = False):
     """`softmax(scale * query @ key^T) @ value` for float32 `[B, H, T, D]` queries and `[B, H, S, D]`
     keys and values, as the native kernel's custom call (call it under XLA only; see
     `Kernels.use_attention`). With `key_transposed` the keys are `[B, H, D, S]` (a decoder's
-    cross-attention memory, `CrossAttention.project_memory`) and are read in place. The scores of a few
-    query rows at a time (12 with AVX2, 8 with AVX-512) stay in the core's cache instead of being written out
-    `[T, S]` and read back twice (Whisper-tiny's encoder, 1500 positions: about 2x XLA's attention; its
-    decoding steps' cross-attention: `benchmarks/ab.py --compare cross-attention`). Gradients are those of the same formula in TensorFlow ops."""
+    cross-attention memory, `CrossAttention.project_memory`) and are read in place. Otherwise query, key and
+    value may be `Heads` of a fused projection, also read in place, and with `merged` the output is `[B, T,
+    H * D]`. The scores of a few query rows at a time (12 with AVX2, 8 with AVX-512) stay in the core's cache
+    instead of being written out `[T, S]` and read back twice (Whisper-tiny's encoder, 1500 positions: about
+    2x XLA's attention; its decoding steps' cross-attention: `benchmarks/ab.py --compare cross-attention`).
+    Gradients are those of the same formula in TensorFlow ops."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
@@ -148,6 +237,12 @@ def attention(query, key, value, scale: float, key_transposed: bool = False):
     batch, heads, length, head_dim = query.shape
     keys = key.shape[3] if key_transposed else key.shape[2]
     config = f"{batch * heads},{length},{keys},{head_dim},{float(np.float32(scale))!r},{int(key_transposed)}"
+    if not key_transposed:
+        return _attention_call(ATTENTION_TARGET, f"{config},{heads}", query, key, value, [], None, merged,
+                               lambda *inputs: _reference_attention(*inputs, scale))
+    if merged or any(isinstance(t, Heads) for t in (query, key, value)):
+        raise ValueError("attention: keys given transposed come with queries and values [B, H, T, D] and return "
+                         "them so")
 
     def call(query, key, value):
         (out,) = gen_xla_ops.xla_custom_call_v2(
@@ -171,20 +266,24 @@ def _reference_masked_attention(query, key, value, mask, scale: float, mask_valu
     return tf.matmul(weights, value)
 
 
-def masked_attention(query, key, value, mask, scale: float, mask_value: float, bias=None):
+def masked_attention(query, key, value, mask, scale: float, mask_value: float, bias=None, merged: bool = False):
     """A prompt's self-attention, `softmax(where(mask, scale * query @ key^T + bias, mask_value)) @ value`, as
     the native kernel's custom call (call it under XLA only; see `Kernels.use_prompt_attention`).
 
     Args:
         query: float32 `[B, Hkv, g * T, D]`: T queries per head, the g query heads that share a key/value
-            head as g groups of T rows (`xlagen.layers.attention.group_queries`).
-        key, value: float32 `[B, Hkv, S, D]` (the cache: S may be longer than the prompt).
+            head as g groups of T rows (`xlagen.layers.attention.group_queries`); or, with g = 1, `Heads` of
+            a fused projection, read in place.
+        key, value: float32 `[B, Hkv, S, D]` (the cache: S may be longer than the prompt), or `Heads` (an
+            encoder's, read in place).
         mask: bool `[B, 1, T, S]` (`xlagen.layers.attention.causal_mask`), or `[B, 1, 1, S]` (an encoder's
             padding mask), shared by the heads and groups.
         scale: Multiplier of the scores.
         mask_value: The score of a masked key: a row that sees no key is then the mean of all values.
         bias: Optional float32 `[1 or B, Hkv, T, S]` added to the scaled scores (T5's relative positions),
             without grouped queries (g = 1).
+        merged: Return `[B, T, Hkv * D]`, the next product's input, rather than `[B, Hkv, T, D]` (for g = 1
+            only: the g groups of rows would be written as tokens).
 
     The kernel scores only the keys between the first and the last that a unit of a few query rows may see:
     under a causal mask about half of them, none of the cache's positions after the prompt. Gradients are
@@ -210,25 +309,17 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float, b
     target = MASKED_ATTENTION_TARGET
     if bias is not None:
         target, config = BIASED_ATTENTION_TARGET, f"{config},{bias.shape[0] * kv_heads}"
-
-    def call(query, key, value, *bias):
-        # Keys and values that are a cache just written (a prompt's) are also the cache the call returns: the
-        # barrier keeps XLA from computing them twice, once for this operand and once for the cache, and
-        # from writing that cache on another thread while the kernel runs (the kernel's own threads would
-        # then share the cores with it).
-        key, value = gen_xla_ops.xla_optimization_barrier([key, value])
-        (out,) = gen_xla_ops.xla_custom_call_v2(
-            operands=[tf.reshape(query, (batch * kv_heads, rows, head_dim)),
-                      *(tf.reshape(t, (batch * kv_heads, length, head_dim)) for t in (key, value)),
-                      tf.cast(tf.reshape(mask, (batch, -1, length)), tf.uint8),
-                      *(tf.reshape(b, (-1, rows, length)) for b in bias)],
-            call_target_name=target, backend_config=config, has_side_effect=False,
-            result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([batch * kv_heads, rows, head_dim])])
-        return tf.reshape(out, (batch, kv_heads, rows, head_dim))
-
-    return _with_reference_gradient(
-        call, lambda *inputs: _reference_masked_attention(*inputs[:3], mask, scale, mask_value, *inputs[3:]),
-        query, key, value, *([tf.cast(bias, tf.float32)] if bias is not None else []))
+    mask_operand = tf.cast(tf.reshape(mask, (batch, -1, length)), tf.uint8)
+    bias = None if bias is None else tf.cast(bias, tf.float32)
+    if merged and rows != mask.shape[2] and mask.shape[2] != 1:
+        raise ValueError("masked_attention: grouped queries (g > 1) cannot be merged into tokens")
+    # Keys and values that are a cache just written (a prompt's) are also the cache the call returns:
+    # `_attention_call`'s barrier keeps XLA from computing them twice, once for this operand and once for the
+    # cache, and from writing that cache on another thread while the kernel runs (the kernel's own threads
+    # would then share the cores with it).
+    return _attention_call(
+        target, config, query, key, value, [mask_operand], bias, merged,
+        lambda *inputs: _reference_masked_attention(*inputs[:3], mask, scale, mask_value, *inputs[3:]))
 
 
 def step_attention(query, keys, values, key, value, bias, scale: float, mask_value: float):

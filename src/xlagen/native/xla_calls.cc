@@ -154,43 +154,66 @@ extern "C" void xlagen_int8_gemm(void* out, const void** in, const char* opaque,
   ProductCall<int8_t>("xlagen_int8_gemm", xlagen_int8_many_product, out, in, opaque, opaque_len, status);
 }
 
+// An attention call's optional layout (see xlagen_attention_at): 16 more fields, or none.
+static bool ReadLayout(Fields& f, int* layout, bool* given) {
+  *given = !f.Done();
+  for (int i = 0; *given && i < 16; ++i) {
+    if (!f.Int(layout + i)) return false;
+  }
+  return f.Done();
+}
+
 // The backend config is "heads,t,s,d,scale,transposed" (scale printed with 9 significant digits: exact for
-// float32; transposed 1 when k is [heads, d, s]).
+// float32; transposed 1 when k is [heads, d, s]), or "heads,t,s,d,scale,0,heads_per_sequence" and a layout of
+// q, k, v and out (16 fields, see xlagen_attention_at).
 extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
                                      XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
-  int heads, t, s, d, transposed;
+  int heads, t, s, d, transposed, heads_per_sequence = 0, layout[16];
   float scale;
+  bool laid_out = false;
   if (!(f.Int(&heads) && f.Int(&t) && f.Int(&s) && f.Int(&d) && f.Float(&scale) && f.Int(&transposed) &&
-        f.Done())) {
+        (f.Done() || (f.Int(&heads_per_sequence) && ReadLayout(f, layout, &laid_out) && laid_out && !transposed)))) {
     return Fail(status, "xlagen_f32_attention",
-                "backend config " + Quoted(opaque, opaque_len) + " is not heads,t,s,d,scale,transposed");
+                "backend config " + Quoted(opaque, opaque_len) +
+                    " is not heads,t,s,d,scale,transposed or heads,t,s,d,scale,0,heads_per_sequence,layout");
   }
+  const float* q = static_cast<const float*>(in[0]);
+  const float* k = static_cast<const float*>(in[1]);
+  const float* v = static_cast<const float*>(in[2]);
   Check(status, "xlagen_f32_attention",
-        xlagen_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
-                         static_cast<const float*>(in[2]), static_cast<float*>(out), heads, t, s, d, scale,
-                         transposed));
+        laid_out ? xlagen_attention_at(q, k, v, nullptr, nullptr, static_cast<float*>(out), heads, t, s, d, scale,
+                                       heads_per_sequence, 1, 1, layout)
+                 : xlagen_attention(q, k, v, static_cast<float*>(out), heads, t, s, d, scale, transposed));
 }
 
 // A prompt's or an encoder's attention, `biased` or not. The backend config is
-// "heads,t,s,d,scale,heads_per_mask,mask_rows", then ",bias_heads" if `biased`; operands q, k, v, the mask
-// (uint8 [heads / heads_per_mask, mask_rows, s]) and, if `biased`, the bias (float32 [bias_heads, t, s]).
+// "heads,t,s,d,scale,heads_per_mask,mask_rows", then ",bias_heads" if `biased`, then optionally a layout of q,
+// k, v and out (16 fields, see xlagen_attention_at); operands q, k, v, the mask (uint8 [heads / heads_per_mask,
+// mask_rows, s]) and, if `biased`, the bias (float32 [bias_heads, t, s]).
 static void MaskedAttentionCall(const char* target, bool biased, void* out, const void** in, const char* opaque,
                                 size_t opaque_len, XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
-  int heads, t, s, d, heads_per_mask, mask_rows, bias_heads = 1;
+  int heads, t, s, d, heads_per_mask, mask_rows, bias_heads = 1, layout[16];
   float scale;
+  bool laid_out = false;
   if (!(f.Int(&heads) && f.Int(&t) && f.Int(&s) && f.Int(&d) && f.Float(&scale) && f.Int(&heads_per_mask) &&
-        f.Int(&mask_rows) && (!biased || f.Int(&bias_heads)) && f.Done())) {
+        f.Int(&mask_rows) && (!biased || f.Int(&bias_heads)) && ReadLayout(f, layout, &laid_out))) {
     return Fail(status, target,
                 "backend config " + Quoted(opaque, opaque_len) + " is not heads,t,s,d,scale,heads_per_mask,mask_rows" +
-                    (biased ? ",bias_heads" : ""));
+                    (biased ? ",bias_heads" : "") + " and optionally a layout of 16 fields");
   }
+  const float* q = static_cast<const float*>(in[0]);
+  const float* k = static_cast<const float*>(in[1]);
+  const float* v = static_cast<const float*>(in[2]);
+  const uint8_t* mask = static_cast<const uint8_t*>(in[3]);
+  const float* bias = biased ? static_cast<const float*>(in[4]) : nullptr;
+  float* o = static_cast<float*>(out);
   Check(status, target,
-        xlagen_biased_attention(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]),
-                                static_cast<const float*>(in[2]), static_cast<const uint8_t*>(in[3]),
-                                biased ? static_cast<const float*>(in[4]) : nullptr, static_cast<float*>(out), heads,
-                                t, s, d, scale, heads_per_mask, mask_rows, bias_heads));
+        laid_out ? xlagen_attention_at(q, k, v, mask, bias, o, heads, t, s, d, scale, heads_per_mask, mask_rows,
+                                       bias_heads, layout)
+                 : xlagen_biased_attention(q, k, v, mask, bias, o, heads, t, s, d, scale, heads_per_mask, mask_rows,
+                                           bias_heads));
 }
 
 extern "C" void xlagen_f32_masked_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
