@@ -32,8 +32,8 @@
   many-rows        packed weights' products of many rows (a long prompt, an encoder) unpacked for XLA's dot
                    (`many_rows=False`) against the native many-row product; --prompt-tokens 512
                    --new-tokens 1 times the first token.
-  many-rows-float32  a prompt pass's float32 products of many rows on XLA's dot (the default) against the
-                   many-row product (`float32_many_rows=True`).
+  many-rows-float32  a prompt pass's float32 products of many rows on XLA's dot (the default unless XLA has
+                   one thread, see --xla-threads) against the many-row product (`float32_many_rows=True`).
   prompt-attention a prompt's causal self-attention with XLA's ops (`prompt_attention_min_tokens=None`: two
                    dots over every cache position and the softmax's fusions per layer) against the native
                    masked attention; with --prompt-tokens 512 --new-tokens 1 the time is the first token's.
@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 UNREACHABLE = 2**62  # a threshold no tensor reaches: that kernel never runs
@@ -82,7 +83,7 @@ POLICIES = {  # --compare: (name A, changes from the default for A), (name B, ch
     "seven-bit": (("eight_bit", {"int8_many_integer_min_rows": None}), ("seven_bit", {})),
     "prefill": (("prefill_on_xla_dot", {"float32_prefill": False}), ("prefill_on_kernel", {})),
     "many-rows": (("unpacked_for_xla_dot", {"many_rows": False}), ("many_rows", {})),
-    "many-rows-float32": (("xla_dot", {}), ("many_rows", {"float32_many_rows": True})),
+    "many-rows-float32": (("xla_dot", {"float32_many_rows": False}), ("many_rows", {"float32_many_rows": True})),
     "prompt-attention": (("xla_prompt_attention", {"prompt_attention_min_tokens": None}), ("prompt_attention", {})),
 }
 RUN_TIME = {"lookahead"}  # choices made before each call rather than at the trace
@@ -106,6 +107,9 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default: the bench's, 8)")
     parser.add_argument("--calls", type=int, default=9, help="timed calls of each program")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--xla-threads", type=int, default=None,
+                        help="threads of TensorFlow's intra-op pool, on which XLA runs its own operations (default: "
+                        "--threads); the kernels' pool keeps --threads")
     parser.add_argument("--weights", default="float32", choices=["float32", "bfloat16", "int8"],
                         help="the model's weights: float32, or packed as bfloat16 or int8")
     parser.add_argument("--max-rows", type=int, default=None,
@@ -117,7 +121,8 @@ def main() -> None:
     from xlagen import native
     from xlagen.cli import bench_timing as bench
 
-    bench.configure_threads(args.threads)
+    os.environ.setdefault("XLAGEN_NATIVE_THREADS", str(args.threads))
+    bench.configure_threads(args.threads, args.xla_threads)
     system = bench.XlagenSystem()
     weights = {"float32": "float32", "bfloat16": bench.PACKED_BF16, "int8": bench.PACKED_INT8}[args.weights]
     model = system.build(args.model, weights)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 
 from conftest import requires_kernels
-from xlagen.cli import bench, bench_timing
+from xlagen.cli import bench, bench_report, bench_timing
 from xlagen.cli.__main__ import main
 
 PEER = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "peer"
@@ -213,6 +213,23 @@ def test_failing_reference_worker_is_recorded_not_raised(peer, tmp_path):
     (record,) = compare.run_interleaved(scenario, ["transformers-tf"], args, {})
     assert record["system"] == "transformers-tf" and "exit 3" in record["error"]
     assert "no transformers" in record["error"]
+
+
+def test_xla_threads_reach_the_xlagen_worker_only(peer, tmp_path):
+    # --xla-threads: xlagen's worker sets TensorFlow's intra-op pool to it, its kernels keep --threads; the
+    # reference's worker is told --threads alone.
+    compare, _ = peer
+    args = _stub_reference(peer, tmp_path, "", "--threads", "2", "--xla-threads", "1")
+    scenario = bench_timing.Scenario("tiny-gpt2", "greedy", 1, 8, "xla")
+    command, env = compare._worker_command("xlagen", scenario, args)
+    assert command[command.index("--xla-threads") + 1] == "1" and env["XLAGEN_NATIVE_THREADS"] == "2"
+    command, env = compare._worker_command("transformers-tf", scenario, args)
+    assert "--xla-threads" not in command and command[command.index("--threads") + 1] == "2"
+    header = bench_report.header_lines({"machine": {}, "command": ["compare.py"], "systems": {
+        "xlagen": {"versions": {}, "threads": {"tf_intra_op": 1, "tf_inter_op": 2},
+                   "env": {"XLAGEN_NATIVE_THREADS": "2"}},
+        "ctranslate2": {"versions": {}, "threads": {"intra_threads": 2, "inter_threads": 1}, "env": {}}}}, "t")
+    assert "- Threads: xlagen: intra 1 / inter 2 / kernels 2; ctranslate2: intra 2 / inter 1" in header
 
 
 def test_missing_reference_environment_is_a_usage_error(peer, tmp_path, capsys):

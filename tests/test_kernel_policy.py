@@ -130,6 +130,26 @@ def test_float32_products_use_the_kernel_in_compiled_decoding_steps_of_few_rows(
         assert not native.use_float32_kernel(tf.zeros((2, 64)), tf.zeros((64, 96)))  # eager: no XLA
 
 
+def test_a_prompts_many_float32_rows_use_the_kernel_where_xla_has_one_thread(kernels_ready, monkeypatch):
+    # float32_many_rows=None (the default) follows TensorFlow's intra-op pool: with one thread there, XLA's
+    # dot would use one core, so a prompt's products of many rows go to the kernels' pool.
+    def ask(kernels, rows=17):
+        with native.tracing(kernels):
+            return _under_xla(lambda: native.use_float32_kernel(tf.zeros((rows, 64)), tf.zeros((64, 96))))
+
+    assert native.Kernels().float32_many_rows is None and not native.Kernels().many_float32_rows()
+    assert not ask(native.Kernels())["in a prefill"]
+    assert ask(native.Kernels(float32_many_rows=True))["in a prefill"]
+    monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads", lambda: 1)
+    assert native.Kernels().many_float32_rows()
+    assert ask(native.Kernels()) == {"outside a step": False, "in a step": False, "in a prefill": True,
+                                     "in a loop that is no step": False}
+    assert not ask(native.Kernels(float32_many_rows=False))["in a prefill"]
+    assert str(native.Kernels(float32_many_rows=False)) == "kernels (float32_many_rows=False)"
+    with pytest.raises(TypeError, match="Kernels.float32_many_rows must be a bool or None, got 1"):
+        native.Kernels(float32_many_rows=1)
+
+
 def test_packed_products_use_the_kernel_in_steps_and_for_few_rows(kernels_ready):
     def ask(kernels, rows):
         with native.tracing(kernels):

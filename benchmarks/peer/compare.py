@@ -87,7 +87,8 @@ def worker_main(args: argparse.Namespace) -> int:
     """
     under_test = system(args.worker)
     _emit({"kind": "system", "system": under_test.name, "versions": under_test.versions(),
-           "threads": under_test.configure_threads(args.threads), "env": under_test.environment()})
+           "threads": (under_test.configure_threads(args.threads, args.xla_threads) if args.xla_threads else
+                       under_test.configure_threads(args.threads)), "env": under_test.environment()})
     if args.scenario is None:
         return 0
     try:
@@ -117,6 +118,9 @@ def _worker_command(name: str, scenario: bench_timing.Scenario | None,
     worker += ["--scenario", json.dumps(asdict(scenario))] if scenario else []
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL=os.environ.get("TF_CPP_MIN_LOG_LEVEL", "2"))
     if name == "xlagen":
+        if args.xla_threads:  # XLA's own pool apart, the kernels' pool keeps --threads
+            worker += ["--xla-threads", str(args.xla_threads)]
+            env["XLAGEN_NATIVE_THREADS"] = str(args.threads)
         return [sys.executable, __file__, *worker], env
     env = {**reference_module(name).WORKER_ENV, **env, **args.reference_env}
     return [str(args.reference_python), str(args.reference_script), *worker], env
@@ -270,6 +274,7 @@ def run_comparison(args: argparse.Namespace) -> int:
                 "--bandwidth-repeats", str(args.bandwidth_repeats)]
     command += ["--prefill-tokens", str(args.prefill_tokens)] if args.prefill_tokens else []
     command += ["--one-worker-at-a-time"] if args.one_worker_at_a_time else []
+    command += ["--xla-threads", str(args.xla_threads)] if args.xla_threads else []
     command += ["--reference-env", *(f"{k}={v}" for k, v in args.reference_env.items())] if args.reference_env else []
     report = {"schema": SCHEMA, "created": started.isoformat(timespec="seconds"),
               "seconds": round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1),
@@ -281,7 +286,8 @@ def run_comparison(args: argparse.Namespace) -> int:
                                                                            "prefill_tokens": args.prefill_tokens,
                                                                            "one_worker_at_a_time":
                                                                                args.one_worker_at_a_time,
-                                                                           "reference_env": args.reference_env},
+                                                                           "reference_env": args.reference_env,
+                                                                           "xla_threads": args.xla_threads},
               "results": results}
     bandwidth.add_rooflines(report)
     report["ratios"] = ratios(results)
@@ -401,6 +407,9 @@ def build_parser() -> argparse.ArgumentParser:
     machine.add_argument("--one-worker-at-a-time", action="store_true",
                          help="for models two of which do not fit in memory together: the systems' workers run "
                          "in turn (A B, then fresh B A), each half of the repeats, rather than side by side")
+    machine.add_argument("--xla-threads", type=positive_int, metavar="N",
+                         help="xlagen only: N threads in TensorFlow's intra-op pool, where XLA runs its own operations "
+                         "(default: --threads); xlagen's kernels keep --threads (XLAGEN_NATIVE_THREADS)")
     machine.add_argument("--prefill-tokens", type=positive_int, metavar="P",
                          help="also time the first token (greedy, batch 1, 1 new token) from a P-token prompt per "
                          "model and dtype (Whisper: from its 30 s of audio)")

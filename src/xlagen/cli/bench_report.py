@@ -65,9 +65,12 @@ def header_lines(report: dict, title: str) -> list[str]:
     machine = report["machine"]
     versions = "; ".join(f"{s}: " + ", ".join(f"{k} {v}" for k, v in info["versions"].items())
                          for s, info in report["systems"].items())
-    pools = [(s, info["threads"]) for s, info in report["systems"].items()]  # TensorFlow's, or another library's
+    # TensorFlow's pools, or another library's; and xlagen's kernels' pool where it was set.
+    pools = [(s, info["threads"], (info.get("env") or {}).get("XLAGEN_NATIVE_THREADS"))
+             for s, info in report["systems"].items()]
     threads = "; ".join(f"{s}: intra {t.get('tf_intra_op', t.get('intra_threads'))} / inter "
-                        f"{t.get('tf_inter_op', t.get('inter_threads'))}" for s, t in pools)
+                        f"{t.get('tf_inter_op', t.get('inter_threads'))}" + (f" / kernels {k}" if k else "")
+                        for s, t, k in pools)
     return [f"# {title}", "",
             (f"- Machine: {machine.get('cpu')}, {machine.get('usable_cores')} cores, "
              f"{machine.get('memory_gib')} GiB; flags: {' '.join(machine.get('cpu_flags', []))}; load average "

@@ -26,7 +26,7 @@ STRATEGIES = {"greedy": 1, "beam2": 2, "beam4": 4}  # name -> num_beams
 MODES = ("xla", "eager")
 PROMPT_TOKENS = 8
 ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "XLA_FLAGS",
-            "TF_XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS")
+            "TF_XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS", "XLAGEN_NATIVE_THREADS")
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 PACKED_BF16 = "bfloat16-weights"
 PACKED_INT8 = "int8-weights"
@@ -102,8 +102,8 @@ class TFSystem:
         return tf.function(model.generate, jit_compile=True) if mode == "xla" else model.generate
 
     # A library that is not TensorFlow's overrides the three below (its threads, variables and calls).
-    def configure_threads(self, threads: int) -> dict[str, Any]:
-        return configure_threads(threads)
+    def configure_threads(self, threads: int, xla_threads: int | None = None) -> dict[str, Any]:
+        return configure_threads(threads, xla_threads)
 
     def environment(self) -> dict[str, str | None]:
         return environment()
@@ -195,19 +195,21 @@ class XlagenSystem(TFSystem):
 
 # ----------------------------------------------------------------------------- measurement
 
-def set_thread_pools(threads: int) -> None:
-    """Sets TensorFlow's intra- and inter-op pools, which only works before its devices start."""
+def set_thread_pools(threads: int, xla_threads: int | None = None) -> None:
+    """Sets TensorFlow's intra- and inter-op pools, which only works before its devices start; the
+    intra-op pool, which XLA's programs run their own operations on, to `xla_threads` if given."""
     import tensorflow as tf
 
     try:
-        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_intra_op_parallelism_threads(threads if xla_threads is None else xla_threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)
     except RuntimeError:  # TensorFlow already ran (in-process tests): keep what is in force.
         logger.warning("TensorFlow is already initialised: its thread settings stay as they are")
 
 
-def configure_threads(threads: int) -> dict[str, Any]:
-    """Sets TensorFlow's intra- and inter-op pools (before its first op) and warms up XLA once.
+def configure_threads(threads: int, xla_threads: int | None = None) -> dict[str, Any]:
+    """Sets TensorFlow's intra- and inter-op pools (before its first op; see `set_thread_pools`) and warms
+    up XLA once.
 
     Returns:
         The thread settings in force and `xla_init_s`, the first (trivial) XLA compile of the process,
@@ -215,7 +217,7 @@ def configure_threads(threads: int) -> dict[str, Any]:
     """
     import tensorflow as tf
 
-    set_thread_pools(threads)
+    set_thread_pools(threads, xla_threads)
     started = time.perf_counter()
     tf.function(lambda x: x * 2.0 + 1.0, jit_compile=True)(tf.ones([4])).numpy()
     return {"requested": threads, "tf_intra_op": tf.config.threading.get_intra_op_parallelism_threads(),

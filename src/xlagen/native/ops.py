@@ -106,7 +106,7 @@ def matmul_float32(x, kernel):
         raise TypeError(f"the float32 kernel multiplies float32 by float32; got {x.dtype.name} @ {kernel.dtype.name}")
     load()
     policy = current()
-    many = policy.float32_many_rows and x.shape[:-1].num_elements() > policy.float32_max_rows
+    many = policy.many_float32_rows() and x.shape[:-1].num_elements() > policy.float32_max_rows
     return _custom_call(GEMM_TARGETS["float32"] if many else FLOAT32_TARGET, x, kernel, kernel.shape[-1])
 
 

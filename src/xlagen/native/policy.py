@@ -73,10 +73,12 @@ class Kernels:
             token from a 512-token prompt with bfloat16 weights, 1,331 against 1,000 ms
             (`benchmarks/ab.py --compare many-rows --weights bfloat16 --prompt-tokens 512 --new-tokens 1`).
         float32_many_rows: A generation's prompt pass's float32 products of more than `float32_max_rows` rows
-            run on the many-row product too, instead of XLA's dot. Off: alone, the many-row product
-            multiplies GPT-2-small's 512 x 768 by 768 x 3072 at 126-130 GFLOP/s on 2 AVX2 cores against
-            numpy's (OpenBLAS) 114-129, but inside the prompt pass it was 0.90-0.94x as fast as XLA's dot
-            (`--compare many-rows-float32`).
+            run on the many-row product too, instead of XLA's dot. None (the default): only where XLA's own
+            thread pool has one thread (`tf.config.threading.set_intra_op_parallelism_threads(1)`, see
+            `xla_single_threaded`), whose dot would then use one core while the kernels' pool has them all.
+            Not otherwise: alone, the many-row product multiplies GPT-2-small's 512 x 768 by 768 x 3072 at
+            126-130 GFLOP/s on 2 AVX2 cores against numpy's (OpenBLAS) 114-129, but inside the prompt pass
+            it was 0.90-0.94x as fast as XLA's dot on XLA's two threads (`--compare many-rows-float32`).
         int8_integer_min_rows: Products of int8 weights with at least this many rows (batch x beams in a
             decoding step; prompt tokens x batch in a prefill; encoder positions) run in integers
             (`xlagen_int8_imatmul`: activations quantized to int8 per row, int8 x int8 sums in int32), which
@@ -111,7 +113,7 @@ class Kernels:
             1.074x faster, at one row 0.98-0.99x (`benchmarks/ab.py --compare step-attention`).
         prompt_attention_min_tokens: A generation's prompt pass (`prefill`) of at least this many tokens runs
             its masked self-attention as one native call per layer (`ops.masked_attention`), which scores
-            only the keys each block of 8 queries may see: under the causal mask about half of XLA's work,
+            only the keys each tile of 12 query rows (8 with AVX-512) may see: under the causal mask about half of XLA's work,
             and none of the cache's positions after the prompt, with the scores kept in the core's cache.
             So does an encoder's self-attention under its padding mask in the prompt pass, T5's with its
             relative position bias added to the scores. None: never. GPT-2-small's first token
@@ -131,7 +133,7 @@ class Kernels:
     float32_prefill: bool = True
     packed_max_rows: int = 32
     many_rows: bool = True
-    float32_many_rows: bool = False
+    float32_many_rows: bool | None = None
     int8_integer_min_rows: int | None = 4
     int8_many_integer_min_rows: int | None = 24
     attention_min_keys: int = 256
@@ -145,9 +147,10 @@ class Kernels:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if field.type == "bool":
-                if not isinstance(value, (bool, np.bool_)):
-                    raise TypeError(f"Kernels.{field.name} must be a bool, got {value!r}")
+            if field.type in ("bool", "bool | None"):
+                if not isinstance(value, (bool, np.bool_)) and (value is not None or field.type == "bool"):
+                    raise TypeError(f"Kernels.{field.name} must be a bool{' or None' * (field.type != 'bool')}, "
+                                    f"got {value!r}")
             elif value is not None or field.name not in _OPTIONAL:
                 if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
                     raise TypeError(f"Kernels.{field.name} must be an int, got {value!r}")
@@ -195,7 +198,7 @@ class Kernels:
         if rows is None or not rows or len(kernel.shape) != 2:
             return False
         if rows > self.float32_max_rows:  # the many-row product, in a prompt pass only
-            return self.float32_many_rows and in_prefill() and under_xla() and _ready()
+            return self.many_float32_rows() and in_prefill() and under_xla() and _ready()
         if kernel.shape[0] * kernel.shape[1] * 4 < self.float32_min_bytes:
             return False
         if rows == 1 and self.float32_max_columns is not None and kernel.shape[1] > self.float32_max_columns:
@@ -319,6 +322,10 @@ class Kernels:
         if not self.enabled or least is None or not rows or not under_xla():
             return False
         return rows >= max(least, 1)
+
+    def many_float32_rows(self) -> bool:
+        """`float32_many_rows`, None resolved: whether XLA's thread pool has one thread now."""
+        return xla_single_threaded() if self.float32_many_rows is None else bool(self.float32_many_rows)
 
     def _float32(self) -> bool:
         return self.enabled and self.float32
@@ -464,6 +471,15 @@ def _ready() -> bool:
 def use_float32_kernel(x, kernel) -> bool:
     """`current().use_float32_product(x, kernel)`."""
     return current().use_float32_product(x, kernel)
+
+
+def xla_single_threaded() -> bool:
+    """Whether TensorFlow's intra-op pool, which XLA's CPU programs run their own operations (and dots) on,
+    was given one thread: the process then leaves the cores to the kernels' own pool (`PoolSettings`), and
+    no idle XLA thread competes with the kernels' threads for them while a kernel runs."""
+    import tensorflow as tf
+
+    return tf.config.threading.get_intra_op_parallelism_threads() == 1
 
 
 def use_attention_kernel(query, key, mask=None, bias=None, dropout: bool = False, key_transposed: bool = False) -> bool:
