@@ -121,7 +121,8 @@ def main() -> None:
     from xlagen import native
     from xlagen.cli import bench_timing as bench
 
-    os.environ.setdefault("XLAGEN_NATIVE_THREADS", str(args.threads))
+    if args.xla_threads is not None:  # XLA's pool apart: the kernels' keeps --threads
+        os.environ.setdefault("XLAGEN_NATIVE_THREADS", str(args.threads))
     bench.configure_threads(args.threads, args.xla_threads)
     system = bench.XlagenSystem()
     weights = {"float32": "float32", "bfloat16": bench.PACKED_BF16, "int8": bench.PACKED_INT8}[args.weights]

@@ -636,6 +636,20 @@ def test_attention_kernels_read_the_heads_of_a_fused_projection_in_place(kind):
     assert f"0,{t * width},{d},{width}," in hlo  # the queries' layout: read from the projection, in place
 
 
+def test_attention_kernels_refuse_heads_they_would_read_past():
+    # The kernel takes each operand's strides from its shape and its heads from the queries': mismatched
+    # operands, or heads past their projection's columns, would read past a buffer.
+    projection = tf.zeros((1, 4, 3 * 2 * 16))
+    query = native.Heads(projection, 0, 2, 16)
+    with pytest.raises(ValueError, match=r"Heads: 2 heads of 16 from column 80 of a float32 \(1, 4, 96\)"):
+        native.attention(query, native.Heads(projection, 80, 2, 16), query, 1.0, merged=True)
+    with pytest.raises(ValueError, match="differ in batch, heads or head size"):
+        native.attention(query, tf.zeros((1, 1, 4, 16)), tf.zeros((1, 1, 4, 16)), 1.0)
+    with pytest.raises(ValueError, match="or keys and values in length"):
+        native.masked_attention(tf.zeros((1, 2, 4, 16)), tf.zeros((1, 2, 6, 16)), tf.zeros((1, 2, 5, 16)),
+                                tf.ones((1, 1, 4, 6), tf.bool), 1.0, -1e9)
+
+
 def test_attention_kernel_only_for_long_unmasked_float32_attention_under_xla():
     q, k = tf.zeros((1, 2, 4, 64)), tf.zeros((1, 2, native.Kernels().attention_min_keys, 64))
     seen = {}

@@ -196,6 +196,8 @@ class _MultiHead(keras.layers.Layer):
         if groups > 1:  # each key/value head's queries as one group of rows: the keys are never repeated
             query = group_queries(query, groups)
         merged = groups == 1
+        if in_place is not None and groups > 1:
+            raise ValueError("_attend: grouped queries are never read in place")
         placed = [given if placed is None else placed for given, placed in zip((query, key, value), in_place or (
             None, None, None))]
         if not key_transposed and native.use_prompt_attention(query, key, mask, bias, dropout):
@@ -267,7 +269,8 @@ class Attention(_MultiHead):
         projection = self.qkv(x)
         query, key, value = self._project(projection)
         # The heads as the projection left them, for the attention kernels to read in place (unless rotated,
-        # normed or grouped first); the transposes into heads then go unused and are never computed.
+        # normed or grouped first); where a kernel reads them so, XLA drops the transposes into heads it then
+        # does not use (a prompt's keys and values are still transposed, into the cache).
         in_place = None
         if rotary is not None:
             query, key = apply_rotary(query, *rotary), apply_rotary(key, *rotary)

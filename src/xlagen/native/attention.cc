@@ -5,7 +5,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -639,27 +638,22 @@ using namespace xlagen;
 namespace {
 bool WholeHeadSize(int d) { return d == 16 || d == 32 || d == 64 || d == 128; }
 
-// Checks what the three entry points below share, and runs the attention a describes.
+// Checks what the entry points below share, and runs the attention a describes; the refusal's message is
+// static, as every entry point's.
 const char* RunAttentionCall(Attention& a) {
-  if (a.heads < 1 || a.t < 1 || a.s < 1) return "heads, t and s must be at least 1";
-  if (!WholeHeadSize(a.d)) return "the head size d must be 16, 32, 64 or 128";
+  if (a.heads < 1 || a.t < 1 || a.s < 1) return "xlagen attention: heads, t and s must be at least 1";
+  if (!WholeHeadSize(a.d)) return "xlagen attention: the head size d must be 16, 32, 64 or 128";
   if (a.heads_per_mask < 1 || a.heads % a.heads_per_mask != 0 || a.mask_rows < 1 || a.t % a.mask_rows != 0) {
-    return "heads_per_mask must divide heads and mask_rows divide t";
+    return "xlagen attention: heads_per_mask (heads_per_sequence) must divide heads and mask_rows divide t";
   }
-  if (a.bias != nullptr && (a.bias_heads < 1 || a.heads % a.bias_heads != 0)) return "bias_heads must divide heads";
-  if (kAttentionRows > 32) return "a unit has more rows than its row bits";
+  if (a.bias != nullptr && (a.bias_heads < 1 || a.heads % a.bias_heads != 0)) {
+    return "xlagen attention: bias_heads must divide heads";
+  }
+  if (kAttentionRows > 32) return "xlagen attention: a unit has more rows than its row bits";
   a.blocks = (a.t + kAttentionRows - 1) / kAttentionRows;
   a.call = g_attention_calls.fetch_add(1) + 1;
   GetPool().Run(Task{&a, RunAttention, a.heads * a.blocks});
   return nullptr;
-}
-
-// "name: what", kept for the caller (entry points return static strings).
-const char* Refusal(const char* name, const char* what) {
-  if (what == nullptr) return nullptr;
-  thread_local std::string message;
-  message = std::string(name) + ": " + what;
-  return message.c_str();
 }
 }  // namespace
 
@@ -668,7 +662,7 @@ extern "C" const char* xlagen_attention(const float* q, const float* k, const fl
   Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, transposed != 0, nullptr, 1, heads};
   a.lq = a.lo = Packed(heads, t, d);
   a.lk = a.lv = Packed(heads, s, d);
-  return Refusal("xlagen_attention", RunAttentionCall(a));
+  return RunAttentionCall(a);
 }
 
 extern "C" const char* xlagen_biased_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
@@ -677,7 +671,7 @@ extern "C" const char* xlagen_biased_attention(const float* q, const float* k, c
   Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, 0, mask, mask_rows, heads_per_mask, bias, bias_heads};
   a.lq = a.lo = Packed(heads_per_mask, t, d);
   a.lk = a.lv = Packed(heads_per_mask, s, d);
-  return Refusal("xlagen_masked_attention", RunAttentionCall(a));
+  return RunAttentionCall(a);
 }
 
 extern "C" const char* xlagen_masked_attention(const float* q, const float* k, const float* v, const uint8_t* mask,
@@ -689,6 +683,7 @@ extern "C" const char* xlagen_masked_attention(const float* q, const float* k, c
 extern "C" const char* xlagen_attention_at(const float* q, const float* k, const float* v, const uint8_t* mask,
                                            const float* bias, float* out, int heads, int t, int s, int d, float scale,
                                            int heads_per_sequence, int mask_rows, int bias_heads, const int* layout) {
+  if (layout == nullptr) return "xlagen_attention_at: no layout";
   for (int i = 0; i < 16; ++i) {
     if (layout[i] < 0) return "xlagen_attention_at: the layout's offsets and strides must be at least 0";
   }
@@ -700,7 +695,7 @@ extern "C" const char* xlagen_attention_at(const float* q, const float* k, const
     *layouts[i] = {static_cast<size_t>(l[0]), static_cast<size_t>(l[1]), static_cast<size_t>(l[2]),
                    static_cast<size_t>(l[3])};
   }
-  return Refusal("xlagen_attention_at", RunAttentionCall(a));
+  return RunAttentionCall(a);
 }
 
 extern "C" const char* xlagen_step_attention(const float* q, const float* k, const float* v, const float* new_k,

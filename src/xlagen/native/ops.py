@@ -138,6 +138,17 @@ class Heads(NamedTuple):
     heads: int
     head_dim: int
 
+    def check(self) -> None:
+        """Raises ValueError unless `tensor` is a float32 `[B, T, W]` of static shape that holds the heads'
+        columns."""
+        import tensorflow as tf
+
+        shape = self.tensor.shape
+        if (shape.rank != 3 or not shape.is_fully_defined() or self.tensor.dtype != tf.float32 or self.column < 0
+                or self.heads < 1 or self.column + self.heads * self.head_dim > shape[2]):
+            raise ValueError(f"Heads: {self.heads} heads of {self.head_dim} from column {self.column} of a "
+                             f"{self.tensor.dtype.name} {shape}; a float32 [B, T, W] of static shape holds them")
+
     def split(self, tensor=None):
         """The heads as a tensor `[B, H, T, D]` (of `tensor` in place of `self.tensor`, for gradients)."""
         import tensorflow as tf
@@ -164,16 +175,30 @@ def _operand(heads, rows: int):
     return heads, [0, count * rows * head_dim, rows * head_dim, head_dim], lambda tensor: tensor
 
 
-def _attention_call(target: str, config: str, query, key, value, extra, bias, merged: bool, reference):
+def _attention_call(target: str, config: str, query, key, value, extra, bias, merged: bool, reference,
+                    barrier: bool = False):
     """The attention custom call `target` on `query`, `key` and `value` (each `Heads` or a tensor `[B, H,
     rows, D]`), the further operands `extra` and the optional `bias`, with their layout appended to
     `config`; returns `[B, H, T, D]`, or with `merged` `[B, T, H * D]` (the next product's input, no
     transpose after the call). `reference(query, key, value, *bias)` of heads tensors is the formula the
-    gradients come from. Keys and values given as tensors (a cache just written) pass an XLA optimization
-    barrier first (see `masked_attention`)."""
+    gradients come from. With `barrier`, keys and values given as tensors (a cache just written) pass an
+    XLA optimization barrier first (see `masked_attention`).
+
+    Raises:
+        ValueError: the three do not have the same batch, heads and head size, the keys and values the same
+            length, or a `Heads` does not fit its tensor (the kernel would read past it).
+    """
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
+    for heads in (query, key, value):
+        if isinstance(heads, Heads):
+            heads.check()
+    shapes = [tuple(t.shape) for t in (query, key, value)]
+    if (len({(s[0], s[1], s[3]) for s in shapes}) != 1 or shapes[1][2] != shapes[2][2]
+            or not all(isinstance(n, int) for s in shapes for n in s)):
+        raise ValueError(f"attention: queries {shapes[0]}, keys {shapes[1]} and values {shapes[2]} differ in "
+                         "batch, heads or head size, or keys and values in length")
     batch, heads, length, head_dim = query.shape
     keys = key.shape[2]
     laid = [_operand(query, length), _operand(key, keys), _operand(value, keys)]
@@ -184,7 +209,7 @@ def _attention_call(target: str, config: str, query, key, value, extra, bias, me
         out_shape, out_layout = (batch * heads, length, head_dim), [0, heads * length * head_dim,
                                                                      length * head_dim, head_dim]
     layout = ",".join(str(n) for n in [*(n for _, numbers, _ in laid for n in numbers), *out_layout])
-    cached = [i for i in (1, 2) if not isinstance((query, key, value)[i], Heads)]
+    cached = [i for i in (1, 2) if barrier and not isinstance((query, key, value)[i], Heads)]
     # The distinct tensors (one projection may hold q, k and v): a gradient per tensor, not one per use.
     tensors = []
     for tensor, _, _ in laid:
@@ -283,7 +308,8 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float, b
         bias: Optional float32 `[1 or B, Hkv, T, S]` added to the scaled scores (T5's relative positions),
             without grouped queries (g = 1).
         merged: Return `[B, T, Hkv * D]`, the next product's input, rather than `[B, Hkv, T, D]` (for g = 1
-            only: the g groups of rows would be written as tokens).
+            only: under an encoder's mask `[B, 1, 1, S]` the g groups of rows cannot be told from tokens, and
+            would be written as g * T tokens).
 
     The kernel scores only the keys between the first and the last that a unit of a few query rows may see:
     under a causal mask about half of them, none of the cache's positions after the prompt. Gradients are
@@ -319,7 +345,7 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float, b
     # would then share the cores with it).
     return _attention_call(
         target, config, query, key, value, [mask_operand], bias, merged,
-        lambda *inputs: _reference_masked_attention(*inputs[:3], mask, scale, mask_value, *inputs[3:]))
+        lambda *inputs: _reference_masked_attention(*inputs[:3], mask, scale, mask_value, *inputs[3:]), barrier=True)
 
 
 def step_attention(query, keys, values, key, value, bias, scale: float, mask_value: float):

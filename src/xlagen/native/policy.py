@@ -475,8 +475,10 @@ def use_float32_kernel(x, kernel) -> bool:
 
 def xla_single_threaded() -> bool:
     """Whether TensorFlow's intra-op pool, which XLA's CPU programs run their own operations (and dots) on,
-    was given one thread: the process then leaves the cores to the kernels' own pool (`PoolSettings`), and
-    no idle XLA thread competes with the kernels' threads for them while a kernel runs."""
+    was given one thread with `tf.config.threading.set_intra_op_parallelism_threads(1)`: the process then
+    leaves the cores to the kernels' own pool (`PoolSettings`, by default the CPUs this process may use, at
+    most 8), and no idle XLA thread competes with the kernels' threads for them while a kernel runs. (A
+    limit set otherwise, e.g. by a session config, reads as 0 here, and counts as not one thread.)"""
     import tensorflow as tf
 
     return tf.config.threading.get_intra_op_parallelism_threads() == 1
