@@ -195,11 +195,12 @@ class _MultiHead(keras.layers.Layer):
         groups = self.groups
         if groups > 1:  # each key/value head's queries as one group of rows: the keys are never repeated
             query = group_queries(query, groups)
-        merged = groups == 1
         if in_place is not None and groups > 1:
             raise ValueError("_attend: grouped queries are never read in place")
-        placed = [given if placed is None else placed for given, placed in zip((query, key, value), in_place or (
-            None, None, None))]
+        # The kernels write the output projection's input, except over keys given transposed (as they come).
+        merged = groups == 1 and not key_transposed
+        placed = (query, key, value) if in_place is None else [
+            given if heads is None else heads for given, heads in zip((query, key, value), in_place)]
         if not key_transposed and native.use_prompt_attention(query, key, mask, bias, dropout):
             # A prompt over the cache, or an encoder; its mask [B, 1, T or 1, S] is shared by the g groups of
             # rows, never tiled.
@@ -207,10 +208,8 @@ class _MultiHead(keras.layers.Layer):
         else:
             if groups > 1 and mask is not None and mask.shape[2] != 1:  # [B, 1, T, S] -> [B, 1, g * T, S]
                 mask = ops.tile(mask, (1, 1, groups, 1))
-            merged = merged and not key_transposed
             if native.use_attention_kernel(query, key, mask, bias, dropout, key_transposed=key_transposed):
-                attended = (native.attention(*placed, self.scale, merged=True) if merged else
-                            native.attention(query, key, value, self.scale, key_transposed))
+                attended = native.attention(*placed, self.scale, key_transposed, merged=merged)
             else:
                 merged = False
                 weights = self.dropout(attend(query, key, value, mask, self.scale, bias, key_transposed),

@@ -171,8 +171,12 @@ def _operand(heads, rows: int):
     if isinstance(heads, Heads):
         width = heads.tensor.shape[-1]
         return heads.tensor, [heads.column, rows * width, heads.head_dim, width], heads.split
-    count, head_dim = heads.shape[1], heads.shape[3]
-    return heads, [0, count * rows * head_dim, rows * head_dim, head_dim], lambda tensor: tensor
+    return heads, _packed_layout(heads.shape[1], rows, heads.shape[3]), lambda tensor: tensor
+
+
+def _packed_layout(heads: int, rows: int, head_dim: int) -> list[int]:
+    """The layout (see `_operand`) of a tensor `[B, heads, rows, head_dim]` of its own."""
+    return [0, heads * rows * head_dim, rows * head_dim, head_dim]
 
 
 def _attention_call(target: str, config: str, query, key, value, extra, bias, merged: bool, reference,
@@ -206,8 +210,7 @@ def _attention_call(target: str, config: str, query, key, value, extra, bias, me
         out_shape, out_layout = (batch, length, heads * head_dim), [0, length * heads * head_dim, head_dim,
                                                                      heads * head_dim]
     else:
-        out_shape, out_layout = (batch * heads, length, head_dim), [0, heads * length * head_dim,
-                                                                     length * head_dim, head_dim]
+        out_shape, out_layout = (batch * heads, length, head_dim), _packed_layout(heads, length, head_dim)
     layout = ",".join(str(n) for n in [*(n for _, numbers, _ in laid for n in numbers), *out_layout])
     cached = [i for i in (1, 2) if barrier and not isinstance((query, key, value)[i], Heads)]
     # The distinct tensors (one projection may hold q, k and v): a gradient per tensor, not one per use.
