@@ -341,22 +341,33 @@ def test_without_a_compiler_packed_weights_raise_native_unavailable(no_compiler)
         native.pack_tensor(np.zeros((4, 4), np.float32), "bfloat16")
 
 
-def test_a_library_that_does_not_load_is_native_unavailable(cache, monkeypatch):
-    # A verified file that is no shared object (here the fake compiler's bytes): dlopen's error, as
-    # NativeUnavailable, which the float32 path turns into XLA's dot.
-    monkeypatch.setattr(native.library, "hardware_reason", lambda: None)
-    native.library.opened.cache_clear()
-    native.load.cache_clear()
-    native.library.ready.cache_clear()
-    try:
-        with pytest.raises(native.NativeUnavailable, match=rf"loading xlagen's native kernels \({cache.library}\)"):
+def test_a_library_that_does_not_load_is_native_unavailable(tmp_path):
+    # A verified file that is no shared object (here a fake compiler's bytes): dlopen's error, as
+    # NativeUnavailable, which the float32 path turns into XLA's dot. In a fresh process: glibc's dlopen finds
+    # an object already loaded under the same name (/proc/self/fd/N) without reading the file, so in a process
+    # that has loaded the real kernels a later load may get them back.
+    script = textwrap.dedent(f"""
+        import os
+        from xlagen import native
+        from xlagen.native import build
+
+        def fake_compile(source, library, isa=None):
+            with open(library, "wb") as out:
+                out.write(b"\\x7fELF built by a fake compiler")
+            os.chmod(library, 0o700)
+
+        build.compile_library = fake_compile
+        native.library.hardware_reason = lambda: None
+        try:
             native.load()
-        # glibc's dlopen finds an object already loaded under the same name (here /proc/self/fd/N) without
-        # reading the file: in a process that has loaded the real kernels, a later call may get them back.
-        # So the fallback is checked where no kernel library is mapped yet (this file run alone).
-        if "kernels-" not in Path("/proc/self/maps").read_text():
-            assert native.library.ready() is False
-    finally:
-        native.library.opened.cache_clear()
-        native.load.cache_clear()
-        native.library.ready.cache_clear()
+        except native.NativeUnavailable as error:
+            print("refused:", error)
+        print("ready:", native.library.ready())
+        print("library:", build.cache_folder() / build.library_name())
+    """)
+    env = {**os.environ, "PYTHONPATH": SRC, "XLAGEN_CACHE": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
+    assert lines["refused"].startswith(f"loading xlagen's native kernels ({lines['library']}) failed: ")
+    assert lines["ready"] == "False"
