@@ -44,6 +44,9 @@
   seven-bit        int8 weights' products of many rows in integers with 8-bit activations
                    (`int8_many_integer_min_rows=None`) against 7-bit ones with a zero point from
                    `int8_many_integer_min_rows` rows; --prompt-tokens 512 --new-tokens 1 times the first token.
+  seven-bit-rows   int8 weights' products in 7-bit integers from 24 rows (8-bit from `int8_integer_min_rows`
+                   below) against from 8 rows: batch 8 decoding (the default's choice where the CPU has
+                   AMX's int8 tiles).
 
 --weights bfloat16 or int8 packs the model's weights (`pack_weights`), whose products then run on the packed
 kernel under any policy but `off`.
@@ -81,6 +84,8 @@ POLICIES = {  # --compare: (name A, changes from the default for A), (name B, ch
     "integer": (("float32_compute", {"int8_integer_min_rows": None, "int8_many_integer_min_rows": None}),
                 ("integer", {})),
     "seven-bit": (("eight_bit", {"int8_many_integer_min_rows": None}), ("seven_bit", {})),
+    "seven-bit-rows": (("seven_bit_from_24_rows", {"int8_many_integer_min_rows": 24}),
+                       ("seven_bit_from_8_rows", {"int8_many_integer_min_rows": 8})),
     "prefill": (("prefill_on_xla_dot", {"float32_prefill": False}), ("prefill_on_kernel", {})),
     "many-rows": (("unpacked_for_xla_dot", {"many_rows": False}), ("many_rows", {})),
     "many-rows-float32": (("xla_dot", {"float32_many_rows": False}), ("many_rows", {"float32_many_rows": True})),

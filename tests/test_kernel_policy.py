@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from conftest import random_ids
 from xlagen import native
+from xlagen.native import build, policy
 from xlagen.generation.compiled import CompiledGenerator
 
 
@@ -223,7 +224,8 @@ def test_int8_products_of_many_rows_run_in_7_bit_integers_from_their_min_rows(ke
             return _under_xla(lambda: kernels.use_many_integer_product(tf.zeros((rows, 64))))
 
     least = native.Kernels().int8_many_integer_min_rows
-    assert least is not None and least > 16  # a decoding step of 2 beams over a batch of 8 keeps 8 bits
+    # With vectors, a decoding step of 2 beams over a batch of 8 keeps 8 bits; on AMX's tiles 7 bits from 8 rows.
+    assert least == (8 if build.host_isa() == "avx512amx" else 24)
     everywhere = {"outside a step": True, "in a step": True, "in a prefill": True, "in a loop that is no step": True}
     assert ask(native.Kernels(), least) == ask(native.Kernels(int8_integer_min_rows=None), 600) == everywhere
     assert not any(ask(native.Kernels(), least - 1).values())
@@ -290,3 +292,15 @@ def test_generate_and_compiled_generator_take_a_policy(gpt2_model, caplog):
         CompiledGenerator(gpt2_model, kernels="off")
     with pytest.raises(TypeError, match="kernels must be a xlagen.native.Kernels policy, got bool"):
         gpt2_model.generate(ids, max_new_tokens=2, kernels=False)
+
+
+@pytest.mark.parametrize("isa, rows", [("avx512amx", 8), ("avx512vnni", 24), ("avx2", 24), (None, 24)])
+def test_the_7_bit_product_starts_at_fewer_rows_on_amx_tiles(monkeypatch, isa, rows):
+    monkeypatch.setattr(build, "host_isa", lambda: isa)
+    policy.many_integer_min_rows.cache_clear()
+    try:
+        assert native.Kernels().int8_many_integer_min_rows == rows
+        assert str(native.Kernels()) == "default kernels"
+        assert str(native.Kernels(int8_many_integer_min_rows=rows + 1)) == f"kernels (int8_many_integer_min_rows={rows + 1})"
+    finally:
+        policy.many_integer_min_rows.cache_clear()

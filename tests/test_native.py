@@ -102,7 +102,8 @@ def test_kernel_computes_x_times_rounded_weights(rows, k, n, weight_dtype):
 
 @pytest.mark.parametrize("rows,k,n", [(4, 768, 2304), (9, 40, 70), (23, 33, 130), (24, 33, 130), (100, 33, 130)])
 def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
-    # 8-bit activations from Kernels.int8_integer_min_rows rows, 7-bit from int8_many_integer_min_rows (24).
+    # 8-bit activations from Kernels.int8_integer_min_rows rows, 7-bit from int8_many_integer_min_rows (24, or 8
+    # where the kernels run on AMX's tiles).
     rng = np.random.default_rng(rows + k)
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
@@ -265,20 +266,24 @@ def test_gpt2_with_packed_weights_generates_as_float32_with_rounded_weights(gpt2
     np.testing.assert_allclose(packed(ids).logits.numpy(), reference(ids).logits.numpy(), atol=1e-4)
 
 
-def test_gpt2_int8_in_integers_stays_close_to_float32_compute(gpt2_checkpoint):
-    # A prompt of 2 x 7 rows runs the int8 x int8 product (default policy); the same model under FLOAT_INT8
-    # multiplies x @ (Q * s). The activations' rounding to int8 moves the logits a little, the ranking of
-    # the clear winners not at all.
+@pytest.mark.parametrize("bits", [8, 7])
+def test_gpt2_int8_in_integers_stays_close_to_float32_compute(gpt2_checkpoint, bits):
+    # A prompt of 2 x 7 rows runs an int8 x int8 product: 8-bit activations from int8_integer_min_rows (4),
+    # 7-bit ones with a zero point from int8_many_integer_min_rows (here 8); the same model under FLOAT_INT8
+    # multiplies x @ (Q * s). The activations' rounding moves the logits a little, the ranking of the clear
+    # winners not at all.
     from xlagen import TFAutoModelForCausalLM
 
     model = TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0], weight_dtype="int8")
     ids = tf.constant(random_ids((2, 7), 300, seed=3))
+    integer = native.Kernels(int8_many_integer_min_rows=None if bits == 8 else 8)
+    target = native.INT8_INTEGER_TARGET if bits == 8 else native.INT8_MANY_INTEGER_TARGET
     programs = {}
-    for name, kernels in (("integer", native.Kernels()), ("float", FLOAT_INT8)):
+    for name, kernels in (("integer", integer), ("float", FLOAT_INT8)):
         with native.tracing(kernels):
             programs[name] = tf.function(lambda ids: model(ids).logits, jit_compile=True)
             hlo = programs[name].experimental_get_compiler_ir(ids)(stage="optimized_hlo")
-        assert (f'custom_call_target="{native.INT8_INTEGER_TARGET}"' in hlo) == (name == "integer")
+        assert (f'custom_call_target="{target}"' in hlo) == (name == "integer")
     integer, expected = programs["integer"](ids).numpy(), programs["float"](ids).numpy()
     assert 0 < np.abs(integer - expected).max() < 0.02 * np.ptp(expected)
     top = np.sort(expected, -1)

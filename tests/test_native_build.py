@@ -263,6 +263,8 @@ def test_concurrent_builders_compile_once_and_both_load(tmp_path):
 @pytest.mark.parametrize("flags, isa", [
     ({"avx512f", "avx2", "fma"}, "avx512"), ({"avx512f"}, "avx512"), ({"avx512f", "avx512_vnni"}, "avx512"),
     ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma"}, "avx512vnni"), ({"avx2", "fma", "sse4_2"}, "avx2"),
+    ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16"}, "avx512amx"),
+    ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile"}, "avx512vnni"),
     ({"avx2"}, None), ({"fma", "avx"}, None), (set(), None)])
 def test_the_instruction_set_is_the_most_capable_the_cpu_reports(flags, isa):
     assert build.choose_isa(flags) == isa
@@ -284,7 +286,7 @@ def test_each_instruction_set_has_its_own_library():
     names = {isa: build.library_name(isa=isa) for isa in build.ISAS}
     assert all(name.startswith(f"kernels-{isa}-") for isa, name in names.items())
     assert len(set(names.values())) == len(build.ISAS)
-    with pytest.raises(ValueError, match="isa must be one of avx512vnni, avx512, avx2, got 'sse'"):
+    with pytest.raises(ValueError, match="isa must be one of avx512amx, avx512vnni, avx512, avx2, got 'sse'"):
         build.library_name(isa="sse")
 
 

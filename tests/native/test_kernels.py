@@ -104,7 +104,8 @@ INTEGER_PRODUCTS = {"xlagen_int8_integer_product": False, "xlagen_int8_many_inte
 
 @pytest.mark.parametrize("name", INTEGER_PRODUCTS)
 @pytest.mark.parametrize("m, k, n", SHAPES + [(4, 4, 64), (5, 6, 65), (70, 31, 130), (64, 8, 16), (3, 2, 7),
-                                             (7, 40, 64), (10, 33, 96), (130, 70, 200)])
+                                             (7, 40, 64), (10, 33, 96), (130, 70, 200), (77, 200, 129),
+                                             (33, 129, 64)])
 def test_int8_integer_products_match_their_numpy_reference_exactly(name, m, k, n):
     rng = np.random.default_rng(m * k + n + 2)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
@@ -118,6 +119,12 @@ def test_int8_integer_products_match_their_numpy_reference_exactly(name, m, k, n
     y = _product(name, x, stored, n)
     np.testing.assert_array_equal(y, kernel_reference.integer_product(x, quantized, scales, INTEGER_PRODUCTS[name]))
     assert not y[m // 2].any()
+
+
+def test_the_amx_build_multiplies_on_tiles():
+    # A CPU that lists amx_int8 runs a kernel whose Linux hands out the tiles' state (the flag is hidden
+    # otherwise): the many-row product must not quietly fall back to vectors there.
+    assert native.library.amx_tiles() == (native.library.isa() == "avx512amx")
 
 
 @pytest.mark.parametrize("name", INTEGER_PRODUCTS)
@@ -433,7 +440,7 @@ def test_constants_come_from_the_library_and_match_the_packing():
     assert native.PANEL == native.constant("panel") == 32
     assert native.INT8_PANEL == native.constant("int8_panel") == 64
     assert native.STEP_ATTENTION_MAX_HEAD_DIM == native.constant("step_attention_max_head_dim")
-    assert native.constant("lanes") == {"avx512vnni": 16, "avx512": 16, "avx2": 8}[native.library.isa()]  # the build for this CPU
+    assert native.constant("lanes") == {"avx512amx": 16, "avx512vnni": 16, "avx512": 16, "avx2": 8}[native.library.isa()]  # the build for this CPU
     assert native.pack_bfloat16(np.ones((3, 5), np.float32)).shape == (1, 3, native.PANEL // 2)
     assert native.pack_int8(np.ones((3, 5), np.float32)).shape == (1, 3 + 4, native.INT8_PANEL)
     with pytest.raises(KeyError, match="no constant 'nonsense'"):

@@ -29,8 +29,8 @@ def hardware_reason() -> str | None:
 
 
 def isa() -> str | None:
-    """The instruction set the kernels are built for and run with on this machine ("avx512vnni", "avx512" or "avx2", see
-    `build.ISAS`), or None where they cannot run (`hardware_reason`)."""
+    """The instruction set the kernels are built for and run with on this machine ("avx512amx", "avx512vnni",
+    "avx512" or "avx2", see `build.ISAS`), or None where they cannot run (`hardware_reason`)."""
     return None if hardware_reason() else build.host_isa()
 
 
@@ -63,6 +63,19 @@ def opened() -> ctypes.CDLL:
                                     f"({build.cache_folder() / build.library_name()}) failed: {error}") from error
     _configure(library, settings)
     return library
+
+
+def amx_tiles() -> bool:
+    """Whether the many-row int8 x int8 product runs on AMX's tile registers in this process: the kernels'
+    build is "avx512amx" (`isa`) and Linux granted the process the tiles' state (Linux 5.16 and later); else
+    it runs on vectors. Loads the kernels.
+
+    Raises:
+        NativeUnavailable: as `opened`.
+    """
+    function = opened().xlagen_amx_tiles
+    function.argtypes, function.restype = [], ctypes.c_int
+    return bool(function())
 
 
 def _configure(library: ctypes.CDLL, settings: PoolSettings) -> bool:

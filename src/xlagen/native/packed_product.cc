@@ -1,5 +1,6 @@
 // Products with packed weights, y[M, N] = x[M, K] @ W, W read in a narrower format and widened in registers;
-// the arithmetic is float32.
+// the arithmetic is float32, except in the int8 x int8 products (below), which sum in int32 on vectors or, in
+// the build with AMX (-mamx-int8), on tile registers.
 //
 // bfloat16: XLA's own dot upcasts bfloat16 weights to a float32 copy before multiplying, which reads more than
 // float32 weights do; this product widens each 64-byte load in registers (a bfloat16 is the top half of a
@@ -16,8 +17,14 @@
 // layouts are the same for both instruction sets.
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "kernels.h"
 #include "pool.h"
@@ -435,25 +442,159 @@ void RunIntegerPanels(const void* args, int p0, int p1) {
   }
 }
 
+constexpr int kAmxRows = 32;     // rows of Xq per block: 2 tiles of 16
+constexpr int kAmxColumns = 32;  // columns per block: 2 tiles of 16, half a panel
+constexpr int kAmxDepth = 64;    // bytes of K per tile
+
+#if defined(__AMX_INT8__)
+// AMX (Intel's tile registers, amx_int8): the 7-bit product's tiles as TDPBUSD, 16 rows of Xq (unsigned bytes,
+// 64 of K) by 16 columns of quads (16 quads of K, signed) added into 16 x 16 int32 sums, 16,384 multiply-adds
+// per instruction. Xq's rows are then Kq = K rounded up to a multiple of 64 bytes, their count a multiple of
+// kAmxRows (rows and columns past the ends are zero; their sums are never stored). The sums are exact, as
+// with vectors, and the end is the same float32 arithmetic, so both give the same y.
+//
+// Linux hands out the tiles' register state (8 KB per thread) only to a process that asked for it
+// (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 and later); without it a tile instruction is fatal, so where
+// the request is refused the vector tiles run instead. A thread loads the tiles' configuration for each
+// stretch of panels it takes and releases the tiles after it (another library on the thread may use them
+// in between).
+// Xq [rows, Kq] (row-major, `from`) -> `to` as tiles: the 16 rows of block i and 64 bytes of K from 64 j at
+// to + (i Kq / 64 + j) 1024, row r of them 64 bytes after row r - 1. Units: blocks of 16 rows.
+struct AmxTiles {
+  const int8_t* from;
+  int8_t* to;
+  int kq;
+};
+
+void ToTiles(const void* args, int b0, int b1) {
+  const AmxTiles& a = *static_cast<const AmxTiles*>(args);
+  for (int b = b0; b < b1; ++b) {
+    const int8_t* from = a.from + static_cast<size_t>(b) * 16 * a.kq;
+    int8_t* to = a.to + static_cast<size_t>(b) * 16 * a.kq;
+    for (int j = 0; j < a.kq; j += kAmxDepth) {
+      for (int r = 0; r < 16; ++r) {
+        _mm512_storeu_si512(to + 16 * j + kAmxDepth * r, _mm512_loadu_si512(from + static_cast<size_t>(r) * a.kq + j));
+      }
+    }
+  }
+}
+
+bool AmxGranted() {
+  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM (asm/prctl.h)
+  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return granted;
+}
+
+// The LDTILECFG operand: palette 1, every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t row_bytes[16] = {};
+  uint8_t rows[16] = {};
+};
+
+void RunAmxPanels(const void* args, int p0, int p1) {
+  const IntegerProduct& a = *static_cast<const IntegerProduct*>(args);
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.row_bytes[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  thread_local std::vector<int8_t> quads;
+  quads.resize(static_cast<size_t>(a.kq) * kInt8Panel);
+  int32_t column_sums[kInt8Panel];
+  alignas(64) int32_t sums[kAmxRows][kAmxColumns];
+  const size_t quad_row = 4 * kInt8Panel;  // bytes of one quad of K over a panel's columns
+  for (int p = p0; p < p1; ++p) {
+    const int8_t* w = a.w + static_cast<size_t>(p) * (a.k + 4) * kInt8Panel;
+    const float* scales = reinterpret_cast<const float*>(w + static_cast<size_t>(a.k) * kInt8Panel);
+    const int c0 = p * kInt8Panel;
+    Quads(w, a.k, a.kq, quads.data(), column_sums);
+    for (int j0 = 0; j0 < kInt8Panel && c0 + j0 < a.n; j0 += kAmxColumns) {
+      const int8_t* b = quads.data() + 4 * j0;
+      const int columns = a.n - c0 - j0 < kAmxColumns ? a.n - c0 - j0 : kAmxColumns;
+      for (int r0 = 0; r0 < a.m; r0 += kAmxRows) {
+        // Tiles 0-3: the sums of rows r0 + 16 i by columns j0 + 16 j (i, j in 0..1); 4, 5: rows of Xq; 6, 7:
+        // columns of quads.
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        // Rows r0.. and r0 + 16.. of Xq as tiles (AmxTiles): a tile's 16 x 64 bytes are contiguous.
+        const int8_t* x = a.xq + static_cast<size_t>(r0) * a.kq;
+        const size_t next = static_cast<size_t>(16) * a.kq;
+        for (int k0 = 0; k0 < a.kq; k0 += kAmxDepth) {
+          _tile_loadd(4, x + 16 * k0, kAmxDepth);
+          _tile_loadd(5, x + next + 16 * k0, kAmxDepth);
+          _tile_loadd(6, b + k0 / 4 * quad_row, quad_row);
+          _tile_loadd(7, b + k0 / 4 * quad_row + 64, quad_row);
+          _tile_dpbusd(0, 4, 6);
+          _tile_dpbusd(1, 4, 7);
+          _tile_dpbusd(2, 5, 6);
+          _tile_dpbusd(3, 5, 7);
+        }
+        constexpr size_t stride = kAmxColumns * sizeof(int32_t);
+        _tile_stored(0, &sums[0][0], stride);
+        _tile_stored(1, &sums[0][16], stride);
+        _tile_stored(2, &sums[16][0], stride);
+        _tile_stored(3, &sums[16][16], stride);
+        const int rows = a.m - r0 < kAmxRows ? a.m - r0 : kAmxRows;
+        for (int r = 0; r < rows; ++r) {
+          for (int g = 0; g < kAmxColumns / 8 && 8 * g < columns; ++g) {
+            const int j = j0 + 8 * g;
+            Ints total = LoadInts(&sums[r][8 * g]);
+            total = _mm256_sub_epi32(total, _mm256_mullo_epi32(_mm256_set1_epi32(a.xz[r0 + r]), LoadInts(column_sums + j)));
+            const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[r0 + r]), _mm256_loadu_ps(scales + j));
+            StoreFirst8(a.y + static_cast<size_t>(r0 + r) * a.n + c0 + j, _mm256_mul_ps(IntsToFloats(total), factor),
+                        columns - 8 * g);
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
 // Quantizes x's rows (by the pool unless they are few) and runs the integer product's panels on the pool.
 template <bool kSeven>
 void RunIntegerProduct(const float* x, const int8_t* w, float* y, int m, int k, int n) {
-  const int kq = (k + 3) / 4 * 4;
+#if defined(__AMX_INT8__)
+  const bool amx = kSeven && AmxGranted();
+#else
+  constexpr bool amx = false;
+#endif
+  const int kq = amx ? (k + kAmxDepth - 1) / kAmxDepth * kAmxDepth : (k + 3) / 4 * 4;
+  const int rows = amx ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;  // tiles read whole blocks of rows
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs;
   thread_local std::vector<int32_t> xz;
-  xq.resize(static_cast<size_t>(m) * kq);
+  xq.resize(static_cast<size_t>(rows) * kq);
+  if (rows > m) std::memset(xq.data() + static_cast<size_t>(m) * kq, 0, static_cast<size_t>(rows - m) * kq);
   xs.resize(m);
   xz.resize(m);
-  QuantizedRows rows{x, xq.data(), xs.data(), xz.data(), k, kq};
+  QuantizedRows quantized{x, xq.data(), xs.data(), xz.data(), k, kq};
   void (*quantize)(const void*, int, int) = kSeven ? QuantizeRowsSeven : QuantizeRows;
   if (static_cast<long>(m) * k <= kQuantizeAlone) {
-    quantize(&rows, 0, m);  // a decoding step's few rows: not worth waking the pool
+    quantize(&quantized, 0, m);  // a decoding step's few rows: not worth waking the pool
   } else {
-    GetPool().Run(Task{&rows, quantize, m});
+    GetPool().Run(Task{&quantized, quantize, m});
   }
   IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq};
-  GetPool().Run(Task{&a, RunIntegerPanels<kSeven>, (n + kInt8Panel - 1) / kInt8Panel});
+  void (*panels)(const void*, int, int) = RunIntegerPanels<kSeven>;
+#if defined(__AMX_INT8__)
+  if (amx) {
+    thread_local std::vector<int8_t> tiles;
+    tiles.resize(xq.size());
+    AmxTiles blocks{xq.data(), tiles.data(), kq};
+    if (static_cast<long>(rows) * kq <= kQuantizeAlone) {
+      ToTiles(&blocks, 0, rows / 16);
+    } else {
+      GetPool().Run(Task{&blocks, ToTiles, rows / 16});
+    }
+    a.xq = tiles.data();
+    panels = RunAmxPanels;
+  }
+#endif
+  GetPool().Run(Task{&a, panels, (n + kInt8Panel - 1) / kInt8Panel});
 }
 
 }  // namespace
@@ -479,6 +620,14 @@ extern "C" const char* xlagen_int8_integer_product(const float* x, const int8_t*
   if (m < 1 || k < 1 || n < 1) return "xlagen_int8_integer_product: m, k and n must be at least 1";
   RunIntegerProduct<false>(x, w, y, m, k, n);
   return nullptr;
+}
+
+extern "C" int xlagen_amx_tiles() {
+#if defined(__AMX_INT8__)
+  return AmxGranted() ? 1 : 0;
+#else
+  return 0;
+#endif
 }
 
 extern "C" const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, float* y, int m, int k,
