@@ -44,6 +44,9 @@
   seven-bit        int8 weights' products of many rows in integers with 8-bit activations
                    (`int8_many_integer_min_rows=None`) against 7-bit ones with a zero point from
                    `int8_many_integer_min_rows` rows; --prompt-tokens 512 --new-tokens 1 times the first token.
+  bfloat16-tiles   bfloat16 weights' many-row products (with --weights bfloat16: prompts, encoders) widened and
+                   multiplied in float32 against x rounded to bfloat16 on AMX's bfloat16 tiles (needs them);
+                   --prompt-tokens 512 --new-tokens 1 times the first token.
   seven-bit-rows   int8 weights' products in 7-bit integers from 24 rows (8-bit from `int8_integer_min_rows`
                    below) against from 8 rows: batch 8 decoding (the default's choice where the CPU has
                    AMX's int8 tiles).
@@ -87,6 +90,7 @@ POLICIES = {  # --compare: (name A, changes from the default for A), (name B, ch
     "seven-bit-rows": (("seven_bit_from_24_rows", {"int8_many_integer_min_rows": 24}),
                        ("seven_bit_from_8_rows", {"int8_many_integer_min_rows": 8})),
     "prefill": (("prefill_on_xla_dot", {"float32_prefill": False}), ("prefill_on_kernel", {})),
+    "bfloat16-tiles": (("float32_compute", {"bfloat16_tiles": False}), ("bfloat16_tiles", {"bfloat16_tiles": True})),
     "many-rows": (("unpacked_for_xla_dot", {"many_rows": False}), ("many_rows", {})),
     "many-rows-float32": (("xla_dot", {"float32_many_rows": False}), ("many_rows", {"float32_many_rows": True})),
     "prompt-attention": (("xla_prompt_attention", {"prompt_attention_min_tokens": None}), ("prompt_attention", {})),

@@ -6,7 +6,10 @@ or int8 weights with a scale per output column), then, for each against float32:
 int8 weights are multiplied in float32 by few rows and in integers (activations quantized to int8 per row)
 from `Kernels.int8_integer_min_rows` rows: "int8" is that default; "int8-float32-compute" multiplies in
 float32 at every row count (`int8_integer_min_rows=None`), "int8-integer" in integers at every row count,
-batch-1 decoding steps included (`int8_integer_min_rows=1`).
+batch-1 decoding steps included (`int8_integer_min_rows=1`). "bfloat16-tiles" multiplies every product
+outside a decoding step (teacher-forced logits, prompts) on AMX's bfloat16 tiles, x rounded to bfloat16
+(`bfloat16_tiles=True, packed_max_rows=0`), as prompts and encoders of more than 32 rows do by default on a
+CPU with AMX; it needs one.
 
 * teacher-forced logits over some texts: max and mean |difference|, the logits' own spread (std) for
   scale, the mean KL divergence of the packed model's next-token distribution from float32's, and how
@@ -42,6 +45,7 @@ TEXTS = (
 
 # --weight-dtypes choice -> (the model's weight_dtype, the changes to the default kernel policy)
 VARIANTS = {"bfloat16": ("bfloat16", {}), "int8": ("int8", {}),
+            "bfloat16-tiles": ("bfloat16", {"bfloat16_tiles": True, "packed_max_rows": 0}),
             "int8-float32-compute": ("int8", {"int8_integer_min_rows": None, "int8_many_integer_min_rows": None}),
             "int8-integer": ("int8", {"int8_integer_min_rows": 1, "int8_many_integer_min_rows": None}),
             "int8-integer-7-bit": ("int8", {"int8_many_integer_min_rows": 1})}
@@ -129,8 +133,15 @@ def measure(model_name: str, weight_dtypes: list[str], new_tokens: int, prompt_w
         found = outputs(packed, tokenizer, new_tokens, prompt_words, native.Kernels().replace(**changes),
                         same_length)
         results.append({"model": model_name, "weight_dtype": variant, "new_tokens": new_tokens,
-                        "prompt_words": prompt_words, **compare(full, found)})
+                        "prompt_words": prompt_words, "kernels_isa": native.library.isa(),
+                        "amx_tiles": native.amx_tiles(), **compare(full, found)})
     return results
+
+
+def native_many_integer_min_rows() -> int:
+    from xlagen import native
+
+    return native.Kernels().int8_many_integer_min_rows
 
 
 def markdown(results: list[dict], model: str, arguments: str) -> str:
@@ -140,6 +151,8 @@ def markdown(results: list[dict], model: str, arguments: str) -> str:
     return "\n".join([
         f"# Packed weights vs float32: {model}", "",
         f"Command: `python benchmarks/weight_quality.py{arguments}`", "",
+        f"Kernels: the {results[0]['kernels_isa']} build, AMX tiles {'in use' if results[0]['amx_tiles'] else 'not in use'} "
+        f"(int8's products of {native_many_integer_min_rows()} rows or more take 7-bit activations by default)", "",
         "| measure | " + " | ".join(f"{r['weight_dtype']} vs float32" for r in results) + " |",
         "|---|" + "---|" * len(results),
         row(f"teacher-forced positions ({results[0]['texts']} texts)", lambda r: str(r["positions"])),

@@ -304,3 +304,25 @@ def test_the_7_bit_product_starts_at_fewer_rows_on_amx_tiles(monkeypatch, isa, r
         assert str(native.Kernels(int8_many_integer_min_rows=rows + 1)) == f"kernels (int8_many_integer_min_rows={rows + 1})"
     finally:
         policy.many_integer_min_rows.cache_clear()
+
+
+def test_bfloat16_tiles_follow_the_process_and_refuse_where_it_has_none(monkeypatch):
+    from xlagen.native import library
+
+    def unavailable():
+        raise native.NativeUnavailable("no compiler here")
+
+    for has, default in ((lambda: True, True), (lambda: False, False), (unavailable, False)):
+        monkeypatch.setattr(library, "amx_tiles", has)
+        assert native.Kernels().use_bfloat16_tiles() is default
+        assert native.Kernels(bfloat16_tiles=False).use_bfloat16_tiles() is False
+    monkeypatch.setattr(library, "amx_tiles", lambda: True)
+    assert native.Kernels(bfloat16_tiles=True).use_bfloat16_tiles() is True
+    monkeypatch.setattr(library, "amx_tiles", lambda: False)
+    with pytest.raises(native.NativeUnavailable, match=r"bfloat16_tiles=True needs AMX's bfloat16 tiles"):
+        native.Kernels(bfloat16_tiles=True).use_bfloat16_tiles()
+    monkeypatch.setattr(library, "amx_tiles", unavailable)
+    with pytest.raises(native.NativeUnavailable, match="no compiler here"):
+        native.Kernels(bfloat16_tiles=True).use_bfloat16_tiles()
+    with pytest.raises(TypeError, match="Kernels.bfloat16_tiles must be a bool or None"):
+        native.Kernels(bfloat16_tiles=1)

@@ -39,8 +39,9 @@ def _quantized(w: np.ndarray) -> np.ndarray:
     return (np.rint(w / np.where(step > 0, step, 1)) * step).astype(np.float32)
 
 
-# int8 weights multiplied in float32 at every row count: the packed product computes x @ (Q * s)
-FLOAT_INT8 = native.Kernels(int8_integer_min_rows=None, int8_many_integer_min_rows=None)
+# Packed weights multiplied in float32 at every row count: the packed products compute x @ (Q * s) for int8,
+# x @ float32(W) for bfloat16 (no rounding of x to bfloat16 on AMX's tiles)
+FLOAT_INT8 = native.Kernels(int8_integer_min_rows=None, int8_many_integer_min_rows=None, bfloat16_tiles=False)
 
 # weight dtype -> (what the layer multiplies by, the packing function, the custom-call target)
 FORMATS = {"bfloat16": (_rounded, native.pack_bfloat16, native.TARGET),

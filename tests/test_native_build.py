@@ -263,7 +263,9 @@ def test_concurrent_builders_compile_once_and_both_load(tmp_path):
 @pytest.mark.parametrize("flags, isa", [
     ({"avx512f", "avx2", "fma"}, "avx512"), ({"avx512f"}, "avx512"), ({"avx512f", "avx512_vnni"}, "avx512"),
     ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx2", "fma"}, "avx512vnni"), ({"avx2", "fma", "sse4_2"}, "avx2"),
-    ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16"}, "avx512amx"),
+    ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"},
+     "avx512amx"),
+    ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8", "amx_bf16"}, "avx512vnni"),
     ({"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile"}, "avx512vnni"),
     ({"avx2"}, None), ({"fma", "avx"}, None), (set(), None)])
 def test_the_instruction_set_is_the_most_capable_the_cpu_reports(flags, isa):

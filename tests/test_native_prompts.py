@@ -137,6 +137,36 @@ def test_long_prompts_with_packed_weights_generate_as_float32_with_rounded_weigh
         assert _count(hlo, native.GEMM_TARGETS[weight_dtype]) == 4 * packed.config.num_layers
 
 
+def test_long_prompts_with_bfloat16_weights_on_amx_tiles_stay_close_to_float32_compute(gpt2_checkpoint):
+    # By default, where this process has AMX's tiles, a prompt's products of more than packed_max_rows rows
+    # with bfloat16 weights round x to bfloat16 on them (and nowhere else: the steps keep float32 x); the
+    # logits then move by about that rounding.
+    from xlagen import TFAutoModelForCausalLM
+
+    ids = tf.constant(random_ids((3, 12), 300, seed=9))
+    packed, _ = _pair(lambda: TFAutoModelForCausalLM.from_pretrained(gpt2_checkpoint[0]), "bfloat16")
+    logits = {}
+    for name, kernels in (("default", native.Kernels()), ("float32", FLOAT_INT8)):
+        with native.tracing(kernels):
+            forward = tf.function(lambda ids: packed(ids).logits, jit_compile=True)
+            hlo = forward.experimental_get_compiler_ir(ids)(stage="optimized_hlo")
+            logits[name] = forward(ids).numpy()
+        tiles = name == "default" and native.amx_tiles()
+        products = 4 * packed.config.num_layers + 1  # and the LM head's over every position
+        assert _count(hlo, native.BF16_TILE_TARGET) == (products if tiles else 0)
+        assert _count(hlo, native.GEMM_TARGETS["bfloat16"]) == (0 if tiles else products)
+    difference = np.abs(logits["default"] - logits["float32"]).max()
+    assert difference < 0.02 * np.ptp(logits["float32"])
+    assert (difference > 0) == native.amx_tiles()
+    with native.tracing(native.Kernels(bfloat16_tiles=True)):
+        forward = tf.function(lambda ids: packed(ids).logits, jit_compile=True)
+        if native.amx_tiles():
+            assert _count(forward.experimental_get_compiler_ir(ids)(stage="optimized_hlo"), native.BF16_TILE_TARGET)
+        else:
+            with pytest.raises(native.NativeUnavailable, match="bfloat16_tiles=True needs AMX"):
+                forward(ids)
+
+
 def test_float32_many_rows_in_a_prompt_pass_generate_as_xla_dot(gpt2_model):
     ids = random_ids((2, 9), 300, seed=10)  # 18 rows: past float32_max_rows
     inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}

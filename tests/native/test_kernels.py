@@ -69,6 +69,33 @@ def test_many_row_products_match_numpy(m, k, n, weights):
     np.testing.assert_allclose(y, x.astype(np.float64) @ used, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (33, 31, 33), (64, 64, 64), (77, 200, 129), (40, 513, 200)])
+def test_bfloat16_tile_product_is_that_of_activations_rounded_to_bfloat16(m, k, n):
+    if not native.amx_tiles():
+        pytest.skip("AMX's tiles: this CPU or process has none (the refusal is tested instead)")
+    # Blocks of 32 rows and columns not whole (33, 77, 129, 200), K past whole tiles of 32 (31, 200, 513),
+    # whole blocks written straight into y (32, 64). Against float64 bf16(x) @ W: float32 sums' rounding only.
+    rng = np.random.default_rng(m * k + n + 5)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    rounded = x.astype(ml_dtypes.bfloat16).astype(np.float64)
+    y = _product("xlagen_bf16_tile_product", x, native.pack_bfloat16(w), n)
+    expected = rounded @ w.astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    if k >= 32:  # x was rounded: further from the float32-compute product than the sums' rounding
+        assert np.abs(y - x.astype(np.float64) @ w.astype(ml_dtypes.bfloat16).astype(np.float64)).max() > 1e-3
+
+
+def test_the_bfloat16_tile_product_refuses_without_tiles_and_empty_sizes():
+    y = np.zeros(4, np.float32)
+    entry = _entry("xlagen_bf16_tile_product", *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)
+    assert b"at least 1" in entry(_p(y), _p(y), _p(y), 0, 4, 4)
+    if not native.amx_tiles():
+        error = entry(_p(y), _p(y), _p(y), 1, 1, 1)
+        assert error is not None and b"AMX" in error
+    assert not y.any()
+
+
 @pytest.mark.parametrize("m, k, n", SHAPES)
 def test_float32_product_matches_numpy(m, k, n):
     rng = np.random.default_rng(m * k + n)

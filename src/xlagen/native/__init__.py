@@ -20,6 +20,10 @@ xlagen brings its own product for the few rows of a decoding step, in three form
   to int8 per row as well and multiplied in integers (int32 sums), about half the instructions; from
   `Kernels.int8_many_integer_min_rows` rows (prompts, encoders) to 7 bits with a zero point, which AVX2
   multiplies in three quarters of the 8-bit product's instructions.
+- On a CPU with AMX (`amx_int8`, `amx_bf16`: the "avx512amx" build), the 7-bit product runs on tile
+  registers with the same int32 sums, and bfloat16 weights' products of many rows (prompts, encoders) take
+  x rounded to bfloat16 on the bfloat16 tiles (`Kernels.bfloat16_tiles`); `amx_tiles()` says whether this
+  process has them.
 
 And one fused attention (`attention`): `softmax(scale * q k^T) v` over every key, for long unmasked
 float32 attention under XLA: Whisper's encoder (1500 positions), whose scores XLA writes out and reads
@@ -51,9 +55,9 @@ The modules: `build` (compile and cache the library), `library` (load it, its co
 """
 
 from xlagen.native.build import NO_COMPILER, SOURCES, NativeUnavailable, compile_library
-from xlagen.native.library import (configure_pool, constant, hardware_reason, load, lookahead_counts, lookahead_kib,
-                                   ready, set_lookahead, status_supported, unavailable_reason)
-from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BIASED_ATTENTION_TARGET, FLOAT32_TARGET, GEMM_TARGETS,
+from xlagen.native.library import (amx_tiles, configure_pool, constant, hardware_reason, load, lookahead_counts,
+                                   lookahead_kib, ready, set_lookahead, status_supported, unavailable_reason)
+from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BF16_TILE_TARGET, BIASED_ATTENTION_TARGET, FLOAT32_TARGET, GEMM_TARGETS,
                                INT8_INTEGER_TARGET, INT8_MANY_INTEGER_TARGET, INT8_TARGET, Heads,
                                MASKED_ATTENTION_TARGET, MEMORY_ATTENTION_TARGET, STEP_ATTENTION_TARGET, TARGET, argmax,
                                attention, masked_attention, matmul, matmul_float32, memory_attention,
@@ -74,11 +78,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "BIASED_ATTENTION_TARGET", "FLOAT32_TARGET", "GEMM_TARGETS",
+__all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "BF16_TILE_TARGET", "BIASED_ATTENTION_TARGET",
+           "FLOAT32_TARGET", "GEMM_TARGETS",
            "Heads", "INT8_INTEGER_TARGET", "INT8_MANY_INTEGER_TARGET",
            "INT8_TARGET", "Kernels", "MASKED_ATTENTION_TARGET",
            "MEMORY_ATTENTION_TARGET", "NO_COMPILER", "NativeUnavailable", "PoolSettings", "SOURCES",
-           "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "argmax", "attention", "compile_library",
+           "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "amx_tiles", "argmax", "attention", "compile_library",
            "configure_pool", "constant", "current", "decoding_step", "hardware_reason", "load", "lookahead_counts",
            "lookahead_kib", "masked_attention", "matmul", "matmul_float32", "memory_attention", "pack_bfloat16", "pack_int8",
            "pack_tensor", "prefill", "ready", "reference_memory_attention", "set_lookahead", "status_supported",

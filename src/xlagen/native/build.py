@@ -45,11 +45,12 @@ FLAGS = ("-O3", "-std=c++17", "-fPIC", "-shared", "-pthread")  # and the instruc
 # The instruction sets the kernels are written for (simd.h), the most capable first: the compiler flags of
 # each and the /proc/cpuinfo flags a CPU needs to run its build.
 ISAS = {
-    # AVX-512 with VNNI and AMX's int8 tiles: the many-row int8 x int8 product in tiles of 16 x 16 sums
-    # (packed_product.cc)
-    "avx512amx": {"flags": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-mamx-tile",
-                            "-mamx-int8"),
-                  "cpu": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile", "amx_int8")},
+    # AVX-512 with VNNI and AMX's int8 and bfloat16 tiles: the many-row int8 x int8 product and bfloat16
+    # weights' many-row product in tiles of 16 x 16 sums (packed_product.cc)
+    "avx512amx": {"flags": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mavx512bf16", "-mfma",
+                            "-mamx-tile", "-mamx-int8", "-mamx-bf16"),
+                  "cpu": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8",
+                          "amx_bf16")},
     # AVX-512 with VNNI: the int8 x int8 product sums 4 byte products into int32 in one instruction (simd.h)
     "avx512vnni": {"flags": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"),
                    "cpu": ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")},
@@ -86,7 +87,8 @@ def _compiler() -> str | None:
 
 def choose_isa(cpu_flags: Iterable[str]) -> str | None:
     """The instruction set of `ISAS` whose kernels a CPU with these /proc/cpuinfo flags runs: "avx512amx"
-    with avx512f, avx512bw, avx512vl, avx512_vnni, amx_tile and amx_int8, else "avx512vnni" with the first four,
+    with avx512f, avx512bw, avx512vl, avx512_vnni, avx512_bf16, amx_tile, amx_int8 and amx_bf16, else
+    "avx512vnni" with the first four,
     else "avx512" with avx512f, else "avx2" with avx2 and fma; None with neither."""
     flags = set(cpu_flags)
     return next((isa for isa, needs in ISAS.items() if flags.issuperset(needs["cpu"])), None)

@@ -19,6 +19,7 @@ INT8_TARGET = "xlagen_int8_matmul"
 INT8_INTEGER_TARGET = "xlagen_int8_imatmul"
 INT8_MANY_INTEGER_TARGET = "xlagen_int8_many_imatmul"
 GEMM_TARGETS = {"float32": "xlagen_f32_gemm", "bfloat16": "xlagen_bf16_gemm", "int8": "xlagen_int8_gemm"}
+BF16_TILE_TARGET = "xlagen_bf16_tile_gemm"
 ATTENTION_TARGET = "xlagen_f32_attention"
 MASKED_ATTENTION_TARGET = "xlagen_f32_masked_attention"
 BIASED_ATTENTION_TARGET = "xlagen_f32_biased_attention"
@@ -44,10 +45,12 @@ def matmul(x, words, n: int):
     and the column's scales in float32; which adds the rounding of x to int8 to that of the weights. From
     `int8_many_integer_min_rows` rows (`Kernels.use_many_integer_product`: prompts, encoders) each row of x
     is quantized to 7 bits with a zero point instead (scale (max(x, 0) - min(x, 0)) / 126), which the CPU
-    multiplies in fewer instructions.
+    multiplies in fewer instructions. bfloat16 weights' many-row products run on AMX's bfloat16 tiles where
+    the policy says so (`Kernels.use_bfloat16_tiles`): x rounded to bfloat16, sums in float32.
 
     Raises:
         TypeError: x is not float32.
+        NativeUnavailable: `Kernels.bfloat16_tiles` is True where this process has no AMX tiles.
     """
     import tensorflow as tf
 
@@ -65,6 +68,8 @@ def matmul(x, words, n: int):
         return tf.tensordot(x, unpack(words, n), 1)
     load()
     if _many_rows(policy, x, policy.packed_max_rows):
+        if words.dtype != tf.int8 and policy.use_bfloat16_tiles():
+            return _custom_call(BF16_TILE_TARGET, x, words, n)
         return _custom_call(GEMM_TARGETS["int8" if words.dtype == tf.int8 else "bfloat16"], x, words, n)
     return _custom_call(INT8_TARGET if words.dtype == tf.int8 else TARGET, x, words, n)
 

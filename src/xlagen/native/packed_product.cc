@@ -21,7 +21,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AMX_INT8__)
+// The build with AMX (-mamx-tile -mamx-int8 -mamx-bf16 -mavx512bf16, build.py's "avx512amx").
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define XLAGEN_AMX 1
+#else
+#define XLAGEN_AMX 0
+#endif
+
+#if XLAGEN_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -446,7 +453,7 @@ constexpr int kAmxRows = 32;     // rows of Xq per block: 2 tiles of 16
 constexpr int kAmxColumns = 32;  // columns per block: 2 tiles of 16, half a panel
 constexpr int kAmxDepth = 64;    // bytes of K per tile
 
-#if defined(__AMX_INT8__)
+#if XLAGEN_AMX
 // AMX (Intel's tile registers, amx_int8): the 7-bit product's tiles as TDPBUSD, 16 rows of Xq (unsigned bytes,
 // 64 of K) by 16 columns of quads (16 quads of K, signed) added into 16 x 16 int32 sums, 16,384 multiply-adds
 // per instruction. Xq's rows are then Kq = K rounded up to a multiple of 64 bytes, their count a multiple of
@@ -552,12 +559,134 @@ void RunAmxPanels(const void* args, int p0, int p1) {
   }
   _tile_release();
 }
+
+// bfloat16 weights' products of many rows on AMX's bfloat16 tiles (xlagen_bf16_tile_product): y = bf16(x) @ W,
+// each element of x rounded to bfloat16 (to nearest, ties to even), by TDPBF16PS: a pair's two products are
+// exact and added into float32 sums, 16 x 16 x 32 multiply-adds per instruction. x goes into tile order as
+// Xq does above, two bytes a value (rows rounded up to kAmxRows, K to kBf16Depth, zeros past the ends); each
+// bfloat16 panel (32 columns) is rewritten as pairs of rows of K, pairs[q][c] = bf16 W[2q, c] | bf16 W[2q + 1,
+// c] << 16, the operand a tile of columns takes (16 pairs of K by 16 columns).
+constexpr int kBf16Depth = 32;  // bfloat16 values of K per tile (64 bytes)
+
+struct Bf16TileProduct {
+  const float* x;
+  const uint32_t* w;
+  uint16_t* tiles;  // x in tile order
+  float* y;
+  int m, k, n, kp;  // kp: K rounded up to kBf16Depth
+};
+
+// x's rows of blocks [b0, b1) of 16 rows, as bfloat16 in tile order: tile (b, j) at tiles + (b kp / 32 + j) 512.
+void Bf16ToTiles(const void* args, int b0, int b1) {
+  const Bf16TileProduct& a = *static_cast<const Bf16TileProduct*>(args);
+  for (int b = b0; b < b1; ++b) {
+    for (int r = 0; r < 16; ++r) {
+      const int row = 16 * b + r;
+      uint16_t* to = a.tiles + static_cast<size_t>(b) * 16 * a.kp + kBf16Depth * r;
+      const float* x = a.x + static_cast<size_t>(row) * a.k;
+      for (int j = 0; j < a.kp; j += kBf16Depth, to += 16 * kBf16Depth) {
+        const int left = row < a.m ? a.k - j : 0;
+        __m512 lo, hi;
+        if (left >= 32) {
+          lo = _mm512_loadu_ps(x + j), hi = _mm512_loadu_ps(x + j + 16);
+        } else {
+          lo = LoadMasked(FirstLanes(left < 16 ? (left > 0 ? left : 0) : 16), x + j);
+          hi = LoadMasked(FirstLanes(left > 16 ? left - 16 : 0), x + j + 16);
+        }
+        const __m512bh pair = _mm512_cvtne2ps_pbh(hi, lo);  // lo's 16 values first
+        _mm512_storeu_si512(to, reinterpret_cast<const __m512i&>(pair));
+      }
+    }
+  }
+}
+
+// A bfloat16 panel's words[k][16] (column j low, 16 + j high) -> pairs [kp / 2][32].
+void Bf16Pairs(const uint32_t* panel, int k, int kp, uint32_t* pairs) {
+  const __m512i low = _mm512_set1_epi32(0xFFFF), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i zero = _mm512_setzero_si512();
+  for (int q = 0; q < kp / 2; ++q, pairs += 32) {
+    const __m512i first = 2 * q < k ? _mm512_loadu_si512(panel + static_cast<size_t>(2 * q) * 16) : zero;
+    const __m512i second = 2 * q + 1 < k ? _mm512_loadu_si512(panel + static_cast<size_t>(2 * q + 1) * 16) : zero;
+    _mm512_storeu_si512(pairs, _mm512_or_si512(_mm512_and_si512(first, low), _mm512_slli_epi32(second, 16)));
+    _mm512_storeu_si512(pairs + 16, _mm512_or_si512(_mm512_srli_epi32(first, 16), _mm512_and_si512(second, high)));
+  }
+}
+
+void RunBf16TilePanels(const void* args, int p0, int p1) {
+  const Bf16TileProduct& a = *static_cast<const Bf16TileProduct*>(args);
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.row_bytes[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  thread_local std::vector<uint32_t> pairs;
+  pairs.resize(static_cast<size_t>(a.kp) / 2 * kPanel);
+  alignas(64) float sums[kAmxRows][kPanel];
+  constexpr size_t pair_row = kPanel * sizeof(uint32_t);  // bytes of one pair of K over a panel's columns
+  for (int p = p0; p < p1; ++p) {
+    Bf16Pairs(a.w + static_cast<size_t>(p) * a.k * 16, a.k, a.kp, pairs.data());
+    const int c0 = p * kPanel;
+    const int columns = a.n - c0 < kPanel ? a.n - c0 : kPanel;
+    for (int r0 = 0; r0 < a.m; r0 += kAmxRows) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* x = a.tiles + static_cast<size_t>(r0) * a.kp;
+      const size_t next = static_cast<size_t>(16) * a.kp;
+      for (int k0 = 0; k0 < a.kp; k0 += kBf16Depth) {
+        const uint32_t* b = pairs.data() + static_cast<size_t>(k0 / 2) * kPanel;
+        _tile_loadd(4, x + 16 * k0, 64);
+        _tile_loadd(5, x + next + 16 * k0, 64);
+        _tile_loadd(6, b, pair_row);
+        _tile_loadd(7, b + 16, pair_row);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      const int rows = a.m - r0 < kAmxRows ? a.m - r0 : kAmxRows;
+      float* y = a.y + static_cast<size_t>(r0) * a.n + c0;
+      if (rows == kAmxRows && columns == kPanel) {  // the whole block: straight into y
+        const size_t stride = static_cast<size_t>(a.n) * sizeof(float);
+        _tile_stored(0, y, stride);
+        _tile_stored(1, y + 16, stride);
+        _tile_stored(2, y + static_cast<size_t>(16) * a.n, stride);
+        _tile_stored(3, y + static_cast<size_t>(16) * a.n + 16, stride);
+        continue;
+      }
+      constexpr size_t stride = kPanel * sizeof(float);
+      _tile_stored(0, &sums[0][0], stride);
+      _tile_stored(1, &sums[0][16], stride);
+      _tile_stored(2, &sums[16][0], stride);
+      _tile_stored(3, &sums[16][16], stride);
+      for (int r = 0; r < rows; ++r) {
+        float* row = y + static_cast<size_t>(r) * a.n;
+        StoreMasked(row, FirstLanes(columns < 16 ? columns : 16), Load(&sums[r][0]));
+        if (columns > 16) StoreMasked(row + 16, FirstLanes(columns - 16), Load(&sums[r][16]));
+      }
+    }
+  }
+  _tile_release();
+}
+
+void RunBf16TileProduct(const float* x, const uint32_t* w, float* y, int m, int k, int n) {
+  const int kp = (k + kBf16Depth - 1) / kBf16Depth * kBf16Depth;
+  const int rows = (m + kAmxRows - 1) / kAmxRows * kAmxRows;
+  thread_local std::vector<uint16_t> tiles;
+  tiles.resize(static_cast<size_t>(rows) * kp);
+  Bf16TileProduct a{x, w, tiles.data(), y, m, k, n, kp};
+  if (static_cast<long>(m) * k <= kQuantizeAlone) {
+    Bf16ToTiles(&a, 0, rows / 16);
+  } else {
+    GetPool().Run(Task{&a, Bf16ToTiles, rows / 16});
+  }
+  GetPool().Run(Task{&a, RunBf16TilePanels, (n + kPanel - 1) / kPanel});
+}
 #endif
 
 // Quantizes x's rows (by the pool unless they are few) and runs the integer product's panels on the pool.
 template <bool kSeven>
 void RunIntegerProduct(const float* x, const int8_t* w, float* y, int m, int k, int n) {
-#if defined(__AMX_INT8__)
+#if XLAGEN_AMX
   const bool amx = kSeven && AmxGranted();
 #else
   constexpr bool amx = false;
@@ -580,7 +709,7 @@ void RunIntegerProduct(const float* x, const int8_t* w, float* y, int m, int k, 
   }
   IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq};
   void (*panels)(const void*, int, int) = RunIntegerPanels<kSeven>;
-#if defined(__AMX_INT8__)
+#if XLAGEN_AMX
   if (amx) {
     thread_local std::vector<int8_t> tiles;
     tiles.resize(xq.size());
@@ -622,8 +751,19 @@ extern "C" const char* xlagen_int8_integer_product(const float* x, const int8_t*
   return nullptr;
 }
 
+extern "C" const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n) {
+  if (m < 1 || k < 1 || n < 1) return "xlagen_bf16_tile_product: m, k and n must be at least 1";
+#if XLAGEN_AMX
+  if (!AmxGranted()) return "xlagen_bf16_tile_product: Linux did not grant this process AMX's tiles";
+  RunBf16TileProduct(x, w, y, m, k, n);
+  return nullptr;
+#else
+  return "xlagen_bf16_tile_product: needs the kernels' AMX build (a CPU with amx_bf16 and amx_int8)";
+#endif
+}
+
 extern "C" int xlagen_amx_tiles() {
-#if defined(__AMX_INT8__)
+#if XLAGEN_AMX
   return AmxGranted() ? 1 : 0;
 #else
   return 0;

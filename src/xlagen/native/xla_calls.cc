@@ -149,6 +149,11 @@ extern "C" void xlagen_bf16_gemm(void* out, const void** in, const char* opaque,
   ProductCall<uint32_t>("xlagen_bf16_gemm", xlagen_bf16_many_product, out, in, opaque, opaque_len, status);
 }
 
+extern "C" void xlagen_bf16_tile_gemm(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                      XlaCustomCallStatus_* status) {
+  ProductCall<uint32_t>("xlagen_bf16_tile_gemm", xlagen_bf16_tile_product, out, in, opaque, opaque_len, status);
+}
+
 extern "C" void xlagen_int8_gemm(void* out, const void** in, const char* opaque, size_t opaque_len,
                                  XlaCustomCallStatus_* status) {
   ProductCall<int8_t>("xlagen_int8_gemm", xlagen_int8_many_product, out, in, opaque, opaque_len, status);
@@ -355,6 +360,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_int8_many_imatmul"), reinterpret_cast<void*>(&xlagen_int8_many_imatmul), host);
   add(global(), std::string("xlagen_f32_gemm"), reinterpret_cast<void*>(&xlagen_f32_gemm), host);
   add(global(), std::string("xlagen_bf16_gemm"), reinterpret_cast<void*>(&xlagen_bf16_gemm), host);
+  add(global(), std::string("xlagen_bf16_tile_gemm"), reinterpret_cast<void*>(&xlagen_bf16_tile_gemm), host);
   add(global(), std::string("xlagen_int8_gemm"), reinterpret_cast<void*>(&xlagen_int8_gemm), host);
   add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention), host);
   add(global(), std::string("xlagen_f32_masked_attention"), reinterpret_cast<void*>(&xlagen_f32_masked_attention),
