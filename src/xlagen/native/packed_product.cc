@@ -293,8 +293,9 @@ struct IntegerProduct {
 
 // A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4], and, if `sums`, sums[c] = the sum of
 // Q[:, c]. 32 columns at a time: the byte and word interleaves work within 128-bit halves (columns 0-15 and
-// 16-31), which the last step puts in order.
-void Quads(const int8_t* panel, int k, int kq, int8_t* quads, int32_t* sums) {
+// 16-31), which the last step puts in order. `tiled` (AMX's operand, Kq a multiple of 64): in tiles instead,
+// [Kq / 64][4][16][16][4], a tile's 16 quads of 16 columns contiguous (1024 bytes).
+void Quads(const int8_t* panel, int k, int kq, int8_t* quads, int32_t* sums, bool tiled = false) {
   const __m256i zero = _mm256_setzero_si256(), ones = _mm256_set1_epi8(1);
   __m256i totals[kInt8Panel / 8];
   for (auto& total : totals) total = zero;
@@ -312,9 +313,10 @@ void Quads(const int8_t* panel, int k, int kq, int8_t* quads, int32_t* sums) {
       const __m256i o2 = _mm256_unpacklo_epi16(t1, t3), o3 = _mm256_unpackhi_epi16(t1, t3);
       const __m256i out[4] = {_mm256_permute2x128_si256(o0, o1, 0x20), _mm256_permute2x128_si256(o2, o3, 0x20),
                               _mm256_permute2x128_si256(o0, o1, 0x31), _mm256_permute2x128_si256(o2, o3, 0x31)};
-      __m256i* to = reinterpret_cast<__m256i*>(quads + static_cast<size_t>(q) * 4 * kInt8Panel + 4 * c);
-      for (int v = 0; v < 4; ++v) {
-        _mm256_storeu_si256(to + v, out[v]);
+      int8_t* to = quads + static_cast<size_t>(q) * 4 * kInt8Panel + 4 * c;
+      if (tiled) to = quads + (static_cast<size_t>(q / 16) * 4 + c / 16) * 1024 + (q % 16) * 64;
+      for (int v = 0; v < 4; ++v) {  // columns c + 8 v .. c + 8 v + 7
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + (tiled ? (v / 2) * 1024 + (v % 2) * 32 : 32 * v)), out[v]);
         if (sums != nullptr) totals[c / 8 + v] = DotUnsigned(totals[c / 8 + v], ones, out[v]);
       }
     }
@@ -449,42 +451,32 @@ void RunIntegerPanels(const void* args, int p0, int p1) {
   }
 }
 
-constexpr int kAmxRows = 32;     // rows of Xq per block: 2 tiles of 16
-constexpr int kAmxColumns = 32;  // columns per block: 2 tiles of 16, half a panel
-constexpr int kAmxDepth = 64;    // bytes of K per tile
+constexpr int kAmxRows = 32;  // rows of x per block of the tile products (below): 2 tiles of 16
 
 #if XLAGEN_AMX
-// AMX (Intel's tile registers, amx_int8): the 7-bit product's tiles as TDPBUSD, 16 rows of Xq (unsigned bytes,
-// 64 of K) by 16 columns of quads (16 quads of K, signed) added into 16 x 16 int32 sums, 16,384 multiply-adds
-// per instruction. Xq's rows are then Kq = K rounded up to a multiple of 64 bytes, their count a multiple of
-// kAmxRows (rows and columns past the ends are zero; their sums are never stored). The sums are exact, as
-// with vectors, and the end is the same float32 arithmetic, so both give the same y.
+// AMX (Intel's tile registers): the 7-bit product as TDPBUSD, 16 rows of Xq (unsigned bytes, 64 of K) by 16
+// columns of quads (16 quads of K, signed) added into 16 x 16 int32 sums, 16,384 multiply-adds per
+// instruction; and bfloat16 weights' many-row product (xlagen_bf16_tile_product) as TDPBF16PS, y = bf16(x) @ W,
+// each element of x rounded to bfloat16 (to nearest, ties to even), a pair's two products exact and added
+// into float32 sums, 16 x 16 x 32 multiply-adds per instruction.
+//
+// Both run blocks of 32 rows by 32 columns: tiles 0-3 hold the block's sums (rows r0 + 16 i by columns
+// c0 + 16 j), 4 and 5 two tiles of x, 6 and 7 two of the weights. x goes into tile order first (a tile's
+// 16 rows of 64 bytes contiguous: rows rounded up to kAmxRows and K to a tile's depth, zeros past the ends,
+// whose sums are never stored); each panel of weights is rewritten per call as the operand a tile of
+// columns takes: int8 quads[q][c] (Quads above), bfloat16 pairs[q][c] = bf16 W[2q, c] | bf16 W[2q + 1, c] <<
+// 16 (Bf16Pairs). K runs in chunks (TileChunks) whose x of all rows stays in the core's L2 cache while the
+// panels pass over it; between chunks a block's sums wait in a buffer. The int8 sums are exact, as with
+// vectors, and the end is the same float32 arithmetic, so both give the same y.
 //
 // Linux hands out the tiles' register state (8 KB per thread) only to a process that asked for it
 // (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 and later); without it a tile instruction is fatal, so where
-// the request is refused the vector tiles run instead. A thread loads the tiles' configuration for each
-// stretch of panels it takes and releases the tiles after it (another library on the thread may use them
-// in between).
-// Xq [rows, Kq] (row-major, `from`) -> `to` as tiles: the 16 rows of block i and 64 bytes of K from 64 j at
-// to + (i Kq / 64 + j) 1024, row r of them 64 bytes after row r - 1. Units: blocks of 16 rows.
-struct AmxTiles {
-  const int8_t* from;
-  int8_t* to;
-  int kq;
-};
-
-void ToTiles(const void* args, int b0, int b1) {
-  const AmxTiles& a = *static_cast<const AmxTiles*>(args);
-  for (int b = b0; b < b1; ++b) {
-    const int8_t* from = a.from + static_cast<size_t>(b) * 16 * a.kq;
-    int8_t* to = a.to + static_cast<size_t>(b) * 16 * a.kq;
-    for (int j = 0; j < a.kq; j += kAmxDepth) {
-      for (int r = 0; r < 16; ++r) {
-        _mm512_storeu_si512(to + 16 * j + kAmxDepth * r, _mm512_loadu_si512(from + static_cast<size_t>(r) * a.kq + j));
-      }
-    }
-  }
-}
+// the request is refused the 7-bit product runs on vectors and the bfloat16 one refuses. A thread loads
+// the tiles' configuration for each stretch of panels it takes and releases the tiles after it (another
+// library on the thread may use them in between).
+constexpr int kTileBytes = 1024;            // one tile: 16 rows of 64 bytes
+constexpr long kChunkBytes = 768 * 1024;    // bytes of x in tile order per chunk of K, at most
+constexpr int kChunkSteps = 24;             // steps of K per chunk, at most: a block's weights (2 KB a step) near the core
 
 bool AmxGranted() {
   constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM (asm/prctl.h)
@@ -500,55 +492,145 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void RunAmxPanels(const void* args, int p0, int p1) {
-  const IntegerProduct& a = *static_cast<const IntegerProduct*>(args);
+void LoadTileConfig() {
   TileConfig config;
   for (int t = 0; t < 8; ++t) config.row_bytes[t] = 64, config.rows[t] = 16;
   _tile_loadconfig(&config);
+}
+
+// Tiles 0-3 (a block's 32 x 32 sums of 4 bytes) from `from`, `stride` bytes a row, or zero (nullptr).
+inline void StartBlock(const char* from, size_t stride) {
+  if (from == nullptr) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    return;
+  }
+  _tile_loadd(0, from, stride);
+  _tile_loadd(1, from + 64, stride);
+  _tile_loadd(2, from + 16 * stride, stride);
+  _tile_loadd(3, from + 16 * stride + 64, stride);
+}
+
+inline void StoreBlock(char* to, size_t stride) {
+  _tile_stored(0, to, stride);
+  _tile_stored(1, to + 64, stride);
+  _tile_stored(2, to + 16 * stride, stride);
+  _tile_stored(3, to + 16 * stride + 64, stride);
+}
+
+// `steps` steps of a tile's depth of K into tiles 0-3: x's two tiles at a (the second `next` bytes on,
+// kTileBytes a step), the weights' two at b (the second kTileBytes on, `step` bytes a step).
+template <bool kBf16>
+inline void BlockSteps(const char* a, size_t next, const char* b, size_t step, int steps) {
+  for (int s = 0; s < steps; ++s, a += kTileBytes, b += step) {
+    _tile_loadd(4, a, 64);
+    _tile_loadd(5, a + next, 64);
+    _tile_loadd(6, b, 64);
+    _tile_loadd(7, b + kTileBytes, 64);
+    if constexpr (kBf16) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    } else {
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 4, 7);
+      _tile_dpbusd(2, 5, 6);
+      _tile_dpbusd(3, 5, 7);
+    }
+  }
+}
+
+// The chunks of K (in tiles' steps) of a tile product: as many steps as keep `rows` rows of x in tile order
+// within kChunkBytes.
+struct TileChunks {
+  int steps, per_chunk;
+  TileChunks(int rows, int steps_of_k) : steps(steps_of_k) {
+    long most = kChunkBytes / (static_cast<long>(rows) * 64);
+    if (most > kChunkSteps) most = kChunkSteps;
+    per_chunk = most < 1 ? 1 : most < steps ? static_cast<int>(most) : steps;
+  }
+  int count() const { return (steps + per_chunk - 1) / per_chunk; }
+};
+
+// x [rows, K] (row-major, `from`, `bytes` a row) -> `to` as tiles: the 16 rows of block i and the 64 bytes of
+// row from 64 j at to + (i bytes / 64 + j) kTileBytes, row r of them 64 bytes after row r - 1. Units: blocks
+// of 16 rows.
+struct AmxTiles {
+  const int8_t* from;
+  int8_t* to;
+  int bytes;
+};
+
+void ToTiles(const void* args, int b0, int b1) {
+  const AmxTiles& a = *static_cast<const AmxTiles*>(args);
+  for (int b = b0; b < b1; ++b) {
+    const int8_t* from = a.from + static_cast<size_t>(b) * 16 * a.bytes;
+    int8_t* to = a.to + static_cast<size_t>(b) * 16 * a.bytes;
+    for (int j = 0; j < a.bytes; j += 64) {
+      for (int r = 0; r < 16; ++r) {
+        _mm512_storeu_si512(to + 16 * j + 64 * r, _mm512_loadu_si512(from + static_cast<size_t>(r) * a.bytes + j));
+      }
+    }
+  }
+}
+
+// One chunk of K of a tile product: steps [step0, step1) of the tile's depth.
+struct ChunkOfK {
+  int step0, step1;
+  bool first, last;
+};
+
+// The 7-bit product's panels (units) over one chunk of K. `partial` holds the blocks' int32 sums between
+// chunks (rows x n rounded up to 64, 4 bytes each), `column_sums` the panels' column sums so far.
+struct AmxIntegerChunk {
+  const IntegerProduct* product;
+  ChunkOfK chunk;
+  int32_t* partial;
+  int32_t* column_sums;
+  int columns;  // of partial and column_sums: n rounded up to kInt8Panel
+};
+
+void RunAmxPanels(const void* args, int p0, int p1) {
+  const AmxIntegerChunk& c = *static_cast<const AmxIntegerChunk*>(args);
+  const IntegerProduct& a = *c.product;
+  LoadTileConfig();
+  const int depth = (c.chunk.step1 - c.chunk.step0) * 64;  // bytes of K in this chunk
   thread_local std::vector<int8_t> quads;
-  quads.resize(static_cast<size_t>(a.kq) * kInt8Panel);
-  int32_t column_sums[kInt8Panel];
-  alignas(64) int32_t sums[kAmxRows][kAmxColumns];
-  const size_t quad_row = 4 * kInt8Panel;  // bytes of one quad of K over a panel's columns
+  quads.resize(static_cast<size_t>(depth) * kInt8Panel);
+  int32_t chunk_sums[kInt8Panel];
+  alignas(64) int32_t sums[kAmxRows][kAmxRows];
+  const size_t partial_row = static_cast<size_t>(c.columns) * sizeof(int32_t);
+  const int k0 = c.chunk.step0 * 64;
   for (int p = p0; p < p1; ++p) {
     const int8_t* w = a.w + static_cast<size_t>(p) * (a.k + 4) * kInt8Panel;
     const float* scales = reinterpret_cast<const float*>(w + static_cast<size_t>(a.k) * kInt8Panel);
     const int c0 = p * kInt8Panel;
-    Quads(w, a.k, a.kq, quads.data(), column_sums);
-    for (int j0 = 0; j0 < kInt8Panel && c0 + j0 < a.n; j0 += kAmxColumns) {
-      const int8_t* b = quads.data() + 4 * j0;
-      const int columns = a.n - c0 - j0 < kAmxColumns ? a.n - c0 - j0 : kAmxColumns;
+    Quads(w + static_cast<size_t>(k0 < a.k ? k0 : a.k) * kInt8Panel, a.k > k0 ? a.k - k0 : 0, depth, quads.data(),
+          chunk_sums, true);
+    int32_t* totals = c.column_sums + c0;
+    for (int j = 0; j < kInt8Panel; ++j) totals[j] = (c.chunk.first ? 0 : totals[j]) + chunk_sums[j];
+    for (int j0 = 0; j0 < kInt8Panel && c0 + j0 < a.n; j0 += kAmxRows) {
+      const char* b = reinterpret_cast<const char*>(quads.data()) + j0 / 16 * kTileBytes;
+      const int columns = a.n - c0 - j0 < kAmxRows ? a.n - c0 - j0 : kAmxRows;
       for (int r0 = 0; r0 < a.m; r0 += kAmxRows) {
-        // Tiles 0-3: the sums of rows r0 + 16 i by columns j0 + 16 j (i, j in 0..1); 4, 5: rows of Xq; 6, 7:
-        // columns of quads.
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        // Rows r0.. and r0 + 16.. of Xq as tiles (AmxTiles): a tile's 16 x 64 bytes are contiguous.
-        const int8_t* x = a.xq + static_cast<size_t>(r0) * a.kq;
-        const size_t next = static_cast<size_t>(16) * a.kq;
-        for (int k0 = 0; k0 < a.kq; k0 += kAmxDepth) {
-          _tile_loadd(4, x + 16 * k0, kAmxDepth);
-          _tile_loadd(5, x + next + 16 * k0, kAmxDepth);
-          _tile_loadd(6, b + k0 / 4 * quad_row, quad_row);
-          _tile_loadd(7, b + k0 / 4 * quad_row + 64, quad_row);
-          _tile_dpbusd(0, 4, 6);
-          _tile_dpbusd(1, 4, 7);
-          _tile_dpbusd(2, 5, 6);
-          _tile_dpbusd(3, 5, 7);
+        char* partial = reinterpret_cast<char*>(c.partial + static_cast<size_t>(r0) * c.columns + c0 + j0);
+        StartBlock(c.chunk.first ? nullptr : partial, partial_row);
+        const char* x = reinterpret_cast<const char*>(a.xq) + static_cast<size_t>(r0) * a.kq + 16 * k0;
+        BlockSteps<false>(x, static_cast<size_t>(16) * a.kq, b, 4 * kTileBytes, c.chunk.step1 - c.chunk.step0);
+        if (!c.chunk.last) {
+          StoreBlock(partial, partial_row);
+          continue;
         }
-        constexpr size_t stride = kAmxColumns * sizeof(int32_t);
-        _tile_stored(0, &sums[0][0], stride);
-        _tile_stored(1, &sums[0][16], stride);
-        _tile_stored(2, &sums[16][0], stride);
-        _tile_stored(3, &sums[16][16], stride);
+        StoreBlock(reinterpret_cast<char*>(&sums[0][0]), sizeof(sums[0]));
         const int rows = a.m - r0 < kAmxRows ? a.m - r0 : kAmxRows;
         for (int r = 0; r < rows; ++r) {
-          for (int g = 0; g < kAmxColumns / 8 && 8 * g < columns; ++g) {
+          for (int g = 0; g < kAmxRows / 8 && 8 * g < columns; ++g) {
             const int j = j0 + 8 * g;
             Ints total = LoadInts(&sums[r][8 * g]);
-            total = _mm256_sub_epi32(total, _mm256_mullo_epi32(_mm256_set1_epi32(a.xz[r0 + r]), LoadInts(column_sums + j)));
+            total = _mm256_sub_epi32(total, _mm256_mullo_epi32(_mm256_set1_epi32(a.xz[r0 + r]), LoadInts(totals + j)));
             const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[r0 + r]), _mm256_loadu_ps(scales + j));
             StoreFirst8(a.y + static_cast<size_t>(r0 + r) * a.n + c0 + j, _mm256_mul_ps(IntsToFloats(total), factor),
                         columns - 8 * g);
@@ -560,12 +642,30 @@ void RunAmxPanels(const void* args, int p0, int p1) {
   _tile_release();
 }
 
-// bfloat16 weights' products of many rows on AMX's bfloat16 tiles (xlagen_bf16_tile_product): y = bf16(x) @ W,
-// each element of x rounded to bfloat16 (to nearest, ties to even), by TDPBF16PS: a pair's two products are
-// exact and added into float32 sums, 16 x 16 x 32 multiply-adds per instruction. x goes into tile order as
-// Xq does above, two bytes a value (rows rounded up to kAmxRows, K to kBf16Depth, zeros past the ends); each
-// bfloat16 panel (32 columns) is rewritten as pairs of rows of K, pairs[q][c] = bf16 W[2q, c] | bf16 W[2q + 1,
-// c] << 16, the operand a tile of columns takes (16 pairs of K by 16 columns).
+// The 7-bit product of quantized rows on the tiles: xq [rows, kq] row-major (rows a multiple of kAmxRows,
+// kq of 64), xs and xz as QuantizeRowsSeven leaves them.
+void RunAmxIntegerProduct(IntegerProduct a, int rows) {
+  thread_local std::vector<int8_t> tiles;
+  tiles.resize(static_cast<size_t>(rows) * a.kq);
+  AmxTiles blocks{a.xq, tiles.data(), a.kq};
+  if (static_cast<long>(rows) * a.kq <= kQuantizeAlone) {
+    ToTiles(&blocks, 0, rows / 16);
+  } else {
+    GetPool().Run(Task{&blocks, ToTiles, rows / 16});
+  }
+  a.xq = tiles.data();
+  const TileChunks chunks(rows, a.kq / 64);
+  const int columns = (a.n + kInt8Panel - 1) / kInt8Panel * kInt8Panel;
+  thread_local std::vector<int32_t> partial, column_sums;
+  if (chunks.count() > 1) partial.resize(static_cast<size_t>(rows) * columns);
+  column_sums.resize(columns);
+  for (int step = 0; step < chunks.steps; step += chunks.per_chunk) {
+    const int end = step + chunks.per_chunk < chunks.steps ? step + chunks.per_chunk : chunks.steps;
+    AmxIntegerChunk chunk{&a, {step, end, step == 0, end == chunks.steps}, partial.data(), column_sums.data(), columns};
+    GetPool().Run(Task{&chunk, RunAmxPanels, columns / kInt8Panel});
+  }
+}
+
 constexpr int kBf16Depth = 32;  // bfloat16 values of K per tile (64 bytes)
 
 struct Bf16TileProduct {
@@ -600,68 +700,64 @@ void Bf16ToTiles(const void* args, int b0, int b1) {
   }
 }
 
-// A bfloat16 panel's words[k][16] (column j low, 16 + j high) -> pairs [kp / 2][32].
+// A bfloat16 panel's words[k][16] (column j low, 16 + j high) -> pairs in tiles, [kp / 32][2][16][16]: the
+// tile of step s and columns 16 t.. holds pairs[q][c] for q in 16 s.. (rows past k zero).
 void Bf16Pairs(const uint32_t* panel, int k, int kp, uint32_t* pairs) {
   const __m512i low = _mm512_set1_epi32(0xFFFF), high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   const __m512i zero = _mm512_setzero_si512();
-  for (int q = 0; q < kp / 2; ++q, pairs += 32) {
+  for (int q = 0; q < kp / 2; ++q) {
     const __m512i first = 2 * q < k ? _mm512_loadu_si512(panel + static_cast<size_t>(2 * q) * 16) : zero;
     const __m512i second = 2 * q + 1 < k ? _mm512_loadu_si512(panel + static_cast<size_t>(2 * q + 1) * 16) : zero;
-    _mm512_storeu_si512(pairs, _mm512_or_si512(_mm512_and_si512(first, low), _mm512_slli_epi32(second, 16)));
-    _mm512_storeu_si512(pairs + 16, _mm512_or_si512(_mm512_srli_epi32(first, 16), _mm512_and_si512(second, high)));
+    uint32_t* to = pairs + static_cast<size_t>(q / 16) * 512 + (q % 16) * 16;
+    _mm512_storeu_si512(to, _mm512_or_si512(_mm512_and_si512(first, low), _mm512_slli_epi32(second, 16)));
+    _mm512_storeu_si512(to + 256, _mm512_or_si512(_mm512_srli_epi32(first, 16), _mm512_and_si512(second, high)));
   }
 }
 
+// The bfloat16 product's panels (units) over one chunk of K; `partial` as AmxIntegerChunk's (float32 sums,
+// n rounded up to kPanel columns).
+struct Bf16TileChunk {
+  const Bf16TileProduct* product;
+  ChunkOfK chunk;
+  float* partial;
+  int columns;
+};
+
 void RunBf16TilePanels(const void* args, int p0, int p1) {
-  const Bf16TileProduct& a = *static_cast<const Bf16TileProduct*>(args);
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) config.row_bytes[t] = 64, config.rows[t] = 16;
-  _tile_loadconfig(&config);
+  const Bf16TileChunk& c = *static_cast<const Bf16TileChunk*>(args);
+  const Bf16TileProduct& a = *c.product;
+  LoadTileConfig();
+  const int depth = (c.chunk.step1 - c.chunk.step0) * kBf16Depth;  // values of K in this chunk
+  const int k0 = c.chunk.step0 * kBf16Depth;
   thread_local std::vector<uint32_t> pairs;
-  pairs.resize(static_cast<size_t>(a.kp) / 2 * kPanel);
+  pairs.resize(static_cast<size_t>(depth) / 2 * kPanel);
   alignas(64) float sums[kAmxRows][kPanel];
-  constexpr size_t pair_row = kPanel * sizeof(uint32_t);  // bytes of one pair of K over a panel's columns
+  const size_t partial_row = static_cast<size_t>(c.columns) * sizeof(float);
+  const size_t y_row = static_cast<size_t>(a.n) * sizeof(float);
   for (int p = p0; p < p1; ++p) {
-    Bf16Pairs(a.w + static_cast<size_t>(p) * a.k * 16, a.k, a.kp, pairs.data());
+    Bf16Pairs(a.w + (static_cast<size_t>(p) * a.k + (k0 < a.k ? k0 : a.k)) * 16, a.k > k0 ? a.k - k0 : 0, depth,
+              pairs.data());
     const int c0 = p * kPanel;
     const int columns = a.n - c0 < kPanel ? a.n - c0 : kPanel;
     for (int r0 = 0; r0 < a.m; r0 += kAmxRows) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      const uint16_t* x = a.tiles + static_cast<size_t>(r0) * a.kp;
-      const size_t next = static_cast<size_t>(16) * a.kp;
-      for (int k0 = 0; k0 < a.kp; k0 += kBf16Depth) {
-        const uint32_t* b = pairs.data() + static_cast<size_t>(k0 / 2) * kPanel;
-        _tile_loadd(4, x + 16 * k0, 64);
-        _tile_loadd(5, x + next + 16 * k0, 64);
-        _tile_loadd(6, b, pair_row);
-        _tile_loadd(7, b + 16, pair_row);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
+      char* partial = reinterpret_cast<char*>(c.partial + static_cast<size_t>(r0) * c.columns + c0);
+      StartBlock(c.chunk.first ? nullptr : partial, partial_row);
+      const char* x = reinterpret_cast<const char*>(a.tiles + static_cast<size_t>(r0) * a.kp) + 32 * k0;
+      BlockSteps<true>(x, static_cast<size_t>(32) * a.kp, reinterpret_cast<const char*>(pairs.data()),
+                       2 * kTileBytes, c.chunk.step1 - c.chunk.step0);
       const int rows = a.m - r0 < kAmxRows ? a.m - r0 : kAmxRows;
       float* y = a.y + static_cast<size_t>(r0) * a.n + c0;
-      if (rows == kAmxRows && columns == kPanel) {  // the whole block: straight into y
-        const size_t stride = static_cast<size_t>(a.n) * sizeof(float);
-        _tile_stored(0, y, stride);
-        _tile_stored(1, y + 16, stride);
-        _tile_stored(2, y + static_cast<size_t>(16) * a.n, stride);
-        _tile_stored(3, y + static_cast<size_t>(16) * a.n + 16, stride);
-        continue;
-      }
-      constexpr size_t stride = kPanel * sizeof(float);
-      _tile_stored(0, &sums[0][0], stride);
-      _tile_stored(1, &sums[0][16], stride);
-      _tile_stored(2, &sums[16][0], stride);
-      _tile_stored(3, &sums[16][16], stride);
-      for (int r = 0; r < rows; ++r) {
-        float* row = y + static_cast<size_t>(r) * a.n;
-        StoreMasked(row, FirstLanes(columns < 16 ? columns : 16), Load(&sums[r][0]));
-        if (columns > 16) StoreMasked(row + 16, FirstLanes(columns - 16), Load(&sums[r][16]));
+      if (!c.chunk.last) {
+        StoreBlock(partial, partial_row);
+      } else if (rows == kAmxRows && columns == kPanel) {  // the whole block: straight into y
+        StoreBlock(reinterpret_cast<char*>(y), y_row);
+      } else {
+        StoreBlock(reinterpret_cast<char*>(&sums[0][0]), sizeof(sums[0]));
+        for (int r = 0; r < rows; ++r) {
+          float* row = y + static_cast<size_t>(r) * a.n;
+          StoreMasked(row, FirstLanes(columns < 16 ? columns : 16), Load(&sums[r][0]));
+          if (columns > 16) StoreMasked(row + 16, FirstLanes(columns - 16), Load(&sums[r][16]));
+        }
       }
     }
   }
@@ -679,7 +775,15 @@ void RunBf16TileProduct(const float* x, const uint32_t* w, float* y, int m, int 
   } else {
     GetPool().Run(Task{&a, Bf16ToTiles, rows / 16});
   }
-  GetPool().Run(Task{&a, RunBf16TilePanels, (n + kPanel - 1) / kPanel});
+  const TileChunks chunks(rows, kp / kBf16Depth);
+  const int columns = (n + kPanel - 1) / kPanel * kPanel;
+  thread_local std::vector<float> partial;
+  if (chunks.count() > 1) partial.resize(static_cast<size_t>(rows) * columns);
+  for (int step = 0; step < chunks.steps; step += chunks.per_chunk) {
+    const int end = step + chunks.per_chunk < chunks.steps ? step + chunks.per_chunk : chunks.steps;
+    Bf16TileChunk chunk{&a, {step, end, step == 0, end == chunks.steps}, partial.data(), columns};
+    GetPool().Run(Task{&chunk, RunBf16TilePanels, columns / kPanel});
+  }
 }
 #endif
 
@@ -691,7 +795,7 @@ void RunIntegerProduct(const float* x, const int8_t* w, float* y, int m, int k, 
 #else
   constexpr bool amx = false;
 #endif
-  const int kq = amx ? (k + kAmxDepth - 1) / kAmxDepth * kAmxDepth : (k + 3) / 4 * 4;
+  const int kq = amx ? (k + 63) / 64 * 64 : (k + 3) / 4 * 4;
   const int rows = amx ? (m + kAmxRows - 1) / kAmxRows * kAmxRows : m;  // tiles read whole blocks of rows
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> xs;
@@ -708,21 +812,10 @@ void RunIntegerProduct(const float* x, const int8_t* w, float* y, int m, int k, 
     GetPool().Run(Task{&quantized, quantize, m});
   }
   IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq};
-  void (*panels)(const void*, int, int) = RunIntegerPanels<kSeven>;
 #if XLAGEN_AMX
-  if (amx) {
-    thread_local std::vector<int8_t> tiles;
-    tiles.resize(xq.size());
-    AmxTiles blocks{xq.data(), tiles.data(), kq};
-    if (static_cast<long>(rows) * kq <= kQuantizeAlone) {
-      ToTiles(&blocks, 0, rows / 16);
-    } else {
-      GetPool().Run(Task{&blocks, ToTiles, rows / 16});
-    }
-    a.xq = tiles.data();
-    panels = RunAmxPanels;
-  }
+  if (amx) return RunAmxIntegerProduct(a, rows);
 #endif
+  void (*panels)(const void*, int, int) = RunIntegerPanels<kSeven>;
   GetPool().Run(Task{&a, panels, (n + kInt8Panel - 1) / kInt8Panel});
 }
 
