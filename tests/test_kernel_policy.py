@@ -225,7 +225,7 @@ def test_int8_products_of_many_rows_run_in_7_bit_integers_from_their_min_rows(ke
 
     least = native.Kernels().int8_many_integer_min_rows
     # With vectors, a decoding step of 2 beams over a batch of 8 keeps 8 bits; on AMX's tiles 7 bits from 8 rows.
-    assert least == (8 if build.host_isa() == "avx512amx" else 24)
+    assert least == (8 if build.tiles_granted() else 24)
     everywhere = {"outside a step": True, "in a step": True, "in a prefill": True, "in a loop that is no step": True}
     assert ask(native.Kernels(), least) == ask(native.Kernels(int8_integer_min_rows=None), 600) == everywhere
     assert not any(ask(native.Kernels(), least - 1).values())
@@ -294,9 +294,12 @@ def test_generate_and_compiled_generator_take_a_policy(gpt2_model, caplog):
         gpt2_model.generate(ids, max_new_tokens=2, kernels=False)
 
 
-@pytest.mark.parametrize("isa, rows", [("avx512amx", 8), ("avx512vnni", 24), ("avx2", 24), (None, 24)])
-def test_the_7_bit_product_starts_at_fewer_rows_on_amx_tiles(monkeypatch, isa, rows):
+@pytest.mark.parametrize("isa, granted, rows", [("avx512amx", True, 8), ("avx512amx", False, 24), ("avx512vnni", False, 24),
+                                                ("avx2", False, 24), (None, False, 24)])
+def test_the_7_bit_product_starts_at_fewer_rows_on_amx_tiles(monkeypatch, isa, granted, rows):
+    # Only where Linux grants the tiles: refused, the 7-bit product runs on vectors, slower than 8 bits below 24.
     monkeypatch.setattr(build, "host_isa", lambda: isa)
+    monkeypatch.setattr(build.ctypes, "CDLL", lambda name: type("Libc", (), {"syscall": lambda *a: 0 if granted else -1}))
     policy.many_integer_min_rows.cache_clear()
     try:
         assert native.Kernels().int8_many_integer_min_rows == rows
@@ -318,6 +321,7 @@ def test_bfloat16_tiles_follow_the_process_and_refuse_where_it_has_none(monkeypa
         assert native.Kernels(bfloat16_tiles=False).use_bfloat16_tiles() is False
     monkeypatch.setattr(library, "amx_tiles", lambda: True)
     assert native.Kernels(bfloat16_tiles=True).use_bfloat16_tiles() is True
+    assert native.Kernels(bfloat16_tiles=np.False_).use_bfloat16_tiles() is False
     monkeypatch.setattr(library, "amx_tiles", lambda: False)
     with pytest.raises(native.NativeUnavailable, match=r"bfloat16_tiles=True needs AMX's bfloat16 tiles"):
         native.Kernels(bfloat16_tiles=True).use_bfloat16_tiles()

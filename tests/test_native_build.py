@@ -375,3 +375,33 @@ def test_a_library_that_does_not_load_is_native_unavailable(tmp_path):
     lines = dict(line.split(": ", 1) for line in result.stdout.splitlines())
     assert lines["refused"].startswith(f"loading xlagen's native kernels ({lines['library']}) failed: ")
     assert lines["ready"] == "False"
+
+
+@requires_compiler
+def test_a_compiler_that_refuses_amx_gets_the_build_without_it(tmp_path):
+    # GCC before 11 knows no -mamx-*: the AMX build fails, and the AVX-512 VNNI build runs instead, with a
+    # warning. In a fresh process, posing as an AMX CPU; the "VNNI" build is compiled for this CPU so that it
+    # loads anywhere.
+    script = textwrap.dedent("""
+        import logging
+        from xlagen import native
+        from xlagen.native import build
+
+        real_isa, real_compile = build.host_isa(), build.compile_library
+        logging.basicConfig(level=logging.WARNING, format="%(message)s")
+
+        def compile_library(sources, library, isa=None):
+            if isa == "avx512amx":
+                raise build.BuildFailed("building xlagen's native kernels failed (g++ -mamx-tile ...):\\nunknown flag")
+            real_compile(sources, library, real_isa)
+
+        build.host_isa = lambda: "avx512amx"
+        build.compile_library = compile_library
+        native.load()
+        print("isa:", native.library.isa())
+    """)
+    env = {**os.environ, "PYTHONPATH": SRC, "XLAGEN_CACHE": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "isa: avx512vnni" in result.stdout
+    assert "the AMX build failed, using the AVX-512 VNNI build" in result.stderr

@@ -69,12 +69,13 @@ def test_many_row_products_match_numpy(m, k, n, weights):
     np.testing.assert_allclose(y, x.astype(np.float64) @ used, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
-@pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (33, 31, 33), (64, 64, 64), (77, 200, 129), (40, 513, 200)])
+@pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (33, 31, 33), (64, 64, 64), (77, 200, 129), (40, 513, 200),
+                                             (70, 3000, 130), (33, 1700, 65)])
 def test_bfloat16_tile_product_is_that_of_activations_rounded_to_bfloat16(m, k, n):
     if not native.amx_tiles():
         pytest.skip("AMX's tiles: this CPU or process has none (the refusal is tested instead)")
     # Blocks of 32 rows and columns not whole (33, 77, 129, 200), K past whole tiles of 32 (31, 200, 513),
-    # whole blocks written straight into y (32, 64). Against float64 bf16(x) @ W: float32 sums' rounding only.
+    # whole blocks written straight into y (32, 64), K in several chunks over several blocks of rows (3000, 1700). Against float64 bf16(x) @ W: float32 sums' rounding only.
     rng = np.random.default_rng(m * k + n + 5)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -87,13 +88,13 @@ def test_bfloat16_tile_product_is_that_of_activations_rounded_to_bfloat16(m, k, 
 
 
 def test_the_bfloat16_tile_product_refuses_without_tiles_and_empty_sizes():
-    y = np.zeros(4, np.float32)
+    y = np.full(4, np.nan, np.float32)
     entry = _entry("xlagen_bf16_tile_product", *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)
     assert b"at least 1" in entry(_p(y), _p(y), _p(y), 0, 4, 4)
     if not native.amx_tiles():
         error = entry(_p(y), _p(y), _p(y), 1, 1, 1)
         assert error is not None and b"AMX" in error
-    assert not y.any()
+    assert np.isnan(y).all()  # nothing written
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES)
@@ -132,7 +133,7 @@ INTEGER_PRODUCTS = {"xlagen_int8_integer_product": False, "xlagen_int8_many_inte
 @pytest.mark.parametrize("name", INTEGER_PRODUCTS)
 @pytest.mark.parametrize("m, k, n", SHAPES + [(4, 4, 64), (5, 6, 65), (70, 31, 130), (64, 8, 16), (3, 2, 7),
                                              (7, 40, 64), (10, 33, 96), (130, 70, 200), (77, 200, 129),
-                                             (33, 129, 64)])
+                                             (33, 129, 64), (70, 3000, 130), (33, 1700, 65)])
 def test_int8_integer_products_match_their_numpy_reference_exactly(name, m, k, n):
     rng = np.random.default_rng(m * k + n + 2)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)
@@ -150,8 +151,8 @@ def test_int8_integer_products_match_their_numpy_reference_exactly(name, m, k, n
 
 def test_the_amx_build_multiplies_on_tiles():
     # A CPU that lists amx_int8 runs a kernel whose Linux hands out the tiles' state (the flag is hidden
-    # otherwise): the many-row product must not quietly fall back to vectors there.
-    assert native.library.amx_tiles() == (native.library.isa() == "avx512amx")
+    # otherwise) and grants the process their state: the many-row product must not quietly fall back to vectors.
+    assert native.library.amx_tiles() == (native.library.isa() == "avx512amx" and native.build.tiles_granted())
 
 
 @pytest.mark.parametrize("name", INTEGER_PRODUCTS)

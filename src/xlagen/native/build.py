@@ -29,6 +29,7 @@ this user can have written it, and only the exact bytes recorded when it was bui
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import hashlib
 import logging
@@ -69,6 +70,11 @@ class NativeUnavailable(RuntimeError):
     """The native kernels cannot run on this machine; the message says why."""
 
 
+class BuildFailed(NativeUnavailable):
+    """The compiler ran and refused the kernels' sources or flags (an older compiler may not know an
+    instruction set's flags, e.g. AMX's before GCC 11); the message has its output."""
+
+
 class _Unusable(Exception):
     """Why a cached library must not be loaded, and how loudly to say so when building it again (a logging
     level; 0 for a library not built yet)."""
@@ -107,6 +113,16 @@ def cpu_flags() -> frozenset[str]:
 def host_isa() -> str | None:
     """The instruction set this CPU runs the kernels with (`choose_isa` of its flags), or None."""
     return choose_isa(cpu_flags())
+
+
+def tiles_granted() -> bool:
+    """Whether this CPU has AMX's int8 and bfloat16 tiles (the "avx512amx" build) and Linux grants this
+    process their register state (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 and later; asking again is
+    harmless). Loads nothing."""
+    if host_isa() != "avx512amx":
+        return False
+    request_permission, tile_data, sys_arch_prctl = 0x1023, 18, 158  # asm/prctl.h, x86-64's syscall number
+    return ctypes.CDLL(None).syscall(sys_arch_prctl, request_permission, tile_data) == 0
 
 
 def _isa(isa: str | None) -> str:
@@ -172,7 +188,7 @@ def compile_library(sources: Path, library: Path, isa: str | None = None) -> Non
     except OSError as error:
         raise NativeUnavailable(f"running the C++ compiler failed ({' '.join(command)}): {error}") from error
     if result.returncode != 0:
-        raise NativeUnavailable(f"building xlagen's native kernels failed ({' '.join(command)}):\n"
+        raise BuildFailed(f"building xlagen's native kernels failed ({' '.join(command)}):\n"
                                 f"{result.stderr[-2000:]}")
 
 

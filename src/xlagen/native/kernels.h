@@ -54,7 +54,8 @@ const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* 
 // (max(x, 0) - min(x, 0)) / 126), which multiplies in fewer instructions (packed_product.cc).
 const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
 // y = bf16(x) @ W for bfloat16 weights packed as xlagen_bf16_product's: x rounded to bfloat16, float32 sums, on
-// AMX's bfloat16 tiles (refused where xlagen_amx_tiles() is 0).
+// AMX's bfloat16 tiles (refused where xlagen_amx_tiles() is 0); as the tiles do, subnormal inputs and sums
+// count as zero.
 const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n);
 // 1 where xlagen_int8_many_integer_product runs on AMX's tile registers: the build has them (-mamx-int8) and
 // Linux granted this process their state; else 0 (it runs on vectors).

@@ -28,10 +28,14 @@ def hardware_reason() -> str | None:
     return None
 
 
+# The build `opened` loaded where it is not the CPU's own (the compiler refused the AMX build), else None.
+_fallback_isa: str | None = None
+
+
 def isa() -> str | None:
     """The instruction set the kernels are built for and run with on this machine ("avx512amx", "avx512vnni",
     "avx512" or "avx2", see `build.ISAS`), or None where they cannot run (`hardware_reason`)."""
-    return None if hardware_reason() else build.host_isa()
+    return None if hardware_reason() else _fallback_isa or build.host_isa()
 
 
 def unavailable_reason() -> str | None:
@@ -53,22 +57,36 @@ def opened() -> ctypes.CDLL:
     if reason:
         raise NativeUnavailable(reason)
     settings = PoolSettings.from_env()
-    # `build.opened` verifies the cached build (owner, mode, SHA-256) and names its open descriptor, so the
-    # bytes verified are the bytes loaded.
-    with build.opened() as verified:
-        try:
-            library = ctypes.CDLL(verified)
-        except OSError as error:
-            raise NativeUnavailable(f"loading xlagen's native kernels "
-                                    f"({build.cache_folder() / build.library_name()}) failed: {error}") from error
+    global _fallback_isa
+    host = build.host_isa()
+    try:
+        library = _open(host)
+    except build.BuildFailed as error:
+        if host != "avx512amx":
+            raise
+        # A compiler without AMX's flags (GCC before 11): the same kernels without the tiles.
+        logger.warning("xlagen's native kernels: the AMX build failed, using the AVX-512 VNNI build (%s)",
+                       str(error).splitlines()[0])
+        library, _fallback_isa = _open("avx512vnni"), "avx512vnni"
     _configure(library, settings)
     return library
 
 
+def _open(isa: str) -> ctypes.CDLL:
+    # `build.opened` verifies the cached build (owner, mode, SHA-256) and names its open descriptor, so the
+    # bytes verified are the bytes loaded.
+    with build.opened(isa=isa) as verified:
+        try:
+            return ctypes.CDLL(verified)
+        except OSError as error:
+            raise NativeUnavailable(f"loading xlagen's native kernels "
+                                    f"({build.cache_folder() / build.library_name(isa=isa)}) failed: {error}") from error
+
+
 def amx_tiles() -> bool:
     """Whether the many-row int8 x int8 product runs on AMX's tile registers in this process: the kernels'
-    build is "avx512amx" (`isa`) and Linux granted the process the tiles' state (Linux 5.16 and later); else
-    it runs on vectors. Loads the kernels.
+    build is "avx512amx" (`isa`) and Linux granted the process the tiles' state (`build.tiles_granted`); else it
+    runs on vectors. Loads the kernels.
 
     Raises:
         NativeUnavailable: as `opened`.

@@ -37,13 +37,13 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the head sizes the fused attentions h
 
 @functools.lru_cache(maxsize=1)
 def many_integer_min_rows() -> int:
-    """`Kernels.int8_many_integer_min_rows`' default: 8 where the kernels' build has AMX's int8 tiles
-    (`build.host_isa()` is "avx512amx"), else 24. With the tiles the 7-bit product of GPT-2-small's shapes
+    """`Kernels.int8_many_integer_min_rows`' default: 8 where the kernels' build has AMX's int8 tiles and
+    this process may use them (`build.tiles_granted()`), else 24. With the tiles the 7-bit product of GPT-2-small's shapes
     took 0.75x the 8-bit one's time at 8 rows and 0.5x at 16 (`xlagen_int8_many_integer_product` against
     `xlagen_int8_integer_product` alone, 2 threads); with vectors only it overtakes the 8-bit product at 24."""
     from xlagen.native import build
 
-    return 8 if build.host_isa() == "avx512amx" else 24
+    return 8 if build.tiles_granted() else 24
 
 
 def _default(field: dataclasses.Field):
@@ -250,7 +250,7 @@ class Kernels:
         """
         from xlagen.native.library import NativeUnavailable, amx_tiles
 
-        if self.bfloat16_tiles is False:
+        if self.bfloat16_tiles is not None and not self.bfloat16_tiles:  # False, numpy's too
             return False
         try:
             available = amx_tiles()
