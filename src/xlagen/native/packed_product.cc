@@ -543,8 +543,14 @@ inline void BlockSteps(const char* a, size_t next, const char* b, size_t step, i
   }
 }
 
+// One chunk of K of a tile product: steps [step0, step1) of the tile's depth.
+struct ChunkOfK {
+  int step0, step1;
+  bool first, last;
+};
+
 // The chunks of K (in tiles' steps) of a tile product: as many steps as keep `rows` rows of x in tile order
-// within kChunkBytes.
+// within kChunkBytes; `at(step)` is the chunk starting there.
 struct TileChunks {
   int steps, per_chunk;
   TileChunks(int rows, int steps_of_k) : steps(steps_of_k) {
@@ -553,6 +559,10 @@ struct TileChunks {
     per_chunk = most < 1 ? 1 : most < steps ? static_cast<int>(most) : steps;
   }
   int count() const { return (steps + per_chunk - 1) / per_chunk; }
+  ChunkOfK at(int step) const {
+    const int end = step + per_chunk < steps ? step + per_chunk : steps;
+    return {step, end, step == 0, end == steps};
+  }
 };
 
 // x [rows, K] (row-major, `from`, `bytes` a row) -> `to` as tiles: the 16 rows of block i and the 64 bytes of
@@ -576,12 +586,6 @@ void ToTiles(const void* args, int b0, int b1) {
     }
   }
 }
-
-// One chunk of K of a tile product: steps [step0, step1) of the tile's depth.
-struct ChunkOfK {
-  int step0, step1;
-  bool first, last;
-};
 
 // The 7-bit product's panels (units) over one chunk of K. `partial` holds the blocks' int32 sums between
 // chunks (rows x n rounded up to 64, 4 bytes each), `column_sums` the panels' column sums so far.
@@ -608,8 +612,7 @@ void RunAmxPanels(const void* args, int p0, int p1) {
     const int8_t* w = a.w + static_cast<size_t>(p) * (a.k + 4) * kInt8Panel;
     const float* scales = reinterpret_cast<const float*>(w + static_cast<size_t>(a.k) * kInt8Panel);
     const int c0 = p * kInt8Panel;
-    Quads(w + static_cast<size_t>(k0 < a.k ? k0 : a.k) * kInt8Panel, a.k > k0 ? a.k - k0 : 0, depth, quads.data(),
-          chunk_sums, true);
+    Quads(w + static_cast<size_t>(k0) * kInt8Panel, a.k - k0, depth, quads.data(), chunk_sums, true);  // k0 < K
     int32_t* totals = c.column_sums + c0;
     for (int j = 0; j < kInt8Panel; ++j) totals[j] = (c.chunk.first ? 0 : totals[j]) + chunk_sums[j];
     for (int j0 = 0; j0 < kInt8Panel && c0 + j0 < a.n; j0 += kAmxRows) {
@@ -660,8 +663,7 @@ void RunAmxIntegerProduct(IntegerProduct a, int rows) {
   if (chunks.count() > 1) partial.resize(static_cast<size_t>(rows) * columns);
   column_sums.resize(columns);
   for (int step = 0; step < chunks.steps; step += chunks.per_chunk) {
-    const int end = step + chunks.per_chunk < chunks.steps ? step + chunks.per_chunk : chunks.steps;
-    AmxIntegerChunk chunk{&a, {step, end, step == 0, end == chunks.steps}, partial.data(), column_sums.data(), columns};
+    AmxIntegerChunk chunk{&a, chunks.at(step), partial.data(), column_sums.data(), columns};
     GetPool().Run(Task{&chunk, RunAmxPanels, columns / kInt8Panel});
   }
 }
@@ -735,8 +737,7 @@ void RunBf16TilePanels(const void* args, int p0, int p1) {
   const size_t partial_row = static_cast<size_t>(c.columns) * sizeof(float);
   const size_t y_row = static_cast<size_t>(a.n) * sizeof(float);
   for (int p = p0; p < p1; ++p) {
-    Bf16Pairs(a.w + (static_cast<size_t>(p) * a.k + (k0 < a.k ? k0 : a.k)) * 16, a.k > k0 ? a.k - k0 : 0, depth,
-              pairs.data());
+    Bf16Pairs(a.w + (static_cast<size_t>(p) * a.k + k0) * 16, a.k - k0, depth, pairs.data());  // k0 < K
     const int c0 = p * kPanel;
     const int columns = a.n - c0 < kPanel ? a.n - c0 : kPanel;
     for (int r0 = 0; r0 < a.m; r0 += kAmxRows) {
@@ -780,8 +781,7 @@ void RunBf16TileProduct(const float* x, const uint32_t* w, float* y, int m, int 
   thread_local std::vector<float> partial;
   if (chunks.count() > 1) partial.resize(static_cast<size_t>(rows) * columns);
   for (int step = 0; step < chunks.steps; step += chunks.per_chunk) {
-    const int end = step + chunks.per_chunk < chunks.steps ? step + chunks.per_chunk : chunks.steps;
-    Bf16TileChunk chunk{&a, {step, end, step == 0, end == chunks.steps}, partial.data(), columns};
+    Bf16TileChunk chunk{&a, chunks.at(step), partial.data(), columns};
     GetPool().Run(Task{&chunk, RunBf16TilePanels, columns / kPanel});
   }
 }
