@@ -18,14 +18,16 @@ pytestmark = requires_kernels
 
 
 @pytest.mark.parametrize("weight_dtype", list(FORMATS))
-def test_packed_products_of_many_rows_run_the_many_row_product(weight_dtype):
+@pytest.mark.parametrize("extra_rows", [7, 150])
+def test_packed_products_of_many_rows_run_the_many_row_product(weight_dtype, extra_rows):
     # More rows than packed_max_rows outside a step: the many-row product, x @ unpack(W) (without it: unpacked
-    # for XLA's dot); inside a step the streaming kernel, whatever the rows.
+    # for XLA's dot); inside a step the streaming kernel, whatever the rows. With 150 more, the product's one
+    # block of columns is split into units of rows.
     _, pack, streaming = FORMATS[weight_dtype]
     many = native.GEMM_TARGETS[weight_dtype]
     rng = np.random.default_rng(3)
     words = tf.constant(pack(rng.standard_normal((300, 70)).astype(np.float32)))
-    rows = native.Kernels().packed_max_rows + 7
+    rows = native.Kernels().packed_max_rows + extra_rows
     x = rng.standard_normal((rows, 300)).astype(np.float32)
     function = tf.function(lambda x: native.matmul(x, words, 70), jit_compile=True)
     with native.tracing(FLOAT_INT8):
@@ -48,7 +50,10 @@ def test_packed_products_of_many_rows_run_the_many_row_product(weight_dtype):
     assert f'custom_call_target="{streaming}"' in hlo and many not in hlo
 
 
-@pytest.mark.parametrize("rows, k, n", [(17, 300, 70), (40, 768, 129), (100, 33, 1000)])
+# The last two: units of rows as well as of columns (two blocks of columns by four parts of the rows, the
+# last shorter; one block by two parts).
+@pytest.mark.parametrize("rows, k, n", [(17, 300, 70), (40, 768, 129), (100, 33, 1000), (300, 200, 300),
+                                        (130, 70, 40)])
 def test_float32_many_row_product_matches_float64_numpy(rows, k, n):
     rng = np.random.default_rng(rows + n)
     x = rng.standard_normal((rows, k)).astype(np.float32)

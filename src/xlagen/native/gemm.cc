@@ -3,7 +3,8 @@
 // products (f32_product.cc, packed_product.cc) keep a few rows' sums in registers over the whole of K; here
 // the weights are widened to float32 once per block and reused by every row.
 //
-// Layout of the work: each unit is a block of kBlockColumns output columns. For each run of kDepth weight
+// Layout of the work: each unit is a block of kBlockColumns output columns (of some of the rows, when the
+// columns alone make too few units for the threads). For each run of kDepth weight
 // rows, the unit copies its block of W into a float32 buffer strip by strip (a strip: kStrip = 2 vectors of
 // columns, kDepth rows, contiguous: the 2 vectors of a weight row are one 64- or 128-byte load), widening
 // bfloat16 or int8 weights (their scale applied) on the way; then a register tile of kTileRows rows of x by
@@ -35,7 +36,17 @@ struct Gemm {
   float* y;
   int m, k, n;
   Weights kind;
+  int part_rows;  // rows of x per unit: all m, or a multiple of kTileRows when the columns make too few units
 };
+
+// Units of kBlockColumns columns by `part_rows` rows: a product of few column blocks (768 columns: 3) splits
+// its rows too, so that the threads get about 4 units each (each unit widens its block of weights itself).
+int PartRows(int m, int n, int threads) {
+  const int blocks = (n + kBlockColumns - 1) / kBlockColumns;
+  const int parts = std::min((4 * threads + blocks - 1) / blocks, std::max(1, m / (4 * kTileRows)));
+  const int rows = (m + parts - 1) / parts;
+  return (rows + kTileRows - 1) / kTileRows * kTileRows;
+}
 
 // strip[kk][0..kStrip) = W[k0 + kk, c0 .. c0 + kStrip) as float32 for kk < depth (columns past n: 0).
 void PackStrip(const Gemm& a, int k0, int depth, int c0, float* strip) {
@@ -123,8 +134,10 @@ void RunGemm(const void* args, int u0, int u1) {
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(kDepth) * kBlockColumns + 64);
   float* strips = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
+  const int parts = (a.m + a.part_rows - 1) / a.part_rows;
   for (int u = u0; u < u1; ++u) {
-    const int b0 = u * kBlockColumns, b1 = std::min(a.n, b0 + kBlockColumns);
+    const int b0 = u / parts * kBlockColumns, b1 = std::min(a.n, b0 + kBlockColumns);
+    const int r0 = u % parts * a.part_rows, r1 = std::min(a.m, r0 + a.part_rows);
     const int count = (b1 - b0 + kStrip - 1) / kStrip;
     for (int k0 = 0; k0 < a.k; k0 += kDepth) {
       const int depth = std::min(kDepth, a.k - k0);
@@ -145,15 +158,15 @@ void RunGemm(const void* args, int u0, int u1) {
         }
       }
       const bool add = k0 > 0;
-      int m0 = 0;
-      for (; m0 + kTileRows <= a.m; m0 += kTileRows) {
+      int m0 = r0;
+      for (; m0 + kTileRows <= r1; m0 += kTileRows) {
         for (int s = 0; s < count; ++s) {
           const int c0 = b0 + s * kStrip;
           Tile<kTileRows>(a, strips + static_cast<size_t>(s) * kDepth * kStrip, m0, k0, depth, c0, b1 - c0, add);
         }
       }
-      if (m0 < a.m) {
-        ForRows<kTileRows - 1>(a.m - m0, [&](auto rows) {
+      if (m0 < r1) {
+        ForRows<kTileRows - 1>(r1 - m0, [&](auto rows) {
           for (int s = 0; s < count; ++s) {
             const int c0 = b0 + s * kStrip;
             Tile<decltype(rows)::value>(a, strips + static_cast<size_t>(s) * kDepth * kStrip, m0, k0, depth, c0,
@@ -166,8 +179,10 @@ void RunGemm(const void* args, int u0, int u1) {
 }
 
 const char* RunProduct(const float* x, const void* w, float* y, int m, int k, int n, Weights kind) {
-  Gemm a{x, w, y, m, k, n, kind};
-  GetPool().Run(Task{&a, RunGemm, (n + kBlockColumns - 1) / kBlockColumns});
+  Pool& pool = GetPool();
+  const int part_rows = PartRows(m, n, pool.threads());
+  Gemm a{x, w, y, m, k, n, kind, part_rows};
+  pool.Run(Task{&a, RunGemm, (n + kBlockColumns - 1) / kBlockColumns * ((m + part_rows - 1) / part_rows)});
   return nullptr;
 }
 
