@@ -592,7 +592,8 @@ def test_attention_kernel_gradients_are_the_formulas(transposed):
         np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["unmasked", "biased encoder", "prompt over a cache"])
+@pytest.mark.parametrize("kind", ["unmasked", "biased encoder", "prompt over a cache", "relative encoder",
+                                  "relative over a cache"])
 def test_attention_kernels_read_the_heads_of_a_fused_projection_in_place(kind):
     # The heads of a projection [B, T, 3 H D] (`native.Heads`, columns of q, then k, then v) as the kernels'
     # operands, and the output merged into [B, T, H D]: the same values and gradients as the formulas over
@@ -603,21 +604,39 @@ def test_attention_kernels_read_the_heads_of_a_fused_projection_in_place(kind):
     projection = tf.constant(rng.standard_normal((batch, t, 3 * heads * d + 4)).astype(np.float32))
     cached = [tf.constant(rng.standard_normal((batch, heads, cache, d)).astype(np.float32)) for _ in range(2)]
     bias = tf.constant((3 * rng.standard_normal((1, heads, t, t))).astype(np.float32))
+    # A relative bias: of the encoder's 2 t - 1 distances, shared by the batch; over the cache's t + 27 - 1,
+    # one per sequence (the kernel's bias heads are then the batch's heads).
+    relative = {"relative encoder": (3 * rng.standard_normal((1, heads, 2 * t - 1))).astype(np.float32),
+                "relative over a cache": (3 * rng.standard_normal((batch, heads, t + cache - 1))).astype(np.float32)}
     causal = np.arange(cache)[None, :] <= np.arange(t)[:, None] + 2
-    masks = {"biased encoder": tf.constant(np.arange(t)[None, None, None, :] < [[[[t]]], [[[t - 5]]]]),
-             "prompt over a cache": tf.constant(np.broadcast_to(causal, (batch, 1, t, cache)))}
+    encoder_mask = tf.constant(np.arange(t)[None, None, None, :] < [[[[t]]], [[[t - 5]]]])
+    cache_mask = tf.constant(np.broadcast_to(causal, (batch, 1, t, cache)))
+    masks = {"biased encoder": encoder_mask, "prompt over a cache": cache_mask, "relative encoder": encoder_mask,
+             "relative over a cache": cache_mask}
     mask = masks.get(kind)
+    dense = None
+    if kind in relative:  # the dense bias, element by element
+        table = relative[kind]
+        keys = cache if kind.endswith("over a cache") else t
+        dense = np.empty((table.shape[0], heads, t, keys), np.float32)
+        for i in range(t):
+            for j in range(keys):
+                dense[:, :, i, j] = table[:, :, j - i + t - 1]
+        np.testing.assert_array_equal(native.relative_to_dense(tf.constant(table), t, keys).numpy(), dense)
+        dense = tf.constant(dense)
 
     def run(projection, key_cache, value_cache, in_place):
         parts = [native.Heads(projection, i * heads * d, heads, d) for i in range(3)]
         query, key, value = parts if in_place else [p.split() for p in parts]
-        if kind == "prompt over a cache":
+        if kind.endswith("over a cache"):
             key, value = key_cache, value_cache
         if kind == "unmasked":
             if in_place:
                 return native.attention(query, key, value, 0.3, merged=True)
             return native.ops._reference_attention(query, key, value, 0.3)
         extra = {"bias": bias} if kind == "biased encoder" else {}
+        if kind in relative:
+            extra = {"bias": tf.constant(relative[kind]), "relative": True} if in_place else {"bias": dense}
         if in_place:
             return native.masked_attention(query, key, value, mask, 0.3, -1e9, merged=True, **extra)
         return native.ops._reference_masked_attention(query, key, value, mask, 0.3, -1e9, **extra)

@@ -190,7 +190,7 @@ def test_float32_many_rows_in_a_prompt_pass_generate_as_xla_dot(gpt2_model):
 
 def test_t5_encoder_attention_with_its_position_bias_generates_as_xla_attention(tmp_path):
     # T5's encoder: a padding mask of one row per sequence ([B, 1, 1, S], the first sequence right-padded)
-    # and the relative position bias [1, H, T, S] added to the scores, both in the kernel.
+    # and the relative position bias (of each distance) added to the scores, both in the kernel.
     import torch
     import transformers
     from models.test_t5 import T5_BASE
@@ -220,5 +220,6 @@ def test_t5_encoder_attention_with_its_position_bias_generates_as_xla_attention(
                                                                max_new_tokens=5), jit_compile=True)
         return program.experimental_get_compiler_ir(ids, mask)(stage="optimized_hlo")
 
-    assert _count(hlo(fused), native.BIASED_ATTENTION_TARGET) == config.num_layers  # the encoder's layers
-    assert _count(hlo(plain), native.BIASED_ATTENTION_TARGET) == 0
+    # The encoder's layers read the bias of each distance (2 T - 1 per head), not a [T, S] matrix.
+    assert _count(hlo(fused), native.RELATIVE_ATTENTION_TARGET) == config.num_layers
+    assert _count(hlo(plain), native.RELATIVE_ATTENTION_TARGET) == 0

@@ -6,7 +6,7 @@ Shapes: B batch, T tokens in this call, S cache length (static), L encoder lengt
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import keras
 from keras import ops
@@ -69,6 +69,31 @@ def padding_mask(attention_mask):
     return ops.cast(attention_mask, "bool")[:, None, None, :]
 
 
+class RelativeBias(NamedTuple):
+    """The score bias of a self-attention over positions 0..T-1 (an encoder's) that depends only on where a
+    key is relative to its query: `table[..., j - i + T - 1]` for query i and key j (T5's encoder). The
+    attention kernel reads the table itself, 2 T - 1 values per head, rather than the `[T, T]` matrix each
+    head would have (8 MB for T5-small's 512-token prompt).
+
+    Attributes:
+        table: `[1 or B, H, 2 T - 1]`: the bias of keys from T - 1 positions before their query to T - 1
+            after it.
+    """
+
+    table: Any
+
+    def dense(self):
+        """The bias as a matrix per head, `[1 or B, H, T, T]`."""
+        length = (ops.shape(self.table)[-1] + 1) // 2
+        positions = ops.arange(length, dtype="int32")
+        return ops.take(self.table, positions[None, :] - positions[:, None] + (length - 1), axis=-1)
+
+
+def dense_bias(bias):
+    """`bias` as the tensor `[1 or B, H, T, S]` (a `RelativeBias` expanded), or None."""
+    return bias.dense() if isinstance(bias, RelativeBias) else bias
+
+
 def split_heads(x, num_heads: int, head_dim: int):
     """`[B, T, H * D]` -> `[B, H, T, D]`."""
     batch, length = ops.shape(x)[0], ops.shape(x)[1]
@@ -92,7 +117,7 @@ def attend(query, key, value, mask, scale: float, bias=None, key_transposed: boo
         mask: bool, broadcastable to `[B, H, T, S]`, or None (every key visible).
         scale: Multiplier of the query-key scores.
         bias: Optional additive bias of the scores, broadcastable to `[B, H, T, S]` (T5's relative
-            positions).
+            positions), or a `RelativeBias`.
 
     Returns:
         Weights `[B, H, T, S]` in the dtype of `value` (the softmax runs in float32).
@@ -100,7 +125,7 @@ def attend(query, key, value, mask, scale: float, bias=None, key_transposed: boo
     keys = key if key_transposed else ops.transpose(key, (0, 1, 3, 2))
     scores = ops.cast(ops.matmul(query, keys) * scale, "float32")
     if bias is not None:
-        scores = scores + ops.cast(bias, "float32")
+        scores = scores + ops.cast(dense_bias(bias), "float32")
     if mask is not None:
         scores = ops.where(mask, scores, MASK_VALUE)
     return ops.cast(ops.softmax(scores, axis=-1), value.dtype)
@@ -201,11 +226,15 @@ class _MultiHead(keras.layers.Layer):
         merged = groups == 1 and not key_transposed
         placed = (query, key, value) if in_place is None else [
             given if heads is None else heads for given, heads in zip((query, key, value), in_place)]
-        if not key_transposed and native.use_prompt_attention(query, key, mask, bias, dropout):
+        relative = isinstance(bias, RelativeBias)
+        given = bias.table if relative else bias
+        if not key_transposed and native.use_prompt_attention(query, key, mask, given, dropout, relative=relative):
             # A prompt over the cache, or an encoder; its mask [B, 1, T or 1, S] is shared by the g groups of
             # rows, never tiled.
-            attended = native.masked_attention(*placed, mask, self.scale, MASK_VALUE, bias, merged=merged)
+            attended = native.masked_attention(*placed, mask, self.scale, MASK_VALUE, given, merged=merged,
+                                               relative=relative)
         else:
+            bias = dense_bias(bias)
             if groups > 1 and mask is not None and mask.shape[2] != 1:  # [B, 1, T, S] -> [B, 1, g * T, S]
                 mask = ops.tile(mask, (1, 1, groups, 1))
             if native.use_attention_kernel(query, key, mask, bias, dropout, key_transposed=key_transposed):
@@ -258,7 +287,7 @@ class Attention(_MultiHead):
                 `xlagen.cache`, for decoding steps); the new keys/values are written into it.
             cache_index: int32 scalar write offset, required with a cache.
             training: Applies dropout to the attention probabilities.
-            bias: Optional additive score bias `[1 or B, H, T, S]`.
+            bias: Optional additive score bias `[1 or B, H, T, S]`, or a `RelativeBias`.
             rotary: Optional `(cos, sin)` `[B, T, D]` of the tokens' positions (`rotary.rotary_tables`): the
                 queries and keys are rotated before the keys are cached.
 
@@ -279,7 +308,7 @@ class Attention(_MultiHead):
         if layer_cache is None:
             return self._attend(query, key, value, key_mask, bias, training, in_place=in_place), None
         if query.shape[2] == 1:
-            return self._step(query, key, value, key_mask, layer_cache, cache_index, bias, training)
+            return self._step(query, key, value, key_mask, layer_cache, cache_index, dense_bias(bias), training)
         layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
         return self._attend(query, layer_cache.key, layer_cache.value, key_mask, bias, training,
                             in_place=in_place and [in_place[0], None, None]), layer_cache

@@ -144,7 +144,8 @@ class TransformerBlock(keras.layers.Layer):
             layer_cache: Optional `LayerCache` `[B, H, S, D]`.
             cache_index: int32 scalar write offset, required with a cache.
             training: Applies dropout.
-            position_bias: Optional additive self-attention score bias `[1 or B, H, T, S]`.
+            position_bias: Optional additive self-attention score bias `[1 or B, H, T, S]`, or a
+                `attention.RelativeBias`.
             cross: `CrossInputs`, required when the block has cross-attention.
             rotary: Optional `(cos, sin)` `[B, T, D]` rotary tables of the tokens (`layers.rotary`).
 

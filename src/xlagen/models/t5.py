@@ -31,7 +31,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from xlagen.layers.attention import causal_mask, padding_mask
+from xlagen.layers.attention import RelativeBias, causal_mask, padding_mask
 from xlagen.layers.block import BlockSpec, CrossInputs, TransformerBlock, run_blocks
 from xlagen.layers.dense import Dense
 from xlagen.layers.embeddings import TokenEmbedding
@@ -261,14 +261,25 @@ class RelativePositionBias(keras.layers.Embedding):
         Returns:
             `[1, H, T, S]`.
         """
-        relative = key_positions[None, :] - query_positions[:, None]  # [T, S]
+        buckets = self._buckets(key_positions[None, :] - query_positions[:, None])  # [T, S]
+        return ops.transpose(self(buckets), (2, 0, 1))[None]  # [T, S, H] -> [1, H, T, S]
+
+    def relative_bias(self, length) -> RelativeBias:
+        """The bias of positions 0..length-1 over themselves (an encoder's), as the `RelativeBias` of its
+        2 * length - 1 distances: the same values as `bias(positions, positions)`, which it expands to."""
+        distances = ops.arange(length - 1, dtype="int32") - (length - 1)  # -(length - 1) .. -1
+        distances = ops.concatenate([distances, ops.arange(length, dtype="int32")], axis=0)
+        table = ops.transpose(self(self._buckets(distances)), (1, 0))[None]  # [1, H, 2 * length - 1]
+        return RelativeBias(table)
+
+    def _buckets(self, relative):
+        """The bucket of each key position minus query position in `relative`."""
         if self.bidirectional:
             offset, distance = ops.where(relative > 0, self.side_buckets, 0), ops.abs(relative)
         else:
             offset, distance = 0, ops.maximum(-relative, 0)
         table = ops.convert_to_tensor(self.distance_buckets)
-        buckets = offset + ops.take(table, ops.minimum(distance, len(self.distance_buckets) - 1))
-        return ops.transpose(self(buckets), (2, 0, 1))[None]  # [T, S, H] -> [1, H, T, S]
+        return offset + ops.take(table, ops.minimum(distance, len(self.distance_buckets) - 1))
 
 
 def block_spec(config: T5Config, cross_attention: bool) -> BlockSpec:
@@ -336,8 +347,7 @@ class T5LM(Seq2SeqLMTraining, EncoderDecoderLM, keras.Model):
         Returns:
             The encoder output `[B, L, hidden]`.
         """
-        positions = ops.arange(ops.shape(input_ids)[1], dtype="int32")
-        bias = self.encoder_position_bias.bias(positions, positions)
+        bias = self.encoder_position_bias.relative_bias(ops.shape(input_ids)[1])
         mask = padding_mask(attention_mask)
         x = self.dropout(self.token_embedding(input_ids), training=training)
         x, _ = run_blocks(self.encoder_blocks, x, mask, training=training, position_bias=bias)

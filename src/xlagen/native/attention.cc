@@ -75,9 +75,12 @@ struct Attention {
   const uint8_t* mask = nullptr;
   int mask_rows = 0, heads_per_mask = 1;
   // Optional, with a mask: bias[head % bias_heads][row][key], added to the scaled scores (T5's relative
-  // positions, shared by a batch's sequences when bias_heads is the heads of one).
+  // positions, shared by a batch's sequences when bias_heads is the heads of one). With `relative`, a bias
+  // that depends only on key - row: bias[head % bias_heads][key - row + t - 1], t + s - 1 of them per head
+  // (the dense bias's rows are its windows, one position apart).
   const float* bias = nullptr;
   int bias_heads = 1;
+  int relative = 0;
   Layout lq, lk, lv, lo;
 };
 
@@ -303,7 +306,9 @@ void RunAttention(const void* args, int u0, int u1) {
         continue;
       }
       if (a.bias != nullptr) {  // (a bias comes with a mask)
-        const float* bias = a.bias + (static_cast<size_t>(head % a.bias_heads) * a.t + t0 + r) * a.s + first;
+        const float* bias =
+            a.relative ? a.bias + static_cast<size_t>(head % a.bias_heads) * (a.t + a.s - 1) + (a.t - 1 - t0 - r) + first
+                       : a.bias + (static_cast<size_t>(head % a.bias_heads) * a.t + t0 + r) * a.s + first;
         for (int j = 0; j < n; ++j) row[j] += bias[j];
       }
       const uint8_t* seen = a.mask ? MaskRow(a, head, t0 + r) + first : nullptr;
@@ -680,15 +685,18 @@ extern "C" const char* xlagen_masked_attention(const float* q, const float* k, c
   return xlagen_biased_attention(q, k, v, mask, nullptr, out, heads, t, s, d, scale, heads_per_mask, mask_rows, 1);
 }
 
-extern "C" const char* xlagen_attention_at(const float* q, const float* k, const float* v, const uint8_t* mask,
-                                           const float* bias, float* out, int heads, int t, int s, int d, float scale,
-                                           int heads_per_sequence, int mask_rows, int bias_heads, const int* layout) {
+extern "C" const char* xlagen_relative_attention_at(const float* q, const float* k, const float* v,
+                                                    const uint8_t* mask, const float* bias, int relative, float* out,
+                                                    int heads, int t, int s, int d, float scale,
+                                                    int heads_per_sequence, int mask_rows, int bias_heads,
+                                                    const int* layout) {
   if (layout == nullptr) return "xlagen_attention_at: no layout";
   for (int i = 0; i < 16; ++i) {
     if (layout[i] < 0) return "xlagen_attention_at: the layout's offsets and strides must be at least 0";
   }
+  if (relative && (bias == nullptr || mask == nullptr)) return "xlagen_attention_at: a relative bias needs a bias and a mask";
   Attention a{q, k, v, out, heads, t, s, d, 0, scale, 0, 0, mask, mask ? mask_rows : 1, heads_per_sequence,
-              bias, bias_heads};
+              bias, bias_heads, relative != 0};
   Layout* layouts[] = {&a.lq, &a.lk, &a.lv, &a.lo};
   for (int i = 0; i < 4; ++i) {
     const int* l = layout + 4 * i;
@@ -696,6 +704,13 @@ extern "C" const char* xlagen_attention_at(const float* q, const float* k, const
                    static_cast<size_t>(l[3])};
   }
   return RunAttentionCall(a);
+}
+
+extern "C" const char* xlagen_attention_at(const float* q, const float* k, const float* v, const uint8_t* mask,
+                                           const float* bias, float* out, int heads, int t, int s, int d, float scale,
+                                           int heads_per_sequence, int mask_rows, int bias_heads, const int* layout) {
+  return xlagen_relative_attention_at(q, k, v, mask, bias, 0, out, heads, t, s, d, scale, heads_per_sequence,
+                                      mask_rows, bias_heads, layout);
 }
 
 extern "C" const char* xlagen_step_attention(const float* q, const float* k, const float* v, const float* new_k,

@@ -86,6 +86,12 @@ const char* xlagen_biased_attention(const float* q, const float* k, const float*
 const char* xlagen_attention_at(const float* q, const float* k, const float* v, const uint8_t* mask,
                                 const float* bias, float* out, int heads, int t, int s, int d, float scale,
                                 int heads_per_sequence, int mask_rows, int bias_heads, const int* layout);
+// xlagen_attention_at with, if `relative`, a bias that depends only on key - row: bias[h % bias_heads][j - i + t -
+// 1], t + s - 1 floats per head (T5's relative positions without their dense [t, s] matrix); it needs a mask.
+const char* xlagen_relative_attention_at(const float* q, const float* k, const float* v, const uint8_t* mask,
+                                         const float* bias, int relative, float* out, int heads, int t, int s, int d,
+                                         float scale, int heads_per_sequence, int mask_rows, int bias_heads,
+                                         const int* layout);
 // A decoding step's self-attention (see attention.cc): q, new_k, new_v, out [groups, heads, queries, d]; the
 // cache k, v [groups, heads, s, d]; bias [groups, bias_heads, queries, s + 1] added to the scaled scores,
 // -inf marking a key a query may not see (its score is then `mask_value`).

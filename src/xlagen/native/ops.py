@@ -23,6 +23,7 @@ BF16_TILE_TARGET = "xlagen_bf16_tile_gemm"
 ATTENTION_TARGET = "xlagen_f32_attention"
 MASKED_ATTENTION_TARGET = "xlagen_f32_masked_attention"
 BIASED_ATTENTION_TARGET = "xlagen_f32_biased_attention"
+RELATIVE_ATTENTION_TARGET = "xlagen_f32_relative_attention"
 STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
@@ -185,11 +186,11 @@ def _packed_layout(heads: int, rows: int, head_dim: int) -> list[int]:
 
 
 def _attention_call(target: str, config: str, query, key, value, extra, bias, merged: bool, reference,
-                    barrier: bool = False):
+                    barrier: bool = False, bias_row=None):
     """The attention custom call `target` on `query`, `key` and `value` (each `Heads` or a tensor `[B, H,
     rows, D]`), the further operands `extra` and the optional `bias`, with their layout appended to
     `config`; returns `[B, H, T, D]`, or with `merged` `[B, T, H * D]` (the next product's input, no
-    transpose after the call). `reference(query, key, value, *bias)` of heads tensors is the formula the
+    transpose after the call). The bias is passed as `[-1, T, S]`, or as `[-1, bias_row]` if that is given. `reference(query, key, value, *bias)` of heads tensors is the formula the
     gradients come from. With `barrier`, keys and values given as tensors (a cache just written) pass an
     XLA optimization barrier first (see `masked_attention`).
 
@@ -231,7 +232,7 @@ def _attention_call(target: str, config: str, query, key, value, extra, bias, me
         if cached:
             for i, t in zip(cached, gen_xla_ops.xla_optimization_barrier([operands[i] for i in cached])):
                 operands[i] = t
-        biases = [tf.reshape(b, (-1, length, keys)) for b in inputs[given:]]
+        biases = [tf.reshape(b, (-1, length, keys) if bias_row is None else (-1, bias_row)) for b in inputs[given:]]
         (out,) = gen_xla_ops.xla_custom_call_v2(
             operands=[*operands, *extra, *biases], call_target_name=target, backend_config=f"{config},{layout}",
             has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape(out_shape)])
@@ -299,7 +300,16 @@ def _reference_masked_attention(query, key, value, mask, scale: float, mask_valu
     return tf.matmul(weights, value)
 
 
-def masked_attention(query, key, value, mask, scale: float, mask_value: float, bias=None, merged: bool = False):
+def relative_to_dense(table, queries: int, keys: int):
+    """A relative bias's table `[..., T + S - 1]` as the matrix `[..., T, S]` whose element (i, j) is
+    `table[..., j - i + T - 1]` (`xlagen.layers.attention.RelativeBias`)."""
+    import tensorflow as tf
+
+    return tf.gather(table, np.arange(keys)[None, :] - np.arange(queries)[:, None] + queries - 1, axis=-1)
+
+
+def masked_attention(query, key, value, mask, scale: float, mask_value: float, bias=None, merged: bool = False,
+                     relative: bool = False):
     """A prompt's self-attention, `softmax(where(mask, scale * query @ key^T + bias, mask_value)) @ value`, as
     the native kernel's custom call (call it under XLA only; see `Kernels.use_prompt_attention`).
 
@@ -314,7 +324,8 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float, b
         scale: Multiplier of the scores.
         mask_value: The score of a masked key: a row that sees no key is then the mean of all values.
         bias: Optional float32 `[1 or B, Hkv, T, S]` added to the scaled scores (T5's relative positions),
-            without grouped queries (g = 1).
+            without grouped queries (g = 1); with `relative`, `[1 or B, Hkv, T + S - 1]`, the bias of key j for
+            query i being `bias[..., j - i + T - 1]` (`relative_to_dense`), read so by the kernel.
         merged: Return `[B, T, Hkv * D]`, the next product's input, rather than `[B, Hkv, T, D]` (for g = 1
             only: under an encoder's mask `[B, 1, 1, S]` the g groups of rows cannot be told from tokens, and
             would be written as g * T tokens).
@@ -334,15 +345,19 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float, b
                          f"{length} keys")
     if head_dim not in ATTENTION_HEAD_DIMS or key.shape[3] != head_dim:
         raise ValueError(f"masked_attention: head size {head_dim}; the kernel takes {ATTENTION_HEAD_DIMS}")
-    if bias is not None and (bias.shape.rank != 4 or bias.shape[0] not in (1, batch) or
-                             tuple(bias.shape[1:]) != (kv_heads, rows, length)):
-        raise ValueError(f"masked_attention: bias {bias.shape} does not match queries {query.shape} over "
-                         f"{length} keys")
+    expected = (kv_heads, rows + length - 1) if relative else (kv_heads, rows, length)
+    if bias is not None and (bias.shape.rank != len(expected) + 1 or bias.shape[0] not in (1, batch) or
+                             tuple(bias.shape[1:]) != expected):
+        raise ValueError(f"masked_attention: {'relative ' if relative else ''}bias {bias.shape} does not match "
+                         f"queries {query.shape} over {length} keys")
+    if relative and bias is None:
+        raise ValueError("masked_attention: relative=True needs a bias")
     config = (f"{batch * kv_heads},{rows},{length},{head_dim},{float(np.float32(scale))!r},{kv_heads},"
               f"{mask.shape[2]}")
     target = MASKED_ATTENTION_TARGET
     if bias is not None:
-        target, config = BIASED_ATTENTION_TARGET, f"{config},{bias.shape[0] * kv_heads}"
+        target = RELATIVE_ATTENTION_TARGET if relative else BIASED_ATTENTION_TARGET
+        config = f"{config},{bias.shape[0] * kv_heads}"
     mask_operand = tf.cast(tf.reshape(mask, (batch, -1, length)), tf.uint8)
     bias = None if bias is None else tf.cast(bias, tf.float32)
     if merged and rows != mask.shape[2] and mask.shape[2] != 1:
@@ -351,9 +366,12 @@ def masked_attention(query, key, value, mask, scale: float, mask_value: float, b
     # `_attention_call`'s barrier keeps XLA from computing them twice, once for this operand and once for the
     # cache, and from writing that cache on another thread while the kernel runs (the kernel's own threads
     # would then share the cores with it).
-    return _attention_call(
-        target, config, query, key, value, [mask_operand], bias, merged,
-        lambda *inputs: _reference_masked_attention(*inputs[:3], mask, scale, mask_value, *inputs[3:]), barrier=True)
+    def reference(*inputs):
+        biases = [relative_to_dense(b, rows, length) if relative else b for b in inputs[3:]]
+        return _reference_masked_attention(*inputs[:3], mask, scale, mask_value, *biases)
+
+    return _attention_call(target, config, query, key, value, [mask_operand], bias, merged, reference, barrier=True,
+                           bias_row=rows + length - 1 if relative else None)
 
 
 def step_attention(query, keys, values, key, value, bias, scale: float, mask_value: float):

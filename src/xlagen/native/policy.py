@@ -312,12 +312,13 @@ class Kernels:
 
         return query.shape[3] <= constant("step_attention_max_head_dim")
 
-    def use_prompt_attention(self, query, key, mask, bias=None, dropout: bool = False) -> bool:
+    def use_prompt_attention(self, query, key, mask, bias=None, dropout: bool = False, relative: bool = False) -> bool:
         """Whether a prompt's self-attention (`xlagen.layers.attention._MultiHead._attend` over the cache) or
         an encoder's should be `ops.masked_attention`: float32 `[B, Hkv, g * T, D]` queries and `[B, Hkv, S,
         D]` keys of static shapes, a bool mask `[B, 1, T, S]` (a prompt's) or `[B, 1, 1, S]` (an encoder's
         padding), g * T >= `prompt_attention_min_tokens` and T >= 2 for a prompt's mask, optionally a float32
-        score bias `[1 or B, Hkv, T, S]` without grouped queries (T5's relative positions), no dropout, D in
+        score bias `[1 or B, Hkv, T, S]` (with `relative`, the table `[1 or B, Hkv, T + S - 1]` of a
+        `layers.attention.RelativeBias`) without grouped queries (T5's relative positions), no dropout, D in
         `ATTENTION_HEAD_DIMS`, in a generation's prompt pass (its encoder included) compiled by XLA, and the
         kernels loadable."""
         import tensorflow as tf
@@ -336,9 +337,10 @@ class Kernels:
         if query.shape[3] not in ATTENTION_HEAD_DIMS or key.shape[3] != query.shape[3]:
             return False
         if bias is not None:
-            if not self._static_float32(4, bias) or bias.shape[0] not in (1, batch):
+            if not self._static_float32(3 if relative else 4, bias) or bias.shape[0] not in (1, batch):
                 return False
-            if tuple(bias.shape[1:]) != (query.shape[1], rows, length):
+            if tuple(bias.shape[1:]) != ((query.shape[1], rows + length - 1) if relative else
+                                         (query.shape[1], rows, length)):
                 return False
         return in_prefill() and under_xla() and _ready()
 
@@ -542,9 +544,9 @@ def use_step_attention(query, keys) -> bool:
     return current().use_step_attention(query, keys)
 
 
-def use_prompt_attention(query, key, mask, bias=None, dropout: bool = False) -> bool:
+def use_prompt_attention(query, key, mask, bias=None, dropout: bool = False, relative: bool = False) -> bool:
     """`current().use_prompt_attention(...)`."""
-    return current().use_prompt_attention(query, key, mask, bias, dropout)
+    return current().use_prompt_attention(query, key, mask, bias, dropout, relative)
 
 
 def use_argmax(scores) -> bool:

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -197,7 +198,7 @@ extern "C" void xlagen_f32_attention(void* out, const void** in, const char* opa
 // k, v and out (16 fields, see xlagen_attention_at); operands q, k, v, the mask (uint8 [heads / heads_per_mask,
 // mask_rows, s]) and, if `biased`, the bias (float32 [bias_heads, t, s]).
 static void MaskedAttentionCall(const char* target, bool biased, void* out, const void** in, const char* opaque,
-                                size_t opaque_len, XlaCustomCallStatus_* status) {
+                                size_t opaque_len, XlaCustomCallStatus_* status, bool relative = false) {
   Fields f(opaque, opaque_len);
   int heads, t, s, d, heads_per_mask, mask_rows, bias_heads = 1, layout[16];
   float scale;
@@ -214,8 +215,16 @@ static void MaskedAttentionCall(const char* target, bool biased, void* out, cons
   const uint8_t* mask = static_cast<const uint8_t*>(in[3]);
   const float* bias = biased ? static_cast<const float*>(in[4]) : nullptr;
   float* o = static_cast<float*>(out);
+  if (relative && !laid_out) {  // tensors [heads, rows, d] of their own
+    const int packed[16] = {0, heads_per_mask * t * d, t * d, d, 0, heads_per_mask * s * d, s * d, d,
+                            0, heads_per_mask * s * d, s * d, d, 0, heads_per_mask * t * d, t * d, d};
+    std::copy(packed, packed + 16, layout);
+    laid_out = true;
+  }
   Check(status, target,
-        laid_out ? xlagen_attention_at(q, k, v, mask, bias, o, heads, t, s, d, scale, heads_per_mask, mask_rows,
+        relative ? xlagen_relative_attention_at(q, k, v, mask, bias, 1, o, heads, t, s, d, scale, heads_per_mask,
+                                                mask_rows, bias_heads, layout)
+        : laid_out ? xlagen_attention_at(q, k, v, mask, bias, o, heads, t, s, d, scale, heads_per_mask, mask_rows,
                                        bias_heads, layout)
                  : xlagen_biased_attention(q, k, v, mask, bias, o, heads, t, s, d, scale, heads_per_mask, mask_rows,
                                            bias_heads));
@@ -229,6 +238,12 @@ extern "C" void xlagen_f32_masked_attention(void* out, const void** in, const ch
 extern "C" void xlagen_f32_biased_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
                                             XlaCustomCallStatus_* status) {
   MaskedAttentionCall("xlagen_f32_biased_attention", true, out, in, opaque, opaque_len, status);
+}
+
+// The same with a relative bias, float32 [bias_heads, t + s - 1]: key j of row i adds bias[key - row + t - 1].
+extern "C" void xlagen_f32_relative_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                              XlaCustomCallStatus_* status) {
+  MaskedAttentionCall("xlagen_f32_relative_attention", true, out, in, opaque, opaque_len, status, true);
 }
 
 // The backend config is "groups,heads,queries,s,d,bias_heads,scale,mask_value" (floats printed with 9
@@ -367,6 +382,8 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
       host);
   add(global(), std::string("xlagen_f32_biased_attention"), reinterpret_cast<void*>(&xlagen_f32_biased_attention),
       host);
+  add(global(), std::string("xlagen_f32_relative_attention"),
+      reinterpret_cast<void*>(&xlagen_f32_relative_attention), host);
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
   add(global(), std::string("xlagen_f32_memory_attention"), reinterpret_cast<void*>(&xlagen_f32_memory_attention),
