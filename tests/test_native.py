@@ -119,6 +119,27 @@ def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
     np.testing.assert_array_equal(function(x).numpy(), kernel_reference.integer_product(x, quantized, scales, seven))
 
 
+@pytest.mark.parametrize("weight_dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("rows", [4, 40])
+def test_a_bias_is_added_by_the_many_row_products_and_after_the_others(weight_dtype, rows):
+    # `matmul(..., bias=b)` is x @ W - (-b) bit for bit: the 7-bit int8 product and the bfloat16 tiles' add b as
+    # they store y (the biased custom call, nothing after it); the products of 4 rows leave the add to XLA.
+    rng = np.random.default_rng(rows)
+    k, n = 70, 130
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    bias = tf.constant(rng.standard_normal(n).astype(np.float32))
+    words = tf.constant(native.pack_int8(w) if weight_dtype == "int8" else native.pack_bfloat16(w))
+    kernels = native.Kernels(int8_many_integer_min_rows=8, bfloat16_tiles=None if native.amx_tiles() else False)
+    with native.tracing(kernels):
+        biased = tf.function(lambda x: native.matmul(x, words, n, bias=bias), jit_compile=True)
+        plain = tf.function(lambda x: native.matmul(x, words, n) - (-bias), jit_compile=True)
+        hlo = biased.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+        np.testing.assert_array_equal(biased(x).numpy(), plain(x).numpy())
+    fused = rows == 40 and (weight_dtype == "int8" or native.amx_tiles())
+    assert any(f'custom_call_target="{target}"' in hlo for target in native.ops.BIASED_TARGETS.values()) == fused
+
+
 @pytest.mark.parametrize("weight_dtype", list(FORMATS))
 def test_kernel_runs_as_a_custom_call_for_few_rows_and_inside_loops(weight_dtype):
     with native.tracing(FLOAT_INT8):

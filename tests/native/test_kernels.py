@@ -87,6 +87,26 @@ def test_bfloat16_tile_product_is_that_of_activations_rounded_to_bfloat16(m, k, 
         assert np.abs(y - x.astype(np.float64) @ w.astype(ml_dtypes.bfloat16).astype(np.float64)).max() > 1e-3
 
 
+@pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (77, 200, 129), (40, 513, 200), (70, 3000, 130)])
+@pytest.mark.parametrize("product", ["int8_many_integer", "bf16_tile"])
+def test_biased_products_add_the_bias_as_a_float32_add_after_them(m, k, n, product):
+    # The bias added as the product stores y: exactly y + b, the add XLA would do after the call, in every
+    # column of partial vectors, blocks and panels.
+    if product == "bf16_tile" and not native.amx_tiles():
+        pytest.skip("AMX's tiles: this CPU or process has none (the refusal is tested instead)")
+    rng = np.random.default_rng(m * k + n + 9)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    stored = native.pack_int8(w) if product == "int8_many_integer" else native.pack_bfloat16(w)
+    y = _product(f"xlagen_{product}_product", x, stored, n)
+    biased = np.full((m, n), np.nan, np.float32)
+    error = _entry(f"xlagen_{product}_product_biased", *[ctypes.c_void_p] * 4, *[ctypes.c_int] * 3)(
+        _p(x), _p(stored), _p(bias), _p(biased), m, k, n)
+    assert error is None, error
+    np.testing.assert_array_equal(biased, y + bias)
+
+
 def test_the_bfloat16_tile_product_refuses_without_tiles_and_empty_sizes():
     y = np.full(4, np.nan, np.float32)
     entry = _entry("xlagen_bf16_tile_product", *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)

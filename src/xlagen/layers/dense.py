@@ -34,14 +34,15 @@ class Dense(keras.layers.Dense):
         self.packed_kernel = packed_kernel_of(self, weight_dtype)
 
     def call(self, inputs, training=None):
-        if self.packed_kernel is not None:
-            x = native.matmul(inputs, self.packed_kernel, self.units)
-        elif native.use_float32_kernel(inputs, self.kernel):
-            x = native.matmul_float32(inputs, self.kernel)
+        if self.packed_kernel is not None:  # the bias in the call: the many-row products add it themselves
+            x = native.matmul(inputs, self.packed_kernel, self.units, bias=self.bias)
         else:
-            x = ops.matmul(inputs, self.kernel)
-        if self.bias is not None:
-            x = ops.subtract(x, ops.negative(self.bias))
+            if native.use_float32_kernel(inputs, self.kernel):
+                x = native.matmul_float32(inputs, self.kernel)
+            else:
+                x = ops.matmul(inputs, self.kernel)
+            if self.bias is not None:
+                x = ops.subtract(x, ops.negative(self.bias))
         if self.activation is not None:
             x = self.activation(x)
         return x

@@ -57,6 +57,11 @@ const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, fl
 // AMX's bfloat16 tiles (refused where xlagen_amx_tiles() is 0); as the tiles do, subnormal inputs and sums
 // count as zero.
 const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n);
+// The last two with bias[n] added to y as it is stored (y + b: the same float32 add as one after the call).
+const char* xlagen_int8_many_integer_product_biased(const float* x, const int8_t* w, const float* bias, float* y,
+                                                    int m, int k, int n);
+const char* xlagen_bf16_tile_product_biased(const float* x, const uint32_t* w, const float* bias, float* y, int m,
+                                            int k, int n);
 // 1 where xlagen_int8_many_integer_product runs on AMX's tile registers: the build has them (-mamx-int8) and
 // Linux granted this process their state; else 0 (it runs on vectors).
 int xlagen_amx_tiles();

@@ -20,6 +20,9 @@ INT8_INTEGER_TARGET = "xlagen_int8_imatmul"
 INT8_MANY_INTEGER_TARGET = "xlagen_int8_many_imatmul"
 GEMM_TARGETS = {"float32": "xlagen_f32_gemm", "bfloat16": "xlagen_bf16_gemm", "int8": "xlagen_int8_gemm"}
 BF16_TILE_TARGET = "xlagen_bf16_tile_gemm"
+# The products that also add a bias as they store their output: target -> the target with a bias operand.
+BIASED_TARGETS = {INT8_MANY_INTEGER_TARGET: "xlagen_int8_many_imatmul_bias",
+                  BF16_TILE_TARGET: "xlagen_bf16_tile_gemm_bias"}
 ATTENTION_TARGET = "xlagen_f32_attention"
 MASKED_ATTENTION_TARGET = "xlagen_f32_masked_attention"
 BIASED_ATTENTION_TARGET = "xlagen_f32_biased_attention"
@@ -29,8 +32,9 @@ ARGMAX_TARGET = "xlagen_f32_argmax"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
 
 
-def matmul(x, words, n: int):
-    """`x [..., K] @ W` for W packed by `pack_bfloat16` or `pack_int8` (N = n columns), in float32.
+def matmul(x, words, n: int, bias=None):
+    """`x [..., K] @ W` for W packed by `pack_bfloat16` or `pack_int8` (N = n columns), in float32; with
+    `bias` (float32 `[n]`), `x @ W + b`.
 
     The native kernel's custom call where the policy of the trace says so (`Kernels.use_packed_product`:
     under XLA, in a decoding step always, elsewhere for at most `packed_max_rows` rows). Otherwise (long
@@ -47,7 +51,9 @@ def matmul(x, words, n: int):
     `int8_many_integer_min_rows` rows (`Kernels.use_many_integer_product`: prompts, encoders) each row of x
     is quantized to 7 bits with a zero point instead (scale (max(x, 0) - min(x, 0)) / 126), which the CPU
     multiplies in fewer instructions. bfloat16 weights' many-row products run on AMX's bfloat16 tiles where
-    the policy says so (`Kernels.use_bfloat16_tiles`): x rounded to bfloat16, sums in float32.
+    the policy says so (`Kernels.use_bfloat16_tiles`): x rounded to bfloat16, sums in float32. These two
+    many-row products add the bias as they store their output (no pass of XLA's over it after the call); the
+    others leave it to XLA, as `x @ W - (-b)` (`xlagen.layers.dense.Dense`); both are the same float32 add.
 
     Raises:
         TypeError: x is not float32.
@@ -58,21 +64,35 @@ def matmul(x, words, n: int):
     x = tf.convert_to_tensor(x)
     if x.dtype != tf.float32:
         raise TypeError(f"packed weights multiply float32 activations; got {x.dtype.name}")
+    target = _packed_target(x, words)
+    if target is None:  # also for rows of unknown or zero count
+        y = tf.tensordot(x, unpack(words, n), 1)
+    elif bias is not None and target in BIASED_TARGETS:
+        load()
+        return _custom_call(BIASED_TARGETS[target], x, words, n, tf.cast(bias, tf.float32))
+    else:
+        load()
+        y = _custom_call(target, x, words, n)
+    return y if bias is None else tf.subtract(y, tf.negative(bias))
+
+
+def _packed_target(x, words) -> str | None:
+    """The custom call that multiplies x by the packed `words` under the policy of the trace (see `matmul`),
+    or None for TensorFlow's product of the unpacked weights."""
+    import tensorflow as tf
+
     policy = current()
     if words.dtype == tf.int8 and policy.use_many_integer_product(x):
-        load()
-        return _custom_call(INT8_MANY_INTEGER_TARGET, x, words, n)
+        return INT8_MANY_INTEGER_TARGET
     if words.dtype == tf.int8 and policy.use_integer_product(x):
-        load()
-        return _custom_call(INT8_INTEGER_TARGET, x, words, n)
-    if not policy.use_packed_product(x):  # also False for rows of unknown or zero count
-        return tf.tensordot(x, unpack(words, n), 1)
-    load()
+        return INT8_INTEGER_TARGET
+    if not policy.use_packed_product(x):
+        return None
     if _many_rows(policy, x, policy.packed_max_rows):
         if words.dtype != tf.int8 and policy.use_bfloat16_tiles():
-            return _custom_call(BF16_TILE_TARGET, x, words, n)
-        return _custom_call(GEMM_TARGETS["int8" if words.dtype == tf.int8 else "bfloat16"], x, words, n)
-    return _custom_call(INT8_TARGET if words.dtype == tf.int8 else TARGET, x, words, n)
+            return BF16_TILE_TARGET
+        return GEMM_TARGETS["int8" if words.dtype == tf.int8 else "bfloat16"]
+    return INT8_TARGET if words.dtype == tf.int8 else TARGET
 
 
 def _many_rows(policy, x, most: int) -> bool:
@@ -83,8 +103,9 @@ def _many_rows(policy, x, most: int) -> bool:
     return policy.many_rows and x.shape[:-1].num_elements() > most and not in_decoding_step()
 
 
-def _custom_call(target: str, x, weights, n: int):
-    """The custom call `target` on x `[..., K]` (rows flattened) and the weights -> float32 `[..., n]`."""
+def _custom_call(target: str, x, weights, n: int, *extra):
+    """The custom call `target` on x `[..., K]` (rows flattened), the weights and any `extra` operands ->
+    float32 `[..., n]`."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
@@ -92,7 +113,7 @@ def _custom_call(target: str, x, weights, n: int):
     leading = x.shape[:-1]
     rows = leading.num_elements()
     (y,) = gen_xla_ops.xla_custom_call_v2(
-        operands=[tf.reshape(x, (rows, k)), weights], call_target_name=target, backend_config=f"{rows},{k},{n}",
+        operands=[tf.reshape(x, (rows, k)), weights, *extra], call_target_name=target, backend_config=f"{rows},{k},{n}",
         has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, n])])
     return tf.reshape(y, [*leading, n])
 

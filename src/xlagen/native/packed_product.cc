@@ -289,6 +289,7 @@ struct IntegerProduct {
   const int8_t* w;
   float* y;
   int m, k, n, kq;
+  const float* bias;  // [n], added to y (y + b, the float32 add of a separate one); or null
 };
 
 // A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4], and, if `sums`, sums[c] = the sum of
@@ -412,7 +413,9 @@ inline void IntegerTile(const IntegerProduct& a, const int8_t* quads, const int3
         sums = _mm256_sub_epi32(sums, _mm256_mullo_epi32(_mm256_set1_epi32(a.xz[m0 + r]), LoadInts(column_sums + j)));
       }
       const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[m0 + r]), s);
-      StoreFirst8(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + j, _mm256_mul_ps(IntsToFloats(sums), factor), left);
+      StoreFirst8(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + j,
+                  PlusBias8(_mm256_mul_ps(IntsToFloats(sums), factor), a.bias ? a.bias + c0 + j : nullptr, left),
+                  left);
     }
   }
 }
@@ -635,7 +638,9 @@ void RunAmxPanels(const void* args, int p0, int p1) {
             Ints total = LoadInts(&sums[r][8 * g]);
             total = _mm256_sub_epi32(total, _mm256_mullo_epi32(_mm256_set1_epi32(a.xz[r0 + r]), LoadInts(totals + j)));
             const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[r0 + r]), _mm256_loadu_ps(scales + j));
-            StoreFirst8(a.y + static_cast<size_t>(r0 + r) * a.n + c0 + j, _mm256_mul_ps(IntsToFloats(total), factor),
+            StoreFirst8(a.y + static_cast<size_t>(r0 + r) * a.n + c0 + j,
+                        PlusBias8(_mm256_mul_ps(IntsToFloats(total), factor), a.bias ? a.bias + c0 + j : nullptr,
+                                  columns - 8 * g),
                         columns - 8 * g);
           }
         }
@@ -676,6 +681,7 @@ struct Bf16TileProduct {
   uint16_t* tiles;  // x in tile order
   float* y;
   int m, k, n, kp;  // kp: K rounded up to kBf16Depth
+  const float* bias;  // [n], added to y; or null
 };
 
 // x's rows of blocks [b0, b1) of 16 rows, as bfloat16 in tile order: tile (b, j) at tiles + (b kp / 32 + j) 512.
@@ -750,14 +756,17 @@ void RunBf16TilePanels(const void* args, int p0, int p1) {
       float* y = a.y + static_cast<size_t>(r0) * a.n + c0;
       if (!c.chunk.last) {
         StoreBlock(partial, partial_row);
-      } else if (rows == kAmxRows && columns == kPanel) {  // the whole block: straight into y
+      } else if (rows == kAmxRows && columns == kPanel && a.bias == nullptr) {  // the whole block: straight into y
         StoreBlock(reinterpret_cast<char*>(y), y_row);
       } else {
         StoreBlock(reinterpret_cast<char*>(&sums[0][0]), sizeof(sums[0]));
+        const Mask first = FirstLanes(columns < 16 ? columns : 16), second = FirstLanes(columns > 16 ? columns - 16 : 0);
+        const Vec b0 = a.bias ? LoadMasked(first, a.bias + c0) : Zero();
+        const Vec b1 = a.bias && columns > 16 ? LoadMasked(second, a.bias + c0 + 16) : Zero();
         for (int r = 0; r < rows; ++r) {
           float* row = y + static_cast<size_t>(r) * a.n;
-          StoreMasked(row, FirstLanes(columns < 16 ? columns : 16), Load(&sums[r][0]));
-          if (columns > 16) StoreMasked(row + 16, FirstLanes(columns - 16), Load(&sums[r][16]));
+          StoreMasked(row, first, a.bias ? Add(Load(&sums[r][0]), b0) : Load(&sums[r][0]));
+          if (columns > 16) StoreMasked(row + 16, second, a.bias ? Add(Load(&sums[r][16]), b1) : Load(&sums[r][16]));
         }
       }
     }
@@ -765,12 +774,12 @@ void RunBf16TilePanels(const void* args, int p0, int p1) {
   _tile_release();
 }
 
-void RunBf16TileProduct(const float* x, const uint32_t* w, float* y, int m, int k, int n) {
+void RunBf16TileProduct(const float* x, const uint32_t* w, const float* bias, float* y, int m, int k, int n) {
   const int kp = (k + kBf16Depth - 1) / kBf16Depth * kBf16Depth;
   const int rows = (m + kAmxRows - 1) / kAmxRows * kAmxRows;
   thread_local std::vector<uint16_t> tiles;
   tiles.resize(static_cast<size_t>(rows) * kp);
-  Bf16TileProduct a{x, w, tiles.data(), y, m, k, n, kp};
+  Bf16TileProduct a{x, w, tiles.data(), y, m, k, n, kp, bias};
   if (static_cast<long>(m) * k <= kQuantizeAlone) {
     Bf16ToTiles(&a, 0, rows / 16);
   } else {
@@ -789,7 +798,7 @@ void RunBf16TileProduct(const float* x, const uint32_t* w, float* y, int m, int 
 
 // Quantizes x's rows (by the pool unless they are few) and runs the integer product's panels on the pool.
 template <bool kSeven>
-void RunIntegerProduct(const float* x, const int8_t* w, float* y, int m, int k, int n) {
+void RunIntegerProduct(const float* x, const int8_t* w, const float* bias, float* y, int m, int k, int n) {
 #if XLAGEN_AMX
   const bool amx = kSeven && AmxGranted();
 #else
@@ -811,7 +820,7 @@ void RunIntegerProduct(const float* x, const int8_t* w, float* y, int m, int k, 
   } else {
     GetPool().Run(Task{&quantized, quantize, m});
   }
-  IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq};
+  IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq, bias};
 #if XLAGEN_AMX
   if (amx) return RunAmxIntegerProduct(a, rows);
 #endif
@@ -840,19 +849,25 @@ extern "C" const char* xlagen_int8_product(const float* x, const int8_t* w, floa
 
 extern "C" const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_int8_integer_product: m, k and n must be at least 1";
-  RunIntegerProduct<false>(x, w, y, m, k, n);
+  RunIntegerProduct<false>(x, w, nullptr, y, m, k, n);
   return nullptr;
 }
 
-extern "C" const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n) {
+extern "C" const char* xlagen_bf16_tile_product_biased(const float* x, const uint32_t* w, const float* bias,
+                                                       float* y, int m, int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_bf16_tile_product: m, k and n must be at least 1";
 #if XLAGEN_AMX
   if (!AmxGranted()) return "xlagen_bf16_tile_product: Linux did not grant this process AMX's tiles";
-  RunBf16TileProduct(x, w, y, m, k, n);
+  RunBf16TileProduct(x, w, bias, y, m, k, n);
   return nullptr;
 #else
+  (void)x, (void)w, (void)bias, (void)y;
   return "xlagen_bf16_tile_product: needs the kernels' AMX build (a CPU with amx_bf16 and amx_int8)";
 #endif
+}
+
+extern "C" const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n) {
+  return xlagen_bf16_tile_product_biased(x, w, nullptr, y, m, k, n);
 }
 
 extern "C" int xlagen_amx_tiles() {
@@ -863,9 +878,14 @@ extern "C" int xlagen_amx_tiles() {
 #endif
 }
 
+extern "C" const char* xlagen_int8_many_integer_product_biased(const float* x, const int8_t* w, const float* bias,
+                                                               float* y, int m, int k, int n) {
+  if (m < 1 || k < 1 || n < 1) return "xlagen_int8_many_integer_product: m, k and n must be at least 1";
+  RunIntegerProduct<true>(x, w, bias, y, m, k, n);
+  return nullptr;
+}
+
 extern "C" const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, float* y, int m, int k,
                                                         int n) {
-  if (m < 1 || k < 1 || n < 1) return "xlagen_int8_many_integer_product: m, k and n must be at least 1";
-  RunIntegerProduct<true>(x, w, y, m, k, n);
-  return nullptr;
+  return xlagen_int8_many_integer_product_biased(x, w, nullptr, y, m, k, n);
 }

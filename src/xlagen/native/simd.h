@@ -230,6 +230,17 @@ inline Ints DotQuads(Ints acc, Ints w, Ints magnitudes, Ints x) {
 // 8 int32 lanes as float32 (rounded to nearest, as numpy's astype(float32)).
 inline __m256 IntsToFloats(Ints v) { return _mm256_cvtepi32_ps(v); }
 // The first `count` (1 to 8) of 8 float32 lanes to p.
+// The first min(count, 8) floats at p, zeros after them (nothing past them is read).
+inline __m256 LoadFirst8(const float* p, int count) {
+  if (count >= 8) return _mm256_loadu_ps(p);
+  return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// With a bias (not null): v + bias[0..8), the lanes past `count` left as they are; else v.
+inline __m256 PlusBias8(__m256 v, const float* bias, int count) {
+  return bias == nullptr ? v : _mm256_add_ps(v, LoadFirst8(bias, count));
+}
+
 inline void StoreFirst8(float* p, __m256 v, int count) {
   if (count >= 8) {
     _mm256_storeu_ps(p, v);
