@@ -121,9 +121,13 @@ def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
 
 @pytest.mark.parametrize("weight_dtype", ["int8", "bfloat16"])
 @pytest.mark.parametrize("rows", [4, 40])
-def test_a_bias_is_added_by_the_many_row_products_and_after_the_others(weight_dtype, rows):
+def test_a_bias_and_an_activation_are_applied_by_the_many_row_products_and_after_the_others(weight_dtype, rows):
     # `matmul(..., bias=b)` is x @ W - (-b) bit for bit: the 7-bit int8 product and the bfloat16 tiles' add b as
-    # they store y (the biased custom call, nothing after it); the products of 4 rows leave the add to XLA.
+    # they store y (their epilogue call, nothing after it); the products of 4 rows leave the add to XLA, and
+    # `projection` then returns None (the caller applies the activation). The epilogue's ReLU is exact, its
+    # GELU within float32 roundings of the formula's.
+    from xlagen.layers.feedforward import ACTIVATIONS
+
     rng = np.random.default_rng(rows)
     k, n = 70, 130
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -131,13 +135,25 @@ def test_a_bias_is_added_by_the_many_row_products_and_after_the_others(weight_dt
     bias = tf.constant(rng.standard_normal(n).astype(np.float32))
     words = tf.constant(native.pack_int8(w) if weight_dtype == "int8" else native.pack_bfloat16(w))
     kernels = native.Kernels(int8_many_integer_min_rows=8, bfloat16_tiles=None if native.amx_tiles() else False)
+    fused = rows == 40 and (weight_dtype == "int8" or native.amx_tiles())
     with native.tracing(kernels):
         biased = tf.function(lambda x: native.matmul(x, words, n, bias=bias), jit_compile=True)
         plain = tf.function(lambda x: native.matmul(x, words, n) - (-bias), jit_compile=True)
         hlo = biased.experimental_get_compiler_ir(x)(stage="optimized_hlo")
         np.testing.assert_array_equal(biased(x).numpy(), plain(x).numpy())
-    fused = rows == 40 and (weight_dtype == "int8" or native.amx_tiles())
-    assert any(f'custom_call_target="{target}"' in hlo for target in native.ops.BIASED_TARGETS.values()) == fused
+        for name in ("relu", "gelu_new"):
+            projected = tf.function(lambda x: native.projection(x, words, n, bias, name), jit_compile=True)
+            if not fused:
+                left = tf.function(lambda x: native.projection(x, words, n, bias, name) is None, jit_compile=True)
+                assert left(x)
+                continue
+            expected = ACTIVATIONS[name](plain(x)).numpy()
+            if name == "relu":
+                np.testing.assert_array_equal(projected(x).numpy(), expected)
+            else:
+                np.testing.assert_allclose(projected(x).numpy(), expected, rtol=1e-5, atol=1e-6)
+        assert native.projection(tf.constant(x), words, n, bias, "silu") is None  # no epilogue for it
+    assert any(f'custom_call_target="{target}"' in hlo for target in native.ops.EPILOGUE_TARGETS.values()) == fused
 
 
 @pytest.mark.parametrize("weight_dtype", list(FORMATS))

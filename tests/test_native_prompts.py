@@ -158,8 +158,9 @@ def test_long_prompts_with_bfloat16_weights_on_amx_tiles_stay_close_to_float32_c
             logits[name] = forward(ids).numpy()
         tiles = name == "default" and native.amx_tiles()
         products = 4 * packed.config.num_layers + 1  # and the LM head's over every position
-        # Every projection's with its bias added by the product; the head's has none.
-        assert _count(hlo, native.ops.BIASED_TARGETS[native.BF16_TILE_TARGET]) == (products - 1 if tiles else 0)
+        # Every projection's with its bias added by the product (the MLP's input projection's GELU too); the
+        # head's has none.
+        assert _count(hlo, native.ops.EPILOGUE_TARGETS[native.BF16_TILE_TARGET]) == (products - 1 if tiles else 0)
         assert _count(hlo, native.BF16_TILE_TARGET) == (1 if tiles else 0)
         assert _count(hlo, native.GEMM_TARGETS["bfloat16"]) == (0 if tiles else products)
     difference = np.abs(logits["default"] - logits["float32"]).max()

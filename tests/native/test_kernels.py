@@ -87,11 +87,17 @@ def test_bfloat16_tile_product_is_that_of_activations_rounded_to_bfloat16(m, k, 
         assert np.abs(y - x.astype(np.float64) @ w.astype(ml_dtypes.bfloat16).astype(np.float64)).max() > 1e-3
 
 
+def _gelu_tanh(y: np.ndarray) -> np.ndarray:
+    y = y.astype(np.float64)
+    return 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
+
+
 @pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (77, 200, 129), (40, 513, 200), (70, 3000, 130)])
 @pytest.mark.parametrize("product", ["int8_many_integer", "bf16_tile"])
-def test_biased_products_add_the_bias_as_a_float32_add_after_them(m, k, n, product):
+def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_and_apply_the_activation(m, k, n, product):
     # The bias added as the product stores y: exactly y + b, the add XLA would do after the call, in every
-    # column of partial vectors, blocks and panels.
+    # column of partial vectors, blocks and panels; then ReLU exactly, and GELU's tanh form within float32
+    # roundings (large negative and positive sums included: the products' y reaches +-3 sqrt(k)).
     if product == "bf16_tile" and not native.amx_tiles():
         pytest.skip("AMX's tiles: this CPU or process has none (the refusal is tested instead)")
     rng = np.random.default_rng(m * k + n + 9)
@@ -100,11 +106,21 @@ def test_biased_products_add_the_bias_as_a_float32_add_after_them(m, k, n, produ
     bias = rng.standard_normal(n).astype(np.float32)
     stored = native.pack_int8(w) if product == "int8_many_integer" else native.pack_bfloat16(w)
     y = _product(f"xlagen_{product}_product", x, stored, n)
-    biased = np.full((m, n), np.nan, np.float32)
-    error = _entry(f"xlagen_{product}_product_biased", *[ctypes.c_void_p] * 4, *[ctypes.c_int] * 3)(
-        _p(x), _p(stored), _p(bias), _p(biased), m, k, n)
-    assert error is None, error
-    np.testing.assert_array_equal(biased, y + bias)
+    entry = _entry(f"xlagen_{product}_product_epilogue", *[ctypes.c_void_p] * 3, ctypes.c_int, ctypes.c_void_p,
+                   *[ctypes.c_int] * 3)
+
+    def run(with_bias: bool, activation: int) -> np.ndarray:
+        out = np.full((m, n), np.nan, np.float32)
+        error = entry(_p(x), _p(stored), _p(bias) if with_bias else None, activation, _p(out), m, k, n)
+        assert error is None, error
+        return out
+
+    np.testing.assert_array_equal(run(True, 0), y + bias)
+    np.testing.assert_array_equal(run(False, 0), y)
+    np.testing.assert_array_equal(run(True, 1), np.maximum(y + bias, 0))
+    np.testing.assert_allclose(run(True, 2), _gelu_tanh(y + bias), rtol=2e-6, atol=1e-6)
+    np.testing.assert_allclose(run(False, 2), _gelu_tanh(y), rtol=2e-6, atol=1e-6)
+    assert b"activation must be" in entry(_p(x), _p(stored), None, 3, _p(y), m, k, n)
 
 
 def test_the_bfloat16_tile_product_refuses_without_tiles_and_empty_sizes():

@@ -7,6 +7,7 @@ import math
 import keras
 from keras import ops
 
+from xlagen import native
 from xlagen.layers.dense import Dense
 
 
@@ -61,6 +62,7 @@ class FeedForward(keras.layers.Layer):
                  gated: bool = False, dropout: float = 0.0, **kwargs):
         super().__init__(**kwargs)
         self.activation = get_activation(activation)
+        self.activation_name = activation
         self.input_projection = Dense(intermediate_size, use_bias=use_bias, name="input_projection",
                                       dtype=self.dtype_policy)
         self.gate_projection = None
@@ -81,10 +83,17 @@ class FeedForward(keras.layers.Layer):
         self.built = True
 
     def call(self, x, training=False):
-        """x: `[B, T, hidden]` -> `[B, T, hidden]`."""
-        inner = self.input_projection(x)
-        if self.gate_projection is None:
-            inner = self.activation(inner)
-        else:
+        """x: `[B, T, hidden]` -> `[B, T, hidden]`. With packed weights, a prompt's or an encoder's input
+        projection may apply the activation as it stores its output (`xlagen.native.projection`)."""
+        projection = self.input_projection
+        if self.gate_projection is not None:
+            inner = projection(x)
             inner = self.activation(self.gate_projection(x)) * inner
+        else:
+            inner = None
+            if projection.packed_kernel is not None:
+                inner = native.projection(x, projection.packed_kernel, projection.units, projection.bias,
+                                          self.activation_name)
+            if inner is None:
+                inner = self.activation(projection(x))
         return self.output_projection(self.dropout(inner, training=training))

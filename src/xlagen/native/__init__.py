@@ -61,7 +61,8 @@ from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BF16_TILE_TARGET
                                INT8_INTEGER_TARGET, INT8_MANY_INTEGER_TARGET, INT8_TARGET, Heads,
                                MASKED_ATTENTION_TARGET, MEMORY_ATTENTION_TARGET, RELATIVE_ATTENTION_TARGET,
                                STEP_ATTENTION_TARGET, TARGET, argmax, attention, masked_attention, matmul, matmul_float32,
-                               memory_attention, reference_memory_attention, relative_to_dense, step_attention)
+                               memory_attention, projection, reference_memory_attention, relative_to_dense,
+                               step_attention)
 from xlagen.native.packing import WEIGHT_DTYPES, pack_bfloat16, pack_int8, pack_tensor, unpack
 from xlagen.native.policy import (ATTENTION_HEAD_DIMS, Kernels, PoolSettings, current, decoding_step, prefill,
                                   tracing, use_argmax, use_attention_kernel, use_float32_kernel, use_memory_attention,
@@ -87,6 +88,6 @@ __all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "BF16_TIL
            "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "amx_tiles", "argmax", "attention", "compile_library",
            "configure_pool", "constant", "current", "decoding_step", "hardware_reason", "load", "lookahead_counts",
            "lookahead_kib", "masked_attention", "matmul", "matmul_float32", "memory_attention", "pack_bfloat16", "pack_int8",
-           "pack_tensor", "prefill", "ready", "reference_memory_attention", "relative_to_dense", "set_lookahead", "status_supported",
+           "pack_tensor", "prefill", "projection", "ready", "reference_memory_attention", "relative_to_dense", "set_lookahead", "status_supported",
            "step_attention", "tracing", "unavailable_reason", "unpack", "use_argmax", "use_attention_kernel",
            "use_float32_kernel", "use_memory_attention", "use_prompt_attention", "use_step_attention"]

@@ -57,11 +57,13 @@ const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, fl
 // AMX's bfloat16 tiles (refused where xlagen_amx_tiles() is 0); as the tiles do, subnormal inputs and sums
 // count as zero.
 const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n);
-// The last two with bias[n] added to y as it is stored (y + b: the same float32 add as one after the call).
-const char* xlagen_int8_many_integer_product_biased(const float* x, const int8_t* w, const float* bias, float* y,
-                                                    int m, int k, int n);
-const char* xlagen_bf16_tile_product_biased(const float* x, const uint32_t* w, const float* bias, float* y, int m,
-                                            int k, int n);
+// The last two with an epilogue as y is stored: bias[n] added (y + b: the same float32 add as one after the
+// call; bias may be null), then `activation` applied: 0 none, 1 ReLU, 2 GELU's tanh form (GPT-2's "gelu_new",
+// computed as y / (1 + exp(-2u)), u = sqrt(2 / pi) (y + 0.044715 y^3)).
+const char* xlagen_int8_many_integer_product_epilogue(const float* x, const int8_t* w, const float* bias,
+                                                      int activation, float* y, int m, int k, int n);
+const char* xlagen_bf16_tile_product_epilogue(const float* x, const uint32_t* w, const float* bias, int activation,
+                                              float* y, int m, int k, int n);
 // 1 where xlagen_int8_many_integer_product runs on AMX's tile registers: the build has them (-mamx-int8) and
 // Linux granted this process their state; else 0 (it runs on vectors).
 int xlagen_amx_tiles();

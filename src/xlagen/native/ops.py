@@ -20,9 +20,12 @@ INT8_INTEGER_TARGET = "xlagen_int8_imatmul"
 INT8_MANY_INTEGER_TARGET = "xlagen_int8_many_imatmul"
 GEMM_TARGETS = {"float32": "xlagen_f32_gemm", "bfloat16": "xlagen_bf16_gemm", "int8": "xlagen_int8_gemm"}
 BF16_TILE_TARGET = "xlagen_bf16_tile_gemm"
-# The products that also add a bias as they store their output: target -> the target with a bias operand.
-BIASED_TARGETS = {INT8_MANY_INTEGER_TARGET: "xlagen_int8_many_imatmul_bias",
-                  BF16_TILE_TARGET: "xlagen_bf16_tile_gemm_bias"}
+# The products that can add a bias and apply an activation as they store their output: target -> the target
+# with that epilogue (`matmul`'s bias, `projection`'s activations).
+EPILOGUE_TARGETS = {INT8_MANY_INTEGER_TARGET: "xlagen_int8_many_imatmul_epilogue",
+                    BF16_TILE_TARGET: "xlagen_bf16_tile_gemm_epilogue"}
+# The activations an epilogue applies, by the names of `xlagen.layers.feedforward.ACTIVATIONS`, and their codes.
+EPILOGUE_ACTIVATIONS = {"relu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2}
 ATTENTION_TARGET = "xlagen_f32_attention"
 MASKED_ATTENTION_TARGET = "xlagen_f32_masked_attention"
 BIASED_ATTENTION_TARGET = "xlagen_f32_biased_attention"
@@ -52,8 +55,9 @@ def matmul(x, words, n: int, bias=None):
     is quantized to 7 bits with a zero point instead (scale (max(x, 0) - min(x, 0)) / 126), which the CPU
     multiplies in fewer instructions. bfloat16 weights' many-row products run on AMX's bfloat16 tiles where
     the policy says so (`Kernels.use_bfloat16_tiles`): x rounded to bfloat16, sums in float32. These two
-    many-row products add the bias as they store their output (no pass of XLA's over it after the call); the
-    others leave it to XLA, as `x @ W - (-b)` (`xlagen.layers.dense.Dense`); both are the same float32 add.
+    many-row products add the bias as they store their output (their `EPILOGUE_TARGETS`: no pass of XLA's over
+    it after the call); the others leave it to XLA, as `x @ W - (-b)` (`xlagen.layers.dense.Dense`); both are
+    the same float32 add.
 
     Raises:
         TypeError: x is not float32.
@@ -67,13 +71,47 @@ def matmul(x, words, n: int, bias=None):
     target = _packed_target(x, words)
     if target is None:  # also for rows of unknown or zero count
         y = tf.tensordot(x, unpack(words, n), 1)
-    elif bias is not None and target in BIASED_TARGETS:
-        load()
-        return _custom_call(BIASED_TARGETS[target], x, words, n, tf.cast(bias, tf.float32))
+    elif bias is not None and target in EPILOGUE_TARGETS:
+        return _epilogue_call(target, x, words, n, bias, None)
     else:
         load()
         y = _custom_call(target, x, words, n)
     return y if bias is None else tf.subtract(y, tf.negative(bias))
+
+
+def projection(x, words, n: int, bias, activation: str):
+    """`activation(x @ W + b)` (`matmul`'s product; `bias` may be None) where the product the policy picks for
+    x applies the activation itself as it stores y (the 7-bit int8 and the bfloat16 tile products of a
+    prompt's or an encoder's rows; activations `EPILOGUE_ACTIVATIONS`), so that no pass of XLA's over y
+    follows; else None, and the caller applies it. The epilogue's GELU is computed as y / (1 + exp(-2u)), u =
+    sqrt(2 / pi) (y + 0.044715 y^3), within a few float32 roundings of `0.5 y (1 + tanh(u))`."""
+    import tensorflow as tf
+
+    x = tf.convert_to_tensor(x)
+    if x.dtype != tf.float32 or activation not in EPILOGUE_ACTIVATIONS:
+        return None
+    target = _packed_target(x, words)
+    if target not in EPILOGUE_TARGETS:
+        return None
+    return _epilogue_call(target, x, words, n, bias, activation)
+
+
+def _epilogue_call(target: str, x, words, n: int, bias, activation: str | None):
+    """`target`'s product with its epilogue: the bias (or None) added, then `activation` (or None) applied."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    k = x.shape[-1]
+    leading = x.shape[:-1]
+    rows = leading.num_elements()
+    operands = [tf.reshape(x, (rows, k)), words] + ([] if bias is None else [tf.cast(bias, tf.float32)])
+    code = 0 if activation is None else EPILOGUE_ACTIVATIONS[activation]
+    (y,) = gen_xla_ops.xla_custom_call_v2(
+        operands=operands, call_target_name=EPILOGUE_TARGETS[target],
+        backend_config=f"{rows},{k},{n},{int(bias is not None)},{code}", has_side_effect=False,
+        result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, n])])
+    return tf.reshape(y, [*leading, n])
 
 
 def _packed_target(x, words) -> str | None:
@@ -103,9 +141,8 @@ def _many_rows(policy, x, most: int) -> bool:
     return policy.many_rows and x.shape[:-1].num_elements() > most and not in_decoding_step()
 
 
-def _custom_call(target: str, x, weights, n: int, *extra):
-    """The custom call `target` on x `[..., K]` (rows flattened), the weights and any `extra` operands ->
-    float32 `[..., n]`."""
+def _custom_call(target: str, x, weights, n: int):
+    """The custom call `target` on x `[..., K]` (rows flattened) and the weights -> float32 `[..., n]`."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
@@ -113,7 +150,7 @@ def _custom_call(target: str, x, weights, n: int, *extra):
     leading = x.shape[:-1]
     rows = leading.num_elements()
     (y,) = gen_xla_ops.xla_custom_call_v2(
-        operands=[tf.reshape(x, (rows, k)), weights, *extra], call_target_name=target, backend_config=f"{rows},{k},{n}",
+        operands=[tf.reshape(x, (rows, k)), weights], call_target_name=target, backend_config=f"{rows},{k},{n}",
         has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, n])])
     return tf.reshape(y, [*leading, n])
 

@@ -282,6 +282,24 @@ void QuantizeRowsSeven(const void* args, int r0, int r1) {
   }
 }
 
+// What the many-row products (the 7-bit int8 product, the bfloat16 tile product) do to y as they store it
+// (their xlagen_*_epilogue entry points): add a projection's bias, then apply an activation.
+enum Activation : int { kLinear = 0, kRelu = 1, kGeluTanh = 2 };
+
+// v + bias[0..8) (bias not null; nothing past `count` is read), then the activation: ReLU, max(v, 0); or
+// GELU's tanh form (GPT-2's "gelu_new"), 0.5 v (1 + tanh(u)) = v / (1 + exp(-2u)), u = sqrt(2 / pi) (v +
+// 0.044715 v^3).
+inline __m256 Epilogue8(__m256 v, const float* bias, int count, int activation) {
+  if (bias != nullptr) v = _mm256_add_ps(v, LoadFirst8(bias, count));
+  if (activation == kRelu) return _mm256_max_ps(v, _mm256_setzero_ps());
+  if (activation == kGeluTanh) {
+    const __m256 u = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(0.7978845608f)),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(v, v), _mm256_set1_ps(0.044715f), _mm256_set1_ps(1.0f)));
+    return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), Exp8(_mm256_mul_ps(u, _mm256_set1_ps(-2.0f)))));
+  }
+  return v;
+}
+
 struct IntegerProduct {
   const int8_t* xq;
   const float* xs;
@@ -290,6 +308,7 @@ struct IntegerProduct {
   float* y;
   int m, k, n, kq;
   const float* bias;  // [n], added to y (y + b, the float32 add of a separate one); or null
+  int activation;     // then applied (Activation; 7-bit only)
 };
 
 // A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4], and, if `sums`, sums[c] = the sum of
@@ -414,7 +433,8 @@ inline void IntegerTile(const IntegerProduct& a, const int8_t* quads, const int3
       }
       const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[m0 + r]), s);
       StoreFirst8(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + j,
-                  PlusBias8(_mm256_mul_ps(IntsToFloats(sums), factor), a.bias ? a.bias + c0 + j : nullptr, left),
+                  Epilogue8(_mm256_mul_ps(IntsToFloats(sums), factor), a.bias ? a.bias + c0 + j : nullptr, left,
+                            a.activation),
                   left);
     }
   }
@@ -639,8 +659,8 @@ void RunAmxPanels(const void* args, int p0, int p1) {
             total = _mm256_sub_epi32(total, _mm256_mullo_epi32(_mm256_set1_epi32(a.xz[r0 + r]), LoadInts(totals + j)));
             const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[r0 + r]), _mm256_loadu_ps(scales + j));
             StoreFirst8(a.y + static_cast<size_t>(r0 + r) * a.n + c0 + j,
-                        PlusBias8(_mm256_mul_ps(IntsToFloats(total), factor), a.bias ? a.bias + c0 + j : nullptr,
-                                  columns - 8 * g),
+                        Epilogue8(_mm256_mul_ps(IntsToFloats(total), factor), a.bias ? a.bias + c0 + j : nullptr,
+                                  columns - 8 * g, a.activation),
                         columns - 8 * g);
           }
         }
@@ -682,6 +702,7 @@ struct Bf16TileProduct {
   float* y;
   int m, k, n, kp;  // kp: K rounded up to kBf16Depth
   const float* bias;  // [n], added to y; or null
+  int activation;     // then applied (Activation)
 };
 
 // x's rows of blocks [b0, b1) of 16 rows, as bfloat16 in tile order: tile (b, j) at tiles + (b kp / 32 + j) 512.
@@ -756,17 +777,18 @@ void RunBf16TilePanels(const void* args, int p0, int p1) {
       float* y = a.y + static_cast<size_t>(r0) * a.n + c0;
       if (!c.chunk.last) {
         StoreBlock(partial, partial_row);
-      } else if (rows == kAmxRows && columns == kPanel && a.bias == nullptr) {  // the whole block: straight into y
-        StoreBlock(reinterpret_cast<char*>(y), y_row);
+      } else if (rows == kAmxRows && columns == kPanel && a.bias == nullptr && a.activation == kLinear) {
+        StoreBlock(reinterpret_cast<char*>(y), y_row);  // the whole block, as it is: straight into y
       } else {
         StoreBlock(reinterpret_cast<char*>(&sums[0][0]), sizeof(sums[0]));
-        const Mask first = FirstLanes(columns < 16 ? columns : 16), second = FirstLanes(columns > 16 ? columns - 16 : 0);
-        const Vec b0 = a.bias ? LoadMasked(first, a.bias + c0) : Zero();
-        const Vec b1 = a.bias && columns > 16 ? LoadMasked(second, a.bias + c0 + 16) : Zero();
         for (int r = 0; r < rows; ++r) {
           float* row = y + static_cast<size_t>(r) * a.n;
-          StoreMasked(row, first, a.bias ? Add(Load(&sums[r][0]), b0) : Load(&sums[r][0]));
-          if (columns > 16) StoreMasked(row + 16, second, a.bias ? Add(Load(&sums[r][16]), b1) : Load(&sums[r][16]));
+          for (int j = 0; j < columns; j += 8) {
+            StoreFirst8(row + j,
+                        Epilogue8(_mm256_load_ps(&sums[r][j]), a.bias ? a.bias + c0 + j : nullptr, columns - j,
+                                  a.activation),
+                        columns - j);
+          }
         }
       }
     }
@@ -774,12 +796,13 @@ void RunBf16TilePanels(const void* args, int p0, int p1) {
   _tile_release();
 }
 
-void RunBf16TileProduct(const float* x, const uint32_t* w, const float* bias, float* y, int m, int k, int n) {
+void RunBf16TileProduct(const float* x, const uint32_t* w, const float* bias, int activation, float* y, int m, int k,
+                        int n) {
   const int kp = (k + kBf16Depth - 1) / kBf16Depth * kBf16Depth;
   const int rows = (m + kAmxRows - 1) / kAmxRows * kAmxRows;
   thread_local std::vector<uint16_t> tiles;
   tiles.resize(static_cast<size_t>(rows) * kp);
-  Bf16TileProduct a{x, w, tiles.data(), y, m, k, n, kp, bias};
+  Bf16TileProduct a{x, w, tiles.data(), y, m, k, n, kp, bias, activation};
   if (static_cast<long>(m) * k <= kQuantizeAlone) {
     Bf16ToTiles(&a, 0, rows / 16);
   } else {
@@ -798,7 +821,8 @@ void RunBf16TileProduct(const float* x, const uint32_t* w, const float* bias, fl
 
 // Quantizes x's rows (by the pool unless they are few) and runs the integer product's panels on the pool.
 template <bool kSeven>
-void RunIntegerProduct(const float* x, const int8_t* w, const float* bias, float* y, int m, int k, int n) {
+void RunIntegerProduct(const float* x, const int8_t* w, const float* bias, int activation, float* y, int m, int k,
+                       int n) {
 #if XLAGEN_AMX
   const bool amx = kSeven && AmxGranted();
 #else
@@ -820,7 +844,7 @@ void RunIntegerProduct(const float* x, const int8_t* w, const float* bias, float
   } else {
     GetPool().Run(Task{&quantized, quantize, m});
   }
-  IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq, bias};
+  IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq, bias, activation};
 #if XLAGEN_AMX
   if (amx) return RunAmxIntegerProduct(a, rows);
 #endif
@@ -849,16 +873,17 @@ extern "C" const char* xlagen_int8_product(const float* x, const int8_t* w, floa
 
 extern "C" const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_int8_integer_product: m, k and n must be at least 1";
-  RunIntegerProduct<false>(x, w, nullptr, y, m, k, n);
+  RunIntegerProduct<false>(x, w, nullptr, kLinear, y, m, k, n);
   return nullptr;
 }
 
-extern "C" const char* xlagen_bf16_tile_product_biased(const float* x, const uint32_t* w, const float* bias,
-                                                       float* y, int m, int k, int n) {
+extern "C" const char* xlagen_bf16_tile_product_epilogue(const float* x, const uint32_t* w, const float* bias,
+                                                         int activation, float* y, int m, int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_bf16_tile_product: m, k and n must be at least 1";
+  if (activation < kLinear || activation > kGeluTanh) return "xlagen_bf16_tile_product: activation must be 0, 1 or 2";
 #if XLAGEN_AMX
   if (!AmxGranted()) return "xlagen_bf16_tile_product: Linux did not grant this process AMX's tiles";
-  RunBf16TileProduct(x, w, bias, y, m, k, n);
+  RunBf16TileProduct(x, w, bias, activation, y, m, k, n);
   return nullptr;
 #else
   (void)x, (void)w, (void)bias, (void)y;
@@ -867,7 +892,7 @@ extern "C" const char* xlagen_bf16_tile_product_biased(const float* x, const uin
 }
 
 extern "C" const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n) {
-  return xlagen_bf16_tile_product_biased(x, w, nullptr, y, m, k, n);
+  return xlagen_bf16_tile_product_epilogue(x, w, nullptr, kLinear, y, m, k, n);
 }
 
 extern "C" int xlagen_amx_tiles() {
@@ -878,14 +903,17 @@ extern "C" int xlagen_amx_tiles() {
 #endif
 }
 
-extern "C" const char* xlagen_int8_many_integer_product_biased(const float* x, const int8_t* w, const float* bias,
-                                                               float* y, int m, int k, int n) {
+extern "C" const char* xlagen_int8_many_integer_product_epilogue(const float* x, const int8_t* w, const float* bias,
+                                                                 int activation, float* y, int m, int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_int8_many_integer_product: m, k and n must be at least 1";
-  RunIntegerProduct<true>(x, w, bias, y, m, k, n);
+  if (activation < kLinear || activation > kGeluTanh) {
+    return "xlagen_int8_many_integer_product: activation must be 0, 1 or 2";
+  }
+  RunIntegerProduct<true>(x, w, bias, activation, y, m, k, n);
   return nullptr;
 }
 
 extern "C" const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, float* y, int m, int k,
                                                         int n) {
-  return xlagen_int8_many_integer_product_biased(x, w, nullptr, y, m, k, n);
+  return xlagen_int8_many_integer_product_epilogue(x, w, nullptr, kLinear, y, m, k, n);
 }

@@ -18,6 +18,31 @@
 
 namespace xlagen {
 
+// exp(x) of 8 lanes (AVX2, both builds), x clamped to [-104, 88] (below -104 it is 0): x = n ln2 + r with
+// |r| <= ln2 / 2, exp(r) by its degree-7 polynomial (Cephes' expf coefficients), times 2^n made from its
+// exponent bits in two factors 2^floor(n/2) and 2^ceil(n/2) (n >= -150 here, below the smallest normal
+// exponent, -126, which one factor would need).
+inline __m256 Exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts: exact first step
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i whole = _mm256_cvtps_epi32(n);
+  const __m256i low = _mm256_srai_epi32(whole, 1), high = _mm256_sub_epi32(whole, low);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 low_power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(low, bias), 23));
+  const __m256 high_power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(high, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, low_power), high_power);
+}
+
 #if defined(__AVX512F__)
 
 constexpr bool kAvx512 = true;
@@ -161,28 +186,8 @@ inline Vec LoadInt8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// As the AVX-512 ExpNonPositive, with 2^n made from its exponent bits in two factors 2^floor(n/2) and
-// 2^ceil(n/2) (n >= -150 here, below the smallest normal exponent, -126, which one factor would need).
-inline Vec ExpNonPositive(Vec x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-104.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i whole = _mm256_cvtps_epi32(n);
-  const __m256i low = _mm256_srai_epi32(whole, 1), high = _mm256_sub_epi32(whole, low);
-  const __m256i bias = _mm256_set1_epi32(127);
-  const __m256 low_power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(low, bias), 23));
-  const __m256 high_power = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(high, bias), 23));
-  return _mm256_mul_ps(_mm256_mul_ps(p, low_power), high_power);
-}
+// As the AVX-512 ExpNonPositive (Exp8).
+inline Vec ExpNonPositive(Vec x) { return Exp8(x); }
 
 inline __m128 FourSums(Vec a0, Vec a1, Vec a2, Vec a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -234,11 +239,6 @@ inline __m256 IntsToFloats(Ints v) { return _mm256_cvtepi32_ps(v); }
 inline __m256 LoadFirst8(const float* p, int count) {
   if (count >= 8) return _mm256_loadu_ps(p);
   return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-// With a bias (not null): v + bias[0..8), the lanes past `count` left as they are; else v.
-inline __m256 PlusBias8(__m256 v, const float* bias, int count) {
-  return bias == nullptr ? v : _mm256_add_ps(v, LoadFirst8(bias, count));
 }
 
 inline void StoreFirst8(float* p, __m256 v, int count) {

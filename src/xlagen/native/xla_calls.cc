@@ -111,18 +111,22 @@ void ProductCall(const char* target, const char* (*entry)(const float*, const W*
                               static_cast<float*>(out), m, k, n));
 }
 
-// The same with a bias: operands x, the weights and bias float32 [N], added to y as it is stored.
+// A product with an epilogue: the backend config is "M,K,N,bias,activation", bias 1 when a third operand,
+// float32 [N], is added to y as it is stored, and the activation then applied (0 none, 1 ReLU, 2 GELU's tanh
+// form).
 template <typename W>
-void BiasedProductCall(const char* target,
-                       const char* (*entry)(const float*, const W*, const float*, float*, int, int, int), void* out,
-                       const void** in, const char* opaque, size_t opaque_len, XlaCustomCallStatus_* status) {
+void EpilogueProductCall(const char* target,
+                         const char* (*entry)(const float*, const W*, const float*, int, float*, int, int, int),
+                         void* out, const void** in, const char* opaque, size_t opaque_len,
+                         XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
-  int m, k, n;
-  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Done())) {
-    return Fail(status, target, "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N");
+  int m, k, n, biased, activation;
+  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Int(&biased) && f.Int(&activation) && f.Done())) {
+    return Fail(status, target, "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N,bias,activation");
   }
   Check(status, target, entry(static_cast<const float*>(in[0]), static_cast<const W*>(in[1]),
-                              static_cast<const float*>(in[2]), static_cast<float*>(out), m, k, n));
+                              biased ? static_cast<const float*>(in[2]) : nullptr, activation,
+                              static_cast<float*>(out), m, k, n));
 }
 
 }  // namespace
@@ -148,12 +152,11 @@ extern "C" void xlagen_int8_many_imatmul(void* out, const void** in, const char*
                       status);
 }
 
-extern "C" void xlagen_int8_many_imatmul_bias(void* out, const void** in, const char* opaque, size_t opaque_len,
-                                              XlaCustomCallStatus_* status) {
-  BiasedProductCall<int8_t>("xlagen_int8_many_imatmul_bias", xlagen_int8_many_integer_product_biased, out, in, opaque,
-                            opaque_len, status);
+extern "C" void xlagen_int8_many_imatmul_epilogue(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                                  XlaCustomCallStatus_* status) {
+  EpilogueProductCall<int8_t>("xlagen_int8_many_imatmul_epilogue", xlagen_int8_many_integer_product_epilogue, out, in,
+                              opaque, opaque_len, status);
 }
-
 extern "C" void xlagen_f32_matmul(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* status) {
   ProductCall<float>("xlagen_f32_matmul", xlagen_f32_product, out, in, opaque, opaque_len, status);
@@ -175,12 +178,11 @@ extern "C" void xlagen_bf16_tile_gemm(void* out, const void** in, const char* op
   ProductCall<uint32_t>("xlagen_bf16_tile_gemm", xlagen_bf16_tile_product, out, in, opaque, opaque_len, status);
 }
 
-extern "C" void xlagen_bf16_tile_gemm_bias(void* out, const void** in, const char* opaque, size_t opaque_len,
-                                           XlaCustomCallStatus_* status) {
-  BiasedProductCall<uint32_t>("xlagen_bf16_tile_gemm_bias", xlagen_bf16_tile_product_biased, out, in, opaque,
-                              opaque_len, status);
+extern "C" void xlagen_bf16_tile_gemm_epilogue(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                               XlaCustomCallStatus_* status) {
+  EpilogueProductCall<uint32_t>("xlagen_bf16_tile_gemm_epilogue", xlagen_bf16_tile_product_epilogue, out, in, opaque,
+                                opaque_len, status);
 }
-
 extern "C" void xlagen_int8_gemm(void* out, const void** in, const char* opaque, size_t opaque_len,
                                  XlaCustomCallStatus_* status) {
   ProductCall<int8_t>("xlagen_int8_gemm", xlagen_int8_many_product, out, in, opaque, opaque_len, status);
@@ -402,10 +404,10 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_f32_gemm"), reinterpret_cast<void*>(&xlagen_f32_gemm), host);
   add(global(), std::string("xlagen_bf16_gemm"), reinterpret_cast<void*>(&xlagen_bf16_gemm), host);
   add(global(), std::string("xlagen_bf16_tile_gemm"), reinterpret_cast<void*>(&xlagen_bf16_tile_gemm), host);
-  add(global(), std::string("xlagen_bf16_tile_gemm_bias"), reinterpret_cast<void*>(&xlagen_bf16_tile_gemm_bias),
-      host);
-  add(global(), std::string("xlagen_int8_many_imatmul_bias"), reinterpret_cast<void*>(&xlagen_int8_many_imatmul_bias),
-      host);
+  add(global(), std::string("xlagen_bf16_tile_gemm_epilogue"),
+      reinterpret_cast<void*>(&xlagen_bf16_tile_gemm_epilogue), host);
+  add(global(), std::string("xlagen_int8_many_imatmul_epilogue"),
+      reinterpret_cast<void*>(&xlagen_int8_many_imatmul_epilogue), host);
   add(global(), std::string("xlagen_int8_gemm"), reinterpret_cast<void*>(&xlagen_int8_gemm), host);
   add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention), host);
   add(global(), std::string("xlagen_f32_masked_attention"), reinterpret_cast<void*>(&xlagen_f32_masked_attention),
