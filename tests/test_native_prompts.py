@@ -226,3 +226,19 @@ def test_t5_encoder_attention_with_its_position_bias_generates_as_xla_attention(
     # The encoder's layers read the bias of each distance (2 T - 1 per head), not a [T, S] matrix.
     assert _count(hlo(fused), native.RELATIVE_ATTENTION_TARGET) == config.num_layers
     assert _count(hlo(plain), native.RELATIVE_ATTENTION_TARGET) == 0
+
+
+def test_long_prompts_embeddings_come_from_the_native_lookup_with_the_same_values(gpt2_model):
+    # 2 x 40 prompt tokens: past lookup_min_tokens (64), the native lookup of the embedding columns, and
+    # the same generation as XLA's gather; 2 x 20 stay on the gather.
+    for rows, native_lookup in ((40, True), (20, False)):
+        ids = random_ids((2, rows), 300, seed=rows)
+        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        off = native.Kernels(lookup_min_tokens=None)
+        _assert_same_outputs(_generate(gpt2_model, inputs, kernels=native.Kernels(), max_new_tokens=3),
+                             _generate(gpt2_model, inputs, kernels=off, max_new_tokens=3))
+        for kernels, expected in ((native.Kernels(), native_lookup), (off, False)):
+            program = tf.function(lambda inputs: gpt2_model.generate(**inputs, kernels=kernels, max_new_tokens=3),
+                                  jit_compile=True)
+            hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+            assert (_count(hlo, native.LOOKUP_TARGET) == 1) == expected

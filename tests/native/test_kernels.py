@@ -123,6 +123,19 @@ def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_and_apply_the
     assert b"activation must be" in entry(_p(x), _p(stored), None, 3, _p(y), m, k, n)
 
 
+@pytest.mark.parametrize("e, v, n", [(1, 1, 1), (16, 50, 7), (33, 1000, 40), (768, 5000, 3), (20, 9, 0)])
+def test_lookup_takes_columns_and_clamps_ids_as_xla_gather(e, v, n):
+    # Rows of the table in units of 16 (33: a unit of one); ids past either end are clamped into [0, v).
+    rng = np.random.default_rng(e + v + n)
+    table = rng.standard_normal((e, v)).astype(np.float32)
+    ids = rng.integers(-3, v + 3, n).astype(np.int32)
+    out = np.full((n, e), np.nan, np.float32)
+    lookup = _entry("xlagen_lookup_columns", *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)
+    assert lookup(_p(table), _p(ids), _p(out), e, v, n) is None
+    np.testing.assert_array_equal(out, table[:, np.clip(ids, 0, v - 1)].T)
+    assert b"at least 1" in lookup(_p(table), _p(ids), _p(out), 0, v, n)
+
+
 def test_the_bfloat16_tile_product_refuses_without_tiles_and_empty_sizes():
     y = np.full(4, np.nan, np.float32)
     entry = _entry("xlagen_bf16_tile_product", *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)

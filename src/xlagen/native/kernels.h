@@ -9,7 +9,8 @@
 // read-ahead of the next float32 product), f32_product.{h,cc} (the float32 product), packed_product.cc
 // (bfloat16 and int8 weights), gemm.cc (the many-row products of prompts and encoders), vector_math.h
 // (maxima, exponentials, dot products), attention.cc (the encoder attention and a prompt's masked attention,
-// the decoding step's self-attention, the folded cross-attention), argmax.cc, xla_calls.cc (the custom-call
+// the decoding step's self-attention, the folded cross-attention), argmax.cc, lookup.cc (a prompt's token
+// embeddings from the tied output projection's layout), xla_calls.cc (the custom-call
 // wrappers, registration, settings, constants). All of them are compiled into one library per instruction
 // set by xlagen/native/build.py (-mavx512f or -mavx2, with -mfma); the same entry points, XLA targets,
 // constants and weight layouts in both.
@@ -114,6 +115,9 @@ const char* xlagen_memory_attention(const float* q, const float* m, const float*
 // out[r] = the index of the largest of x[r, 0..n), the first on ties; NaN is skipped (a row of only -inf
 // or NaN gives 0).
 const char* xlagen_argmax(const float* x, int32_t* out, int rows, int n);
+// out[i, h] = table[h, clamp(ids[i], 0, v - 1)] for a table [e, v], n ids (lookup.cc): a prompt's token
+// embeddings from a table stored as the tied output projection.
+const char* xlagen_lookup_columns(const float* table, const int32_t* ids, float* out, int e, int v, int n);
 
 // The value of a constant of kernels.h by name (e.g. "panel"), and whether it exists.
 int xlagen_constant(const char* name, long* value);

@@ -32,6 +32,7 @@ BIASED_ATTENTION_TARGET = "xlagen_f32_biased_attention"
 RELATIVE_ATTENTION_TARGET = "xlagen_f32_relative_attention"
 STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
+LOOKUP_TARGET = "xlagen_f32_lookup_columns"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
 
 
@@ -482,6 +483,23 @@ def argmax(scores):
         operands=[scores], call_target_name=ARGMAX_TARGET, backend_config=f"{rows},{n}", has_side_effect=False,
         result_dtypes=[tf.int32], result_shapes=[tf.TensorShape([rows])])
     return out
+
+
+def lookup_columns(table, ids):
+    """`table[:, ids]` moved to the last axis: the float32 columns `[..., E]` of a table `[E, V]` for int32
+    `ids` `[...]` of static shape, as the native kernel's custom call (call it under XLA only; see
+    `Kernels.use_lookup`). Ids outside `[0, V)` are clamped into it, as XLA's gather does. No gradient: the
+    policy takes it in a generation's prompt pass only."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    e, v = table.shape
+    n = ids.shape.num_elements()
+    (out,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[table, tf.reshape(ids, (n,))], call_target_name=LOOKUP_TARGET, backend_config=f"{e},{v},{n}",
+        has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([n, e])])
+    return tf.reshape(out, [*ids.shape, e])
 
 
 def reference_memory_attention(query, states, key_kernel_t, kv_kernel, kv_bias, heads: int, scale: float):

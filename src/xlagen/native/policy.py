@@ -50,7 +50,7 @@ def _default(field: dataclasses.Field):
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
-_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "int8_many_integer_min_rows",
+_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "int8_many_integer_min_rows", "lookup_min_tokens",
              "prompt_attention_min_tokens")  # the Kernels fields that may be None
 
 
@@ -146,6 +146,10 @@ class Kernels:
             threads): 1.07-1.10x as fast as XLA's attention from 512 tokens, even (0.91-0.98x) at 64.
         argmax: Whether greedy decoding's choice of token runs as the native argmax (XLA's reduces one logit
             at a time: over Whisper-tiny's 8 x 51,865 logits about 0.9 ms of a 12 ms step).
+        lookup_min_tokens: A generation's prompt pass looks up the embeddings of this many tokens or more
+            with the native lookup (`ops.lookup_columns`): the table is stored `[hidden, V]` (the tied output
+            projection's layout), each value in its own cache line, and XLA's gather fetches them one at a
+            time (GPT-2-small's 512 tokens: about 3 ms). None: never.
         share_traces: Identical blocks of a model are traced once and called once per layer under XLA
             (`xlagen.layers.block`), which shortens tracing and compiling; False traces block by block.
     """
@@ -168,6 +172,7 @@ class Kernels:
     step_attention_min_rows: int = 2
     prompt_attention_min_tokens: int | None = 128
     argmax: bool = True
+    lookup_min_tokens: int | None = 64
     share_traces: bool = True
 
     def __post_init__(self):
@@ -350,6 +355,20 @@ class Kernels:
         if not self.argmax or not self._static_float32(2, scores) or scores.shape[1] == 0:
             return False
         return under_xla() and _ready()
+
+    def use_lookup(self, table, ids) -> bool:
+        """Whether `table[:, ids]` (an embedding lookup from a float32 table `[E, V]`, int32 ids of static
+        shape) should be `ops.lookup_columns`: at least `lookup_min_tokens` ids, in a generation's prompt
+        pass compiled by XLA, and the kernels loadable."""
+        import tensorflow as tf
+
+        if self.lookup_min_tokens is None or not self._static_float32(2, table):
+            return False
+        if ids.dtype != tf.int32 or not ids.shape.is_fully_defined():
+            return False
+        if ids.shape.num_elements() < max(self.lookup_min_tokens, 1):
+            return False
+        return in_prefill() and under_xla() and _ready()
 
     def use_memory_attention(self, states, mask, head_dim: int) -> bool:
         """Whether a generation's cross-attention over the encoder output `states` `[G, L, E]`
@@ -547,6 +566,11 @@ def use_step_attention(query, keys) -> bool:
 def use_prompt_attention(query, key, mask, bias=None, dropout: bool = False, relative: bool = False) -> bool:
     """`current().use_prompt_attention(...)`."""
     return current().use_prompt_attention(query, key, mask, bias, dropout, relative)
+
+
+def use_lookup(table, ids) -> bool:
+    """`current().use_lookup(table, ids)`."""
+    return current().use_lookup(table, ids)
 
 
 def use_argmax(scores) -> bool:

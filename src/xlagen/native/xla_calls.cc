@@ -314,6 +314,19 @@ extern "C" void xlagen_f32_memory_attention(void* out, const void** in, const ch
 }
 
 // The backend config is "rows,n".
+// The backend config is "e,v,n": operands the table float32 [e, v] and the ids int32 [n]; out [n, e].
+extern "C" void xlagen_f32_lookup_columns(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                          XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int e, v, n;
+  if (!(f.Int(&e) && f.Int(&v) && f.Int(&n) && f.Done())) {
+    return Fail(status, "xlagen_f32_lookup_columns", "backend config " + Quoted(opaque, opaque_len) + " is not e,v,n");
+  }
+  Check(status, "xlagen_f32_lookup_columns",
+        xlagen_lookup_columns(static_cast<const float*>(in[0]), static_cast<const int32_t*>(in[1]),
+                              static_cast<float*>(out), e, v, n));
+}
+
 extern "C" void xlagen_f32_argmax(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
@@ -418,6 +431,8 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
       reinterpret_cast<void*>(&xlagen_f32_relative_attention), host);
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
+  add(global(), std::string("xlagen_f32_lookup_columns"), reinterpret_cast<void*>(&xlagen_f32_lookup_columns),
+      host);
   add(global(), std::string("xlagen_f32_memory_attention"), reinterpret_cast<void*>(&xlagen_f32_memory_attention),
       host);
   return 0;
