@@ -242,3 +242,20 @@ def test_long_prompts_embeddings_come_from_the_native_lookup_with_the_same_value
                                   jit_compile=True)
             hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
             assert (_count(hlo, native.LOOKUP_TARGET) == 1) == expected
+
+
+def test_long_prompts_layer_norms_run_natively_close_to_xla(gpt2_model):
+    # 2 x 40 prompt tokens: past layer_norm_min_rows (64), the prompt pass's LayerNorms (2 per block; the final
+    # one normalises the last token's row only) are the native kernel, and the generation is XLA's; 2 x 20
+    # stay on XLA's.
+    for rows, expected in ((40, 2 * gpt2_model.config.num_layers), (20, 0)):
+        ids = random_ids((2, rows), 300, seed=rows + 1)
+        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        off = native.Kernels(layer_norm_min_rows=None)
+        _assert_same_outputs(_generate(gpt2_model, inputs, kernels=native.Kernels(), max_new_tokens=3),
+                             _generate(gpt2_model, inputs, kernels=off, max_new_tokens=3))
+        for kernels, count in ((native.Kernels(), expected), (off, 0)):
+            program = tf.function(lambda inputs: gpt2_model.generate(**inputs, kernels=kernels, max_new_tokens=3),
+                                  jit_compile=True)
+            hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+            assert _count(hlo, native.LAYER_NORM_TARGET) == count

@@ -123,6 +123,25 @@ def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_and_apply_the
     assert b"activation must be" in entry(_p(x), _p(stored), None, 3, _p(y), m, k, n)
 
 
+@pytest.mark.parametrize("rows, e", [(1, 2), (3, 7), (9, 16), (17, 33), (8, 768), (0, 5)])
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_matches_float64_numpy(rows, e, affine):
+    # Rows past a unit of 8, widths past whole vectors, without gamma and beta (OPT's elementwise_affine=False);
+    # rows far from zero mean, where a one-pass variance would lose digits.
+    rng = np.random.default_rng(rows * e + affine)
+    x = (rng.standard_normal((rows, e)) * 3 + 20).astype(np.float32)
+    gamma, beta = (rng.standard_normal(e).astype(np.float32) for _ in range(2))
+    y = np.full((rows, e), np.nan, np.float32)
+    norm = _entry("xlagen_layer_norm", *[ctypes.c_void_p] * 4, *[ctypes.c_int] * 2, ctypes.c_float)
+    assert norm(_p(x), _p(gamma) if affine else None, _p(beta) if affine else None, _p(y), rows, e, 1e-5) is None
+    x64 = x.astype(np.float64)
+    expected = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
+    if affine:
+        expected = expected * gamma + beta
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=2e-5)
+    assert b"at least 1" in norm(_p(x), None, None, _p(y), rows, 0, 1e-5)
+
+
 @pytest.mark.parametrize("e, v, n", [(1, 1, 1), (16, 50, 7), (33, 1000, 40), (768, 5000, 3), (20, 9, 0)])
 def test_lookup_takes_columns_and_clamps_ids_as_xla_gather(e, v, n):
     # Rows of the table in units of 16 (33: a unit of one); ids past either end are clamped into [0, v).

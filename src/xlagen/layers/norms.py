@@ -3,6 +3,22 @@
 from __future__ import annotations
 
 import keras
+from keras import ops
+
+from xlagen import native
+
+
+class LayerNorm(keras.layers.LayerNormalization):
+    """`keras.layers.LayerNormalization` over the last axis whose generation's long prompts run as xlagen's
+    native kernel (`xlagen.native.use_layer_norm`). Weights, names and serialization are Keras'."""
+
+    def call(self, inputs):
+        if self.axis in (-1, [-1]) and not self.rms_scaling:
+            x = ops.convert_to_tensor(inputs)
+            given = [None if t is None else ops.convert_to_tensor(t) for t in (self.gamma, self.beta)]
+            if native.use_layer_norm(x, *given):
+                return ops.cast(native.layer_norm(x, *given, self.epsilon), self.compute_dtype)
+        return super().call(inputs)
 
 
 def layer_norm(epsilon: float, name: str, dtype=None, affine: bool = True) -> keras.layers.LayerNormalization:
@@ -15,7 +31,7 @@ def layer_norm(epsilon: float, name: str, dtype=None, affine: bool = True) -> ke
         affine: With a learned scale (`gamma`) and bias (`beta`); False is PyTorch's
             `elementwise_affine=False` (OPT's `layer_norm_elementwise_affine`).
     """
-    return keras.layers.LayerNormalization(epsilon=epsilon, center=affine, scale=affine, name=name, dtype=dtype)
+    return LayerNorm(epsilon=epsilon, center=affine, scale=affine, name=name, dtype=dtype)
 
 
 def rms_norm(epsilon: float, name: str, dtype=None) -> keras.layers.RMSNormalization:

@@ -33,6 +33,7 @@ RELATIVE_ATTENTION_TARGET = "xlagen_f32_relative_attention"
 STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
 LOOKUP_TARGET = "xlagen_f32_lookup_columns"
+LAYER_NORM_TARGET = "xlagen_f32_layer_norm"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
 
 
@@ -483,6 +484,26 @@ def argmax(scores):
         operands=[scores], call_target_name=ARGMAX_TARGET, backend_config=f"{rows},{n}", has_side_effect=False,
         result_dtypes=[tf.int32], result_shapes=[tf.TensorShape([rows])])
     return out
+
+
+def layer_norm(x, gamma, beta, epsilon: float):
+    """LayerNorm over the last axis of float32 `x` `[..., E]` of static shape, `gamma` and `beta` `[E]` or
+    None, as the native kernel's custom call (call it under XLA only; see `Kernels.use_layer_norm`): Keras'
+    `LayerNormalization` formula, `x * inv + (beta - mean * inv)` with `inv = gamma / sqrt(var + epsilon)`, the
+    row's mean and variance summed in another order. No gradient: the policy takes it in a generation's
+    prompt pass only."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    e = x.shape[-1]
+    rows = x.shape[:-1].num_elements()
+    given = [tf.cast(t, tf.float32) for t in (gamma, beta) if t is not None]
+    config = f"{rows},{e},{float(np.float32(epsilon))!r},{int(gamma is not None)},{int(beta is not None)}"
+    (y,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[tf.reshape(x, (rows, e)), *given], call_target_name=LAYER_NORM_TARGET, backend_config=config,
+        has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, e])])
+    return tf.reshape(y, x.shape)
 
 
 def lookup_columns(table, ids):

@@ -50,8 +50,8 @@ def _default(field: dataclasses.Field):
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
-_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "int8_many_integer_min_rows", "lookup_min_tokens",
-             "prompt_attention_min_tokens")  # the Kernels fields that may be None
+_OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "int8_many_integer_min_rows", "layer_norm_min_rows",
+             "lookup_min_tokens", "prompt_attention_min_tokens")  # the Kernels fields that may be None
 
 
 @dataclass(frozen=True)
@@ -146,6 +146,9 @@ class Kernels:
             threads): 1.07-1.10x as fast as XLA's attention from 512 tokens, even (0.91-0.98x) at 64.
         argmax: Whether greedy decoding's choice of token runs as the native argmax (XLA's reduces one logit
             at a time: over Whisper-tiny's 8 x 51,865 logits about 0.9 ms of a 12 ms step).
+        layer_norm_min_rows: A generation's prompt pass runs its LayerNorms of this many rows or more as the
+            native kernel (`ops.layer_norm`): XLA splits each row's sums into a reduce-window and a reduce
+            (GPT-2-small's 25 norms of a 512-token prompt: about 9 ms). None: never.
         lookup_min_tokens: A generation's prompt pass looks up the embeddings of this many tokens or more
             with the native lookup (`ops.lookup_columns`): the table is stored `[hidden, V]` (the tied output
             projection's layout), each value in its own cache line, and XLA's gather fetches them one at a
@@ -172,6 +175,7 @@ class Kernels:
     step_attention_min_rows: int = 2
     prompt_attention_min_tokens: int | None = 128
     argmax: bool = True
+    layer_norm_min_rows: int | None = 64
     lookup_min_tokens: int | None = 64
     share_traces: bool = True
 
@@ -355,6 +359,20 @@ class Kernels:
         if not self.argmax or not self._static_float32(2, scores) or scores.shape[1] == 0:
             return False
         return under_xla() and _ready()
+
+    def use_layer_norm(self, x, gamma, beta) -> bool:
+        """Whether a LayerNorm over the last axis of `x` should be `ops.layer_norm`: float32 x of static shape
+        with at least `layer_norm_min_rows` rows, float32 `gamma` and `beta` `[E]` (or None), in a
+        generation's prompt pass compiled by XLA, and the kernels loadable."""
+        if self.layer_norm_min_rows is None or not self._float32():
+            return False
+        if x.dtype != "float32" or x.shape.rank is None or x.shape.rank < 2 or not x.shape.is_fully_defined():
+            return False
+        if x.shape[:-1].num_elements() < max(self.layer_norm_min_rows, 1):
+            return False
+        if any(t is not None and (t.dtype != "float32" or tuple(t.shape) != (x.shape[-1],)) for t in (gamma, beta)):
+            return False
+        return in_prefill() and under_xla() and _ready()
 
     def use_lookup(self, table, ids) -> bool:
         """Whether `table[:, ids]` (an embedding lookup from a float32 table `[E, V]`, int32 ids of static
@@ -566,6 +584,11 @@ def use_step_attention(query, keys) -> bool:
 def use_prompt_attention(query, key, mask, bias=None, dropout: bool = False, relative: bool = False) -> bool:
     """`current().use_prompt_attention(...)`."""
     return current().use_prompt_attention(query, key, mask, bias, dropout, relative)
+
+
+def use_layer_norm(x, gamma, beta) -> bool:
+    """`current().use_layer_norm(x, gamma, beta)`."""
+    return current().use_layer_norm(x, gamma, beta)
 
 
 def use_lookup(table, ids) -> bool:

@@ -314,6 +314,26 @@ extern "C" void xlagen_f32_memory_attention(void* out, const void** in, const ch
 }
 
 // The backend config is "rows,n".
+// The backend config is "rows,e,epsilon,gamma,beta" (gamma and beta 1 when given): operands x float32
+// [rows, e], then gamma and beta [e] if given.
+extern "C" void xlagen_f32_layer_norm(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                      XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int rows, e, gamma, beta;
+  float epsilon;
+  if (!(f.Int(&rows) && f.Int(&e) && f.Float(&epsilon) && f.Int(&gamma) && f.Int(&beta) && f.Done())) {
+    return Fail(status, "xlagen_f32_layer_norm",
+                "backend config " + Quoted(opaque, opaque_len) + " is not rows,e,epsilon,gamma,beta");
+  }
+  const float* operands[2] = {nullptr, nullptr};
+  int next = 1;
+  if (gamma) operands[0] = static_cast<const float*>(in[next++]);
+  if (beta) operands[1] = static_cast<const float*>(in[next++]);
+  Check(status, "xlagen_f32_layer_norm",
+        xlagen_layer_norm(static_cast<const float*>(in[0]), operands[0], operands[1], static_cast<float*>(out), rows,
+                          e, epsilon));
+}
+
 // The backend config is "e,v,n": operands the table float32 [e, v] and the ids int32 [n]; out [n, e].
 extern "C" void xlagen_f32_lookup_columns(void* out, const void** in, const char* opaque, size_t opaque_len,
                                           XlaCustomCallStatus_* status) {
@@ -431,6 +451,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
       reinterpret_cast<void*>(&xlagen_f32_relative_attention), host);
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
+  add(global(), std::string("xlagen_f32_layer_norm"), reinterpret_cast<void*>(&xlagen_f32_layer_norm), host);
   add(global(), std::string("xlagen_f32_lookup_columns"), reinterpret_cast<void*>(&xlagen_f32_lookup_columns),
       host);
   add(global(), std::string("xlagen_f32_memory_attention"), reinterpret_cast<void*>(&xlagen_f32_memory_attention),
