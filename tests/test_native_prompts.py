@@ -259,3 +259,29 @@ def test_long_prompts_layer_norms_run_natively_close_to_xla(gpt2_model):
                                   jit_compile=True)
             hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
             assert _count(hlo, native.LAYER_NORM_TARGET) == count
+
+
+def test_a_long_encoder_outputs_cross_attention_memory_is_laid_out_in_heads_natively(tmp_path):
+    # T5 over 70 encoder positions: past memory_heads_min_positions (64), each decoder layer's keys (transposed)
+    # and values are laid out by the native kernel, 2 calls per layer, with the same generation as XLA's.
+    import torch
+    import transformers
+    from models.test_t5 import T5_BASE
+
+    from xlagen import TFAutoModelForSeq2SeqLM
+
+    torch.manual_seed(4)
+    config = transformers.T5Config(**{**T5_BASE, "d_model": 64, "d_kv": 16, "feed_forward_proj": "relu"})
+    transformers.T5ForConditionalGeneration(config).eval().save_pretrained(tmp_path)
+    model = TFAutoModelForSeq2SeqLM.from_pretrained(tmp_path)
+    for length, expected in ((70, 2 * config.num_decoder_layers), (40, 0)):
+        ids = random_ids((2, length), 64, seed=length)
+        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+        off = native.Kernels(memory_heads_min_positions=None)
+        _assert_same_outputs(_generate(model, inputs, kernels=native.Kernels(), max_new_tokens=4),
+                             _generate(model, inputs, kernels=off, max_new_tokens=4))
+        for kernels, count in ((native.Kernels(), expected), (off, 0)):
+            program = tf.function(lambda inputs: model.generate(**inputs, kernels=kernels, max_new_tokens=4),
+                                  jit_compile=True)
+            hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
+            assert _count(hlo, native.SPLIT_HEADS_TARGET) == count

@@ -439,7 +439,12 @@ class CrossAttention(_MultiHead):
     def project_memory(self, encoder_output) -> cache_lib.LayerCache:
         """The keys `[B, H, D, L]` (transposed once here rather than at every decoding step) and values
         `[B, H, L, D]` of the encoder output `[B, L, hidden]`."""
-        key, value = self._heads(self.key_value(encoder_output), 2)
+        projected = self.key_value(encoder_output)
+        if native.use_split_heads(projected):  # a generation's: laid out once, where XLA copied it twice more
+            width = self.num_heads * self.head_dim
+            return cache_lib.LayerCache(native.split_heads(projected, self.num_heads, self.head_dim, 0, True),
+                                        native.split_heads(projected, self.num_heads, self.head_dim, width, False))
+        key, value = self._heads(projected, 2)
         return cache_lib.LayerCache(ops.transpose(key, (0, 1, 3, 2)), value)
 
     def can_fold(self, states, mask) -> bool:

@@ -10,7 +10,7 @@
 // (bfloat16 and int8 weights), gemm.cc (the many-row products of prompts and encoders), vector_math.h
 // (maxima, exponentials, dot products), attention.cc (the encoder attention and a prompt's masked attention,
 // the decoding step's self-attention, the folded cross-attention), argmax.cc, lookup.cc (a prompt's token
-// embeddings from the tied output projection's layout), norm.cc (a prompt's LayerNorms), xla_calls.cc (the custom-call
+// embeddings from the tied output projection's layout), norm.cc (a prompt's LayerNorms), heads.cc (a cross-attention memory's heads), xla_calls.cc (the custom-call
 // wrappers, registration, settings, constants). All of them are compiled into one library per instruction
 // set by xlagen/native/build.py (-mavx512f or -mavx2, with -mfma); the same entry points, XLA targets,
 // constants and weight layouts in both.
@@ -115,6 +115,10 @@ const char* xlagen_memory_attention(const float* q, const float* m, const float*
 // out[r] = the index of the largest of x[r, 0..n), the first on ties; NaN is skipped (a row of only -inf
 // or NaN gives 0).
 const char* xlagen_argmax(const float* x, int32_t* out, int rows, int n);
+// The `heads` heads of d columns from column `offset` of in [b, l, width] (heads.cc): out [b, heads, d, l] if
+// `transposed`, else [b, heads, l, d] (a decoder's cross-attention keys and values, laid out once).
+const char* xlagen_split_heads(const float* in, float* out, int b, int l, int width, int offset, int heads, int d,
+                               int transposed);
 // y = LayerNorm(x) over each of `rows` rows of e values (norm.cc): (x - mean) / sqrt(var + epsilon) * gamma +
 // beta, gamma and beta [e] or null (1 and 0).
 const char* xlagen_layer_norm(const float* x, const float* gamma, const float* beta, float* y, int rows, int e,

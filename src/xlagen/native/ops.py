@@ -34,6 +34,7 @@ STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
 LOOKUP_TARGET = "xlagen_f32_lookup_columns"
 LAYER_NORM_TARGET = "xlagen_f32_layer_norm"
+SPLIT_HEADS_TARGET = "xlagen_f32_split_heads"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
 
 
@@ -483,6 +484,24 @@ def argmax(scores):
     (out,) = gen_xla_ops.xla_custom_call_v2(
         operands=[scores], call_target_name=ARGMAX_TARGET, backend_config=f"{rows},{n}", has_side_effect=False,
         result_dtypes=[tf.int32], result_shapes=[tf.TensorShape([rows])])
+    return out
+
+
+def split_heads(x, heads: int, head_dim: int, offset: int, transposed: bool):
+    """The `heads` heads of `head_dim` columns from column `offset` of float32 `x` `[B, L, width]` of static
+    shape: `[B, heads, head_dim, L]` if `transposed`, else `[B, heads, L, head_dim]`, as the native kernel's
+    custom call (call it under XLA only; see `Kernels.use_split_heads`). No gradient: the policy takes it in a
+    generation's prompt pass only."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    b, length, width = x.shape
+    shape = [b, heads, head_dim, length] if transposed else [b, heads, length, head_dim]
+    (out,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[x], call_target_name=SPLIT_HEADS_TARGET,
+        backend_config=f"{b},{length},{width},{offset},{heads},{head_dim},{int(transposed)}", has_side_effect=False,
+        result_dtypes=[tf.float32], result_shapes=[tf.TensorShape(shape)])
     return out
 
 

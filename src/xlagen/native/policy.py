@@ -50,8 +50,9 @@ def _default(field: dataclasses.Field):
     return field.default_factory() if field.default is dataclasses.MISSING else field.default
 
 
+# The Kernels fields that may be None.
 _OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "int8_many_integer_min_rows", "layer_norm_min_rows",
-             "lookup_min_tokens", "prompt_attention_min_tokens")  # the Kernels fields that may be None
+             "lookup_min_tokens", "memory_heads_min_positions", "prompt_attention_min_tokens")
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,10 @@ class Kernels:
             threads): 1.07-1.10x as fast as XLA's attention from 512 tokens, even (0.91-0.98x) at 64.
         argmax: Whether greedy decoding's choice of token runs as the native argmax (XLA's reduces one logit
             at a time: over Whisper-tiny's 8 x 51,865 logits about 0.9 ms of a 12 ms step).
+        memory_heads_min_positions: A decoder's cross-attention memory of this many encoder positions or more is
+            laid out in heads (keys transposed `[B, H, D, L]`, values `[B, H, L, D]`) by the native kernel
+            before the loop (`ops.split_heads`): XLA transposed each into a layout of its own and copied it
+            again for the loop and the first step (T5-small at 512 positions: about 9 ms). None: never.
         layer_norm_min_rows: A generation's prompt pass runs its LayerNorms of this many rows or more as the
             native kernel (`ops.layer_norm`): XLA splits each row's sums into a reduce-window and a reduce
             (GPT-2-small's 25 norms of a 512-token prompt: about 9 ms). None: never.
@@ -175,6 +180,7 @@ class Kernels:
     step_attention_min_rows: int = 2
     prompt_attention_min_tokens: int | None = 128
     argmax: bool = True
+    memory_heads_min_positions: int | None = 64
     layer_norm_min_rows: int | None = 64
     lookup_min_tokens: int | None = 64
     share_traces: bool = True
@@ -359,6 +365,16 @@ class Kernels:
         if not self.argmax or not self._static_float32(2, scores) or scores.shape[1] == 0:
             return False
         return under_xla() and _ready()
+
+    def use_split_heads(self, x) -> bool:
+        """Whether a cross-attention memory's key/value projection `x` `[B, L, width]` should be laid out in
+        heads by `ops.split_heads`: float32 of static shape, L at least `memory_heads_min_positions`, in a
+        generation's prompt pass compiled by XLA, and the kernels loadable."""
+        if self.memory_heads_min_positions is None or not self._static_float32(3, x):
+            return False
+        if x.shape[1] < max(self.memory_heads_min_positions, 1):
+            return False
+        return in_prefill() and under_xla() and _ready()
 
     def use_layer_norm(self, x, gamma, beta) -> bool:
         """Whether a LayerNorm over the last axis of `x` should be `ops.layer_norm`: float32 x of static shape
@@ -584,6 +600,11 @@ def use_step_attention(query, keys) -> bool:
 def use_prompt_attention(query, key, mask, bias=None, dropout: bool = False, relative: bool = False) -> bool:
     """`current().use_prompt_attention(...)`."""
     return current().use_prompt_attention(query, key, mask, bias, dropout, relative)
+
+
+def use_split_heads(x) -> bool:
+    """`current().use_split_heads(x)`."""
+    return current().use_split_heads(x)
 
 
 def use_layer_norm(x, gamma, beta) -> bool:

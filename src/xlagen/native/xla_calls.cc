@@ -314,6 +314,21 @@ extern "C" void xlagen_f32_memory_attention(void* out, const void** in, const ch
 }
 
 // The backend config is "rows,n".
+// The backend config is "b,l,width,offset,heads,d,transposed": operand in float32 [b, l, width].
+extern "C" void xlagen_f32_split_heads(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                       XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int b, l, width, offset, heads, d, transposed;
+  if (!(f.Int(&b) && f.Int(&l) && f.Int(&width) && f.Int(&offset) && f.Int(&heads) && f.Int(&d) &&
+        f.Int(&transposed) && f.Done())) {
+    return Fail(status, "xlagen_f32_split_heads",
+                "backend config " + Quoted(opaque, opaque_len) + " is not b,l,width,offset,heads,d,transposed");
+  }
+  Check(status, "xlagen_f32_split_heads",
+        xlagen_split_heads(static_cast<const float*>(in[0]), static_cast<float*>(out), b, l, width, offset, heads, d,
+                           transposed));
+}
+
 // The backend config is "rows,e,epsilon,gamma,beta" (gamma and beta 1 when given): operands x float32
 // [rows, e], then gamma and beta [e] if given.
 extern "C" void xlagen_f32_layer_norm(void* out, const void** in, const char* opaque, size_t opaque_len,
@@ -451,6 +466,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
       reinterpret_cast<void*>(&xlagen_f32_relative_attention), host);
   add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
+  add(global(), std::string("xlagen_f32_split_heads"), reinterpret_cast<void*>(&xlagen_f32_split_heads), host);
   add(global(), std::string("xlagen_f32_layer_norm"), reinterpret_cast<void*>(&xlagen_f32_layer_norm), host);
   add(global(), std::string("xlagen_f32_lookup_columns"), reinterpret_cast<void*>(&xlagen_f32_lookup_columns),
       host);
