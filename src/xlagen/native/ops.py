@@ -102,19 +102,11 @@ def projection(x, words, n: int, bias, activation: str):
 def _epilogue_call(target: str, x, words, n: int, bias, activation: str | None):
     """`target`'s product with its epilogue: the bias (or None) added, then `activation` (or None) applied."""
     import tensorflow as tf
-    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
     load()
-    k = x.shape[-1]
-    leading = x.shape[:-1]
-    rows = leading.num_elements()
-    operands = [tf.reshape(x, (rows, k)), words] + ([] if bias is None else [tf.cast(bias, tf.float32)])
     code = 0 if activation is None else EPILOGUE_ACTIVATIONS[activation]
-    (y,) = gen_xla_ops.xla_custom_call_v2(
-        operands=operands, call_target_name=EPILOGUE_TARGETS[target],
-        backend_config=f"{rows},{k},{n},{int(bias is not None)},{code}", has_side_effect=False,
-        result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, n])])
-    return tf.reshape(y, [*leading, n])
+    return _custom_call(EPILOGUE_TARGETS[target], x, words, n, [] if bias is None else [tf.cast(bias, tf.float32)],
+                        f",{int(bias is not None)},{code}")
 
 
 def _packed_target(x, words) -> str | None:
@@ -144,8 +136,9 @@ def _many_rows(policy, x, most: int) -> bool:
     return policy.many_rows and x.shape[:-1].num_elements() > most and not in_decoding_step()
 
 
-def _custom_call(target: str, x, weights, n: int):
-    """The custom call `target` on x `[..., K]` (rows flattened) and the weights -> float32 `[..., n]`."""
+def _custom_call(target: str, x, weights, n: int, extra=(), config: str = ""):
+    """The custom call `target` on x `[..., K]` (rows flattened), the weights and the `extra` operands ->
+    float32 `[..., n]`; its backend config is "M,K,N" and then `config`."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
@@ -153,7 +146,8 @@ def _custom_call(target: str, x, weights, n: int):
     leading = x.shape[:-1]
     rows = leading.num_elements()
     (y,) = gen_xla_ops.xla_custom_call_v2(
-        operands=[tf.reshape(x, (rows, k)), weights], call_target_name=target, backend_config=f"{rows},{k},{n}",
+        operands=[tf.reshape(x, (rows, k)), weights, *extra], call_target_name=target,
+        backend_config=f"{rows},{k},{n}{config}",
         has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, n])])
     return tf.reshape(y, [*leading, n])
 

@@ -243,19 +243,14 @@ static void MaskedAttentionCall(const char* target, bool biased, void* out, cons
   const uint8_t* mask = static_cast<const uint8_t*>(in[3]);
   const float* bias = biased ? static_cast<const float*>(in[4]) : nullptr;
   float* o = static_cast<float*>(out);
-  if (relative && !laid_out) {  // tensors [heads, rows, d] of their own
+  if (!laid_out) {  // tensors [heads, rows, d] of their own
     const int packed[16] = {0, heads_per_mask * t * d, t * d, d, 0, heads_per_mask * s * d, s * d, d,
                             0, heads_per_mask * s * d, s * d, d, 0, heads_per_mask * t * d, t * d, d};
     std::copy(packed, packed + 16, layout);
-    laid_out = true;
   }
   Check(status, target,
-        relative ? xlagen_relative_attention_at(q, k, v, mask, bias, 1, o, heads, t, s, d, scale, heads_per_mask,
-                                                mask_rows, bias_heads, layout)
-        : laid_out ? xlagen_attention_at(q, k, v, mask, bias, o, heads, t, s, d, scale, heads_per_mask, mask_rows,
-                                       bias_heads, layout)
-                 : xlagen_biased_attention(q, k, v, mask, bias, o, heads, t, s, d, scale, heads_per_mask, mask_rows,
-                                           bias_heads));
+        xlagen_relative_attention_at(q, k, v, mask, bias, relative, o, heads, t, s, d, scale, heads_per_mask,
+                                     mask_rows, bias_heads, layout));
 }
 
 extern "C" void xlagen_f32_masked_attention(void* out, const void** in, const char* opaque, size_t opaque_len,
