@@ -85,8 +85,7 @@ class RelativeBias(NamedTuple):
     def dense(self):
         """The bias as a matrix per head, `[1 or B, H, T, T]`."""
         length = (ops.shape(self.table)[-1] + 1) // 2
-        positions = ops.arange(length, dtype="int32")
-        return ops.take(self.table, positions[None, :] - positions[:, None] + (length - 1), axis=-1)
+        return native.relative_to_dense(self.table, length, length)
 
 
 def dense_bias(bias):

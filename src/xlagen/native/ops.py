@@ -355,12 +355,13 @@ def _reference_masked_attention(query, key, value, mask, scale: float, mask_valu
     return tf.matmul(weights, value)
 
 
-def relative_to_dense(table, queries: int, keys: int):
+def relative_to_dense(table, queries, keys):
     """A relative bias's table `[..., T + S - 1]` as the matrix `[..., T, S]` whose element (i, j) is
-    `table[..., j - i + T - 1]` (`xlagen.layers.attention.RelativeBias`)."""
+    `table[..., j - i + T - 1]` (`xlagen.layers.attention.RelativeBias`); T and S ints or int32 scalars."""
     import tensorflow as tf
 
-    return tf.gather(table, np.arange(keys)[None, :] - np.arange(queries)[:, None] + queries - 1, axis=-1)
+    index = tf.range(keys, dtype=tf.int32)[None, :] - tf.range(queries, dtype=tf.int32)[:, None] + (queries - 1)
+    return tf.gather(table, index, axis=-1)
 
 
 def masked_attention(query, key, value, mask, scale: float, mask_value: float, bias=None, merged: bool = False,
