@@ -228,37 +228,34 @@ def test_t5_encoder_attention_with_its_position_bias_generates_as_xla_attention(
     assert _count(hlo(plain), native.RELATIVE_ATTENTION_TARGET) == 0
 
 
+def _check_prompt_kernel(model, ids, field: str, target: str, count: int, new_tokens: int):
+    """`generate` from `ids` under the default kernels calls `target` `count` times and gives the same
+    output as with `field` None (the kernel off), which calls it never."""
+    inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
+    off = native.Kernels(**{field: None})
+    _assert_same_outputs(_generate(model, inputs, kernels=native.Kernels(), max_new_tokens=new_tokens),
+                         _generate(model, inputs, kernels=off, max_new_tokens=new_tokens))
+    for kernels, expected in ((native.Kernels(), count), (off, 0)):
+        program = tf.function(lambda inputs: model.generate(**inputs, kernels=kernels, max_new_tokens=new_tokens),
+                              jit_compile=True)
+        assert _count(program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo"), target) == expected
+
+
 def test_long_prompts_embeddings_come_from_the_native_lookup_with_the_same_values(gpt2_model):
     # 2 x 40 prompt tokens: past lookup_min_tokens (64), the native lookup of the embedding columns, and
     # the same generation as XLA's gather; 2 x 20 stay on the gather.
-    for rows, native_lookup in ((40, True), (20, False)):
-        ids = random_ids((2, rows), 300, seed=rows)
-        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-        off = native.Kernels(lookup_min_tokens=None)
-        _assert_same_outputs(_generate(gpt2_model, inputs, kernels=native.Kernels(), max_new_tokens=3),
-                             _generate(gpt2_model, inputs, kernels=off, max_new_tokens=3))
-        for kernels, expected in ((native.Kernels(), native_lookup), (off, False)):
-            program = tf.function(lambda inputs: gpt2_model.generate(**inputs, kernels=kernels, max_new_tokens=3),
-                                  jit_compile=True)
-            hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
-            assert (_count(hlo, native.LOOKUP_TARGET) == 1) == expected
+    for rows, count in ((40, 1), (20, 0)):
+        _check_prompt_kernel(gpt2_model, random_ids((2, rows), 300, seed=rows), "lookup_min_tokens",
+                             native.LOOKUP_TARGET, count, 3)
 
 
 def test_long_prompts_layer_norms_run_natively_close_to_xla(gpt2_model):
     # 2 x 40 prompt tokens: past layer_norm_min_rows (64), the prompt pass's LayerNorms (2 per block; the final
     # one normalises the last token's row only) are the native kernel, and the generation is XLA's; 2 x 20
     # stay on XLA's.
-    for rows, expected in ((40, 2 * gpt2_model.config.num_layers), (20, 0)):
-        ids = random_ids((2, rows), 300, seed=rows + 1)
-        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-        off = native.Kernels(layer_norm_min_rows=None)
-        _assert_same_outputs(_generate(gpt2_model, inputs, kernels=native.Kernels(), max_new_tokens=3),
-                             _generate(gpt2_model, inputs, kernels=off, max_new_tokens=3))
-        for kernels, count in ((native.Kernels(), expected), (off, 0)):
-            program = tf.function(lambda inputs: gpt2_model.generate(**inputs, kernels=kernels, max_new_tokens=3),
-                                  jit_compile=True)
-            hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
-            assert _count(hlo, native.LAYER_NORM_TARGET) == count
+    for rows, count in ((40, 2 * gpt2_model.config.num_layers), (20, 0)):
+        _check_prompt_kernel(gpt2_model, random_ids((2, rows), 300, seed=rows + 1), "layer_norm_min_rows",
+                             native.LAYER_NORM_TARGET, count, 3)
 
 
 def test_a_long_encoder_outputs_cross_attention_memory_is_laid_out_in_heads_natively(tmp_path):
@@ -274,14 +271,6 @@ def test_a_long_encoder_outputs_cross_attention_memory_is_laid_out_in_heads_nati
     config = transformers.T5Config(**{**T5_BASE, "d_model": 64, "d_kv": 16, "feed_forward_proj": "relu"})
     transformers.T5ForConditionalGeneration(config).eval().save_pretrained(tmp_path)
     model = TFAutoModelForSeq2SeqLM.from_pretrained(tmp_path)
-    for length, expected in ((70, 2 * config.num_decoder_layers), (40, 0)):
-        ids = random_ids((2, length), 64, seed=length)
-        inputs = {"input_ids": ids, "attention_mask": np.ones_like(ids)}
-        off = native.Kernels(memory_heads_min_positions=None)
-        _assert_same_outputs(_generate(model, inputs, kernels=native.Kernels(), max_new_tokens=4),
-                             _generate(model, inputs, kernels=off, max_new_tokens=4))
-        for kernels, count in ((native.Kernels(), expected), (off, 0)):
-            program = tf.function(lambda inputs: model.generate(**inputs, kernels=kernels, max_new_tokens=4),
-                                  jit_compile=True)
-            hlo = program.experimental_get_compiler_ir(inputs)(stage="optimized_hlo")
-            assert _count(hlo, native.SPLIT_HEADS_TARGET) == count
+    for length, count in ((70, 2 * config.num_decoder_layers), (40, 0)):
+        _check_prompt_kernel(model, random_ids((2, length), 64, seed=length), "memory_heads_min_positions",
+                             native.SPLIT_HEADS_TARGET, count, 4)
