@@ -32,8 +32,9 @@
   many-rows        packed weights' products of many rows (a long prompt, an encoder) unpacked for XLA's dot
                    (`many_rows=False`) against the native many-row product; --prompt-tokens 512
                    --new-tokens 1 times the first token.
-  many-rows-float32  a prompt pass's float32 products of many rows on XLA's dot (the default unless XLA has
-                   one thread, see --xla-threads) against the many-row product (`float32_many_rows=True`).
+  many-rows-float32  a prompt pass's float32 products of many rows on XLA's dot (`float32_many_rows=False`)
+                   against the many-row product (`float32_many_rows=True`: the default with AVX-512, or
+                   where XLA has one thread, see --xla-threads).
   prompt-attention a prompt's causal self-attention with XLA's ops (`prompt_attention_min_tokens=None`: two
                    dots over every cache position and the softmax's fusions per layer) against the native
                    masked attention; with --prompt-tokens 512 --new-tokens 1 the time is the first token's.

@@ -117,7 +117,8 @@ def test_float32_products_use_the_kernel_in_compiled_decoding_steps_of_few_rows(
 
     assert ask(native.Kernels()) == {"outside a step": False, "in a step": True, "in a prefill": True,
                                      "in a loop that is no step": False}
-    assert not ask(native.Kernels(), rows=17)["in a prefill"]  # a prompt of many rows stays with XLA's dot
+    # A prompt of many rows: XLA's dot unless the many-row product takes it (`float32_many_rows`).
+    assert not ask(native.Kernels(float32_many_rows=False), rows=17)["in a prefill"]
     assert ask(native.Kernels(float32_prefill=False))["in a step"]
     assert not ask(native.Kernels(float32_prefill=False))["in a prefill"]
     assert not any(ask(native.Kernels.OFF).values())
@@ -131,14 +132,22 @@ def test_float32_products_use_the_kernel_in_compiled_decoding_steps_of_few_rows(
         assert not native.use_float32_kernel(tf.zeros((2, 64)), tf.zeros((64, 96)))  # eager: no XLA
 
 
-def test_a_prompts_many_float32_rows_use_the_kernel_where_xla_has_one_thread(kernels_ready, monkeypatch):
-    # float32_many_rows=None (the default) follows TensorFlow's intra-op pool: with one thread there, XLA's
-    # dot would use one core, so a prompt's products of many rows go to the kernels' pool.
+def test_a_prompts_many_float32_rows_use_the_kernel_with_avx512_or_where_xla_has_one_thread(kernels_ready,
+                                                                                             monkeypatch):
+    # float32_many_rows=None (the default): with AVX-512 kernels; else it follows TensorFlow's intra-op pool:
+    # with one thread there, XLA's dot would use one core, so a prompt's products of many rows go to the
+    # kernels' pool.
+    from xlagen.native import library
+
     def ask(kernels, rows=17):
         with native.tracing(kernels):
             return _under_xla(lambda: native.use_float32_kernel(tf.zeros((rows, 64)), tf.zeros((64, 96))))
 
-    assert native.Kernels().float32_many_rows is None and not native.Kernels().many_float32_rows()
+    assert native.Kernels().float32_many_rows is None
+    assert native.Kernels().many_float32_rows() == library.isa().startswith("avx512")
+    assert ask(native.Kernels())["in a prefill"] == library.isa().startswith("avx512")
+    monkeypatch.setattr(library, "isa", lambda: "avx2")
+    assert not native.Kernels().many_float32_rows()
     assert not ask(native.Kernels())["in a prefill"]
     assert ask(native.Kernels(float32_many_rows=True))["in a prefill"]
     monkeypatch.setattr(tf.config.threading, "get_intra_op_parallelism_threads", lambda: 1)

@@ -119,13 +119,13 @@ def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
     np.testing.assert_array_equal(function(x).numpy(), kernel_reference.integer_product(x, quantized, scales, seven))
 
 
-@pytest.mark.parametrize("weight_dtype", ["int8", "bfloat16"])
+@pytest.mark.parametrize("weight_dtype", ["int8", "bfloat16", "float32"])
 @pytest.mark.parametrize("rows", [4, 40])
 def test_a_bias_and_an_activation_are_applied_by_the_many_row_products_and_after_the_others(weight_dtype, rows):
-    # `matmul(..., bias=b)` is x @ W - (-b) bit for bit: the 7-bit int8 product and the bfloat16 tiles' add b as
-    # they store y (their epilogue call, nothing after it); the products of 4 rows leave the add to XLA, and
-    # `projection` then returns None (the caller applies the activation). The epilogue's ReLU is exact, its
-    # GELU within float32 roundings of the formula's.
+    # `matmul(..., bias=b)` is x @ W - (-b) bit for bit: the 7-bit int8 product, the bfloat16 tiles and the
+    # float32 many-row product (a prompt pass's) add b as they store y (their epilogue call, nothing after it);
+    # the products of 4 rows leave the add to XLA, and `projection` then returns None (the caller applies the
+    # activation). The epilogue's ReLU is exact, its GELU within float32 roundings of the formula's.
     from xlagen.layers.feedforward import ACTIVATIONS
 
     rng = np.random.default_rng(rows)
@@ -133,18 +133,31 @@ def test_a_bias_and_an_activation_are_applied_by_the_many_row_products_and_after
     w = rng.standard_normal((k, n)).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bias = tf.constant(rng.standard_normal(n).astype(np.float32))
-    words = tf.constant(native.pack_int8(w) if weight_dtype == "int8" else native.pack_bfloat16(w))
-    kernels = native.Kernels(int8_many_integer_min_rows=8, bfloat16_tiles=None if native.amx_tiles() else False)
-    fused = rows == 40 and (weight_dtype == "int8" or native.amx_tiles())
+    words = tf.constant({"int8": native.pack_int8, "bfloat16": native.pack_bfloat16, "float32": np.asarray}[weight_dtype](w))
+    kernels = native.Kernels(int8_many_integer_min_rows=8, bfloat16_tiles=None if native.amx_tiles() else False,
+                             float32_many_rows=True)
+    fused = rows == 40 and (weight_dtype != "bfloat16" or native.amx_tiles())
+
+    def compiled(function):  # in a prompt pass, where float32 weights take the kernels
+        def traced(x):
+            with native.prefill():
+                return function(x)
+        return tf.function(traced, jit_compile=True)
+
+    def product(x, bias=None):
+        if weight_dtype == "float32":
+            return native.matmul_float32(x, words, bias=bias)
+        return native.matmul(x, words, n, bias=bias)
+
     with native.tracing(kernels):
-        biased = tf.function(lambda x: native.matmul(x, words, n, bias=bias), jit_compile=True)
-        plain = tf.function(lambda x: native.matmul(x, words, n) - (-bias), jit_compile=True)
+        biased = compiled(lambda x: product(x, bias))
+        plain = compiled(lambda x: product(x) - (-bias))
         hlo = biased.experimental_get_compiler_ir(x)(stage="optimized_hlo")
         np.testing.assert_array_equal(biased(x).numpy(), plain(x).numpy())
         for name in ("relu", "gelu_new"):
-            projected = tf.function(lambda x: native.projection(x, words, n, bias, name), jit_compile=True)
+            projected = compiled(lambda x: native.projection(x, words, n, bias, name))
             if not fused:
-                left = tf.function(lambda x: native.projection(x, words, n, bias, name) is None, jit_compile=True)
+                left = compiled(lambda x: native.projection(x, words, n, bias, name) is None)
                 assert left(x)
                 continue
             expected = ACTIVATIONS[name](plain(x)).numpy()
@@ -856,15 +869,17 @@ def lookahead():
 
 
 def _chain(weights):
-    """A compiled program of products in sequence, each on the previous result (1 row, then 3)."""
+    """A compiled program of products in sequence, each on the previous result, all on the streaming product
+    (which reads ahead), at 20 rows too."""
     constants = [tf.constant(w) for w in weights]
 
     def chain(x):
         outputs = []
-        for w in constants:
-            x = native.matmul_float32(x, w)
-            outputs.append(x)
-            x = tf.tanh(x[..., :w.shape[1]])
+        with native.tracing(native.Kernels(float32_many_rows=False)):
+            for w in constants:
+                x = native.matmul_float32(x, w)
+                outputs.append(x)
+                x = tf.tanh(x[..., :w.shape[1]])
         return outputs
 
     return tf.function(chain, jit_compile=True)

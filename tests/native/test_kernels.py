@@ -93,7 +93,7 @@ def _gelu_tanh(y: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (77, 200, 129), (40, 513, 200), (70, 3000, 130)])
-@pytest.mark.parametrize("product", ["int8_many_integer", "bf16_tile"])
+@pytest.mark.parametrize("product", ["int8_many_integer", "bf16_tile", "f32_many"])
 def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_and_apply_the_activation(m, k, n, product):
     # The bias added as the product stores y: exactly y + b, the add XLA would do after the call, in every
     # column of partial vectors, blocks and panels; then ReLU exactly, and GELU's tanh form within float32
@@ -104,7 +104,7 @@ def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_and_apply_the
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
-    stored = native.pack_int8(w) if product == "int8_many_integer" else native.pack_bfloat16(w)
+    stored = {"int8_many_integer": native.pack_int8, "bf16_tile": native.pack_bfloat16, "f32_many": np.asarray}[product](w)
     y = _product(f"xlagen_{product}_product", x, stored, n)
     entry = _entry(f"xlagen_{product}_product_epilogue", *[ctypes.c_void_p] * 3, ctypes.c_int, ctypes.c_void_p,
                    *[ctypes.c_int] * 3)

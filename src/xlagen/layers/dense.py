@@ -37,12 +37,12 @@ class Dense(keras.layers.Dense):
         if self.packed_kernel is not None:  # the bias in the call: the many-row products add it themselves
             x = native.matmul(inputs, self.packed_kernel, self.units, bias=self.bias)
         else:
-            if native.use_float32_kernel(inputs, self.kernel):
-                x = native.matmul_float32(inputs, self.kernel)
+            if native.use_float32_kernel(inputs, self.kernel):  # the many-row product adds the bias itself
+                x = native.matmul_float32(inputs, self.kernel, bias=self.bias)
             else:
                 x = ops.matmul(inputs, self.kernel)
-            if self.bias is not None:
-                x = ops.subtract(x, ops.negative(self.bias))
+                if self.bias is not None:
+                    x = ops.subtract(x, ops.negative(self.bias))
         if self.activation is not None:
             x = self.activation(x)
         return x

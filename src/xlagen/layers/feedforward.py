@@ -83,17 +83,20 @@ class FeedForward(keras.layers.Layer):
         self.built = True
 
     def call(self, x, training=False):
-        """x: `[B, T, hidden]` -> `[B, T, hidden]`. With packed weights, a prompt's or an encoder's input
-        projection may apply the activation as it stores its output (`xlagen.native.projection`)."""
+        """x: `[B, T, hidden]` -> `[B, T, hidden]`. With packed weights, or float32 ones on the native
+        many-row product, a prompt's or an encoder's input projection may apply the activation as it stores
+        its output (`xlagen.native.projection`)."""
         projection = self.input_projection
         if self.gate_projection is not None:
             inner = projection(x)
             inner = self.activation(self.gate_projection(x)) * inner
         else:
             inner = None
-            if projection.packed_kernel is not None:
-                inner = native.projection(x, projection.packed_kernel, projection.units, projection.bias,
-                                          self.activation_name)
+            kernel = projection.packed_kernel
+            if kernel is None and native.use_float32_kernel(x, projection.kernel):
+                kernel = projection.kernel
+            if kernel is not None:
+                inner = native.projection(x, kernel, projection.units, projection.bias, self.activation_name)
             if inner is None:
                 inner = self.activation(projection(x))
         return self.output_projection(self.dropout(inner, training=training))

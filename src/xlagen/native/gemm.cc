@@ -3,15 +3,16 @@
 // products (f32_product.cc, packed_product.cc) keep a few rows' sums in registers over the whole of K; here
 // the weights are widened to float32 once per block and reused by every row.
 //
-// Layout of the work: each unit is a block of kBlockColumns output columns (of some of the rows, when the
-// columns alone make too few units for the threads). For each run of kDepth weight
+// Layout of the work: each unit is a block of kBlockColumns output columns of a part of the rows (the rows are
+// split so that every thread gets as many units, see RowParts). For each run of kDepth weight
 // rows, the unit copies its block of W into a float32 buffer strip by strip (a strip: kStrip = 2 vectors of
 // columns, kDepth rows, contiguous: the 2 vectors of a weight row are one 64- or 128-byte load), widening
 // bfloat16 or int8 weights (their scale applied) on the way; then a register tile of kTileRows rows of x by
 // one strip runs over the kDepth rows, broadcasting x and multiplying by the strip's 2 vectors (AVX2: 12
 // sums, 2 weight vectors and a broadcast in 16 registers). The buffer (kDepth x kBlockColumns floats) stays
 // in the core's L2 cache while all M rows pass over it; a tile's rows of x over kDepth stay in L1.
-// Sums over successive runs of K are added into y.
+// Sums over successive runs of K are added into y; after the last, the float32 product's epilogue (a bias,
+// an activation) is applied to the tile's rows while they are in L1.
 
 #include <algorithm>
 #include <vector>
@@ -36,16 +37,22 @@ struct Gemm {
   float* y;
   int m, k, n;
   Weights kind;
-  int part_rows;  // rows of x per unit: all m, or a multiple of kTileRows when the columns make too few units
+  int parts;  // row parts per block of columns: a unit is one block's columns of one part's rows
+  const float* bias;  // [n], added to y after its last run of K (y + b, the float32 add of a separate one); or null
+  int activation;     // then applied (Activation, simd.h)
 };
 
-// Units of kBlockColumns columns by `part_rows` rows: a product of few column blocks (768 columns: 3) splits
-// its rows too, so that the threads get about 4 units each (each unit widens its block of weights itself).
-int PartRows(int m, int n, int threads) {
+// Units of kBlockColumns columns by a part of the rows: the rows are split into the fewest parts that give
+// every thread the same number of units, at least 2 (768 columns, 3 blocks: 2 parts, 6 units for 2 threads;
+// each unit widens its block of weights itself).
+int RowParts(int m, int n, int threads) {
   const int blocks = (n + kBlockColumns - 1) / kBlockColumns;
-  const int parts = std::min((4 * threads + blocks - 1) / blocks, std::max(1, m / (4 * kTileRows)));
-  const int rows = (m + parts - 1) / parts;
-  return (rows + kTileRows - 1) / kTileRows * kTileRows;
+  const int tiles = (m + kTileRows - 1) / kTileRows;
+  if (threads < 2) return 1;
+  for (int parts = 1; parts < tiles; ++parts) {
+    if (blocks * parts >= 2 * threads && blocks * parts % threads == 0) return parts;
+  }
+  return tiles;
 }
 
 // strip[kk][0..kStrip) = W[k0 + kk, c0 .. c0 + kStrip) as float32 for kk < depth (columns past n: 0).
@@ -98,8 +105,16 @@ void PackStrip(const Gemm& a, int k0, int depth, int c0, float* strip) {
   }
 }
 
-// y[m0 .. m0 + R, c0 .. c0 + columns) (+)= x[m0 .., k0 .. k0 + depth) @ strip; R a compile-time count so that
-// the 2 R sums stay in registers.
+// y[0 .. columns) of one row (at most kStrip), in place: the epilogue (bias at the row's first column or null).
+inline void Epilogue(float* y, const float* bias, int activation, int columns) {
+  for (int j = 0; j < columns; j += 8) {
+    const int count = std::min(8, columns - j);
+    StoreFirst8(y + j, Epilogue8(LoadFirst8(y + j, count), bias ? bias + j : nullptr, count, activation), count);
+  }
+}
+
+// y[m0 .. m0 + R, c0 .. c0 + columns) (+)= x[m0 .., k0 .. k0 + depth) @ strip, then the epilogue if the run is
+// K's last; R a compile-time count so that the 2 R sums stay in registers.
 template <int R>
 inline void Tile(const Gemm& a, const float* strip, int m0, int k0, int depth, int c0, int columns, bool add) {
   Vec lo[R], hi[R];
@@ -126,6 +141,9 @@ inline void Tile(const Gemm& a, const float* strip, int m0, int k0, int depth, i
         StoreFirst(y + kLanes, add ? Add(hi[i], LoadMasked(FirstLanes(second), y + kLanes)) : hi[i], second);
       }
     }
+    if ((a.bias != nullptr || a.activation != kLinear) && k0 + depth == a.k) {
+      Epilogue(y, a.bias ? a.bias + c0 : nullptr, a.activation, std::min(columns, kStrip));
+    }
   }
 }
 
@@ -134,10 +152,11 @@ void RunGemm(const void* args, int u0, int u1) {
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(kDepth) * kBlockColumns + 64);
   float* strips = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
-  const int parts = (a.m + a.part_rows - 1) / a.part_rows;
+  const int tiles = (a.m + kTileRows - 1) / kTileRows;
   for (int u = u0; u < u1; ++u) {
-    const int b0 = u / parts * kBlockColumns, b1 = std::min(a.n, b0 + kBlockColumns);
-    const int r0 = u % parts * a.part_rows, r1 = std::min(a.m, r0 + a.part_rows);
+    const int b0 = u / a.parts * kBlockColumns, b1 = std::min(a.n, b0 + kBlockColumns);
+    const int part = u % a.parts;  // tiles [part * tiles / parts, (part + 1) * tiles / parts)
+    const int r0 = part * tiles / a.parts * kTileRows, r1 = std::min(a.m, (part + 1) * tiles / a.parts * kTileRows);
     const int count = (b1 - b0 + kStrip - 1) / kStrip;
     for (int k0 = 0; k0 < a.k; k0 += kDepth) {
       const int depth = std::min(kDepth, a.k - k0);
@@ -178,11 +197,12 @@ void RunGemm(const void* args, int u0, int u1) {
   }
 }
 
-const char* RunProduct(const float* x, const void* w, float* y, int m, int k, int n, Weights kind) {
+const char* RunProduct(const float* x, const void* w, float* y, int m, int k, int n, Weights kind,
+                       const float* bias = nullptr, int activation = kLinear) {
   Pool& pool = GetPool();
-  const int part_rows = PartRows(m, n, pool.threads());
-  Gemm a{x, w, y, m, k, n, kind, part_rows};
-  pool.Run(Task{&a, RunGemm, (n + kBlockColumns - 1) / kBlockColumns * ((m + part_rows - 1) / part_rows)});
+  const int parts = RowParts(m, n, pool.threads());
+  Gemm a{x, w, y, m, k, n, kind, parts, bias, activation};
+  pool.Run(Task{&a, RunGemm, (n + kBlockColumns - 1) / kBlockColumns * parts});
   return nullptr;
 }
 
@@ -195,9 +215,15 @@ static_assert(kBlockColumns % kInt8Panel == 0, "a unit's strips start at panel b
 
 using namespace xlagen;
 
-extern "C" const char* xlagen_f32_many_product(const float* x, const float* w, float* y, int m, int k, int n) {
+extern "C" const char* xlagen_f32_many_product_epilogue(const float* x, const float* w, const float* bias,
+                                                        int activation, float* y, int m, int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_f32_many_product: m, k and n must be at least 1";
-  return RunProduct(x, w, y, m, k, n, Weights::kFloat32);
+  if (activation < kLinear || activation > kGeluTanh) return "xlagen_f32_many_product: activation must be 0, 1 or 2";
+  return RunProduct(x, w, y, m, k, n, Weights::kFloat32, bias, activation);
+}
+
+extern "C" const char* xlagen_f32_many_product(const float* x, const float* w, float* y, int m, int k, int n) {
+  return xlagen_f32_many_product_epilogue(x, w, nullptr, kLinear, y, m, k, n);
 }
 
 extern "C" const char* xlagen_bf16_many_product(const float* x, const uint32_t* w, float* y, int m, int k, int n) {

@@ -72,6 +72,9 @@ int xlagen_amx_tiles();
 // per block and reused by every row of x: y[m, n] = x[m, k] @ W, W float32 row-major, packed bfloat16, or
 // packed int8 (y = x @ (Q * s)).
 const char* xlagen_f32_many_product(const float* x, const float* w, float* y, int m, int k, int n);
+// The float32 one with the epilogue of the products above (bias may be null; activation 0, 1 or 2).
+const char* xlagen_f32_many_product_epilogue(const float* x, const float* w, const float* bias, int activation,
+                                             float* y, int m, int k, int n);
 const char* xlagen_bf16_many_product(const float* x, const uint32_t* w, float* y, int m, int k, int n);
 const char* xlagen_int8_many_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
 // out[heads, t, d] = softmax(scale * q k^T) v per head, no mask; k is [heads, s, d], or [heads, d, s] when

@@ -23,7 +23,8 @@ BF16_TILE_TARGET = "xlagen_bf16_tile_gemm"
 # The products that can add a bias and apply an activation as they store their output: target -> the target
 # with that epilogue (`matmul`'s bias, `projection`'s activations).
 EPILOGUE_TARGETS = {INT8_MANY_INTEGER_TARGET: "xlagen_int8_many_imatmul_epilogue",
-                    BF16_TILE_TARGET: "xlagen_bf16_tile_gemm_epilogue"}
+                    BF16_TILE_TARGET: "xlagen_bf16_tile_gemm_epilogue",
+                    GEMM_TARGETS["float32"]: "xlagen_f32_gemm_epilogue"}
 # The activations an epilogue applies, by the names of `xlagen.layers.feedforward.ACTIVATIONS`, and their codes.
 EPILOGUE_ACTIVATIONS = {"relu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2}
 ATTENTION_TARGET = "xlagen_f32_attention"
@@ -83,17 +84,22 @@ def matmul(x, words, n: int, bias=None):
 
 
 def projection(x, words, n: int, bias, activation: str):
-    """`activation(x @ W + b)` (`matmul`'s product; `bias` may be None) where the product the policy picks for
-    x applies the activation itself as it stores y (the 7-bit int8 and the bfloat16 tile products of a
+    """`activation(x @ W + b)` (`bias` may be None) where the product the policy picks for x applies the
+    activation itself as it stores y (the 7-bit int8, the bfloat16 tile and the float32 many-row products of a
     prompt's or an encoder's rows; activations `EPILOGUE_ACTIVATIONS`), so that no pass of XLA's over y
-    follows; else None, and the caller applies it. The epilogue's GELU is computed as y / (1 + exp(-2u)), u =
-    sqrt(2 / pi) (y + 0.044715 y^3), within a few float32 roundings of `0.5 y (1 + tanh(u))`."""
+    follows; else None, and the caller applies it. W is packed (`matmul`'s product) or a float32 kernel
+    `[K, n]` (`matmul_float32`'s, where `Kernels.use_float32_product` says so). The epilogue's GELU is computed
+    as y / (1 + exp(-2u)), u = sqrt(2 / pi) (y + 0.044715 y^3), within a few float32 roundings of
+    `0.5 y (1 + tanh(u))`."""
     import tensorflow as tf
 
     x = tf.convert_to_tensor(x)
     if x.dtype != tf.float32 or activation not in EPILOGUE_ACTIVATIONS:
         return None
-    target = _packed_target(x, words)
+    if words.dtype == tf.float32:
+        target = _float32_target(x) if current().use_float32_product(x, words) else None
+    else:
+        target = _packed_target(x, words)
     if target not in EPILOGUE_TARGETS:
         return None
     return _epilogue_call(target, x, words, n, bias, activation)
@@ -152,10 +158,12 @@ def _custom_call(target: str, x, weights, n: int, extra=(), config: str = ""):
     return tf.reshape(y, [*leading, n])
 
 
-def matmul_float32(x, kernel):
+def matmul_float32(x, kernel, bias=None):
     """`x [..., K] @ kernel [K, N]`, float32, as the native kernel's custom call (call it under XLA only;
     see `Kernels.use_float32_product`): the streaming product up to the policy's `float32_max_rows` rows,
-    the many-row product above. Computes the same sums as XLA's dot in another order.
+    the many-row product above. Computes the same sums as XLA's dot in another order. With `bias` (float32
+    `[N]`), `x @ kernel + b`: the many-row product adds it as it stores y, else XLA after the call, as
+    `y - (-b)`; both are the same float32 add.
 
     Raises:
         TypeError: x or the kernel is not float32 (the kernel would read their bytes as float32).
@@ -165,10 +173,20 @@ def matmul_float32(x, kernel):
     x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
     if x.dtype != tf.float32 or kernel.dtype != tf.float32:
         raise TypeError(f"the float32 kernel multiplies float32 by float32; got {x.dtype.name} @ {kernel.dtype.name}")
+    target = _float32_target(x)
+    if bias is not None and target in EPILOGUE_TARGETS:
+        return _epilogue_call(target, x, kernel, kernel.shape[-1], bias, None)
     load()
+    y = _custom_call(target, x, kernel, kernel.shape[-1])
+    return y if bias is None else tf.subtract(y, tf.negative(bias))
+
+
+def _float32_target(x) -> str:
+    """The float32 product's custom call for x's rows under the policy of the trace: the many-row product
+    (`Kernels.many_float32_rows`) above `float32_max_rows` rows, else the streaming one."""
     policy = current()
     many = policy.many_float32_rows() and x.shape[:-1].num_elements() > policy.float32_max_rows
-    return _custom_call(GEMM_TARGETS["float32"] if many else FLOAT32_TARGET, x, kernel, kernel.shape[-1])
+    return GEMM_TARGETS["float32"] if many else FLOAT32_TARGET
 
 
 def _with_reference_gradient(call, reference, *inputs):

@@ -97,12 +97,16 @@ class Kernels:
             None (the default): where this process has the tiles (`library.amx_tiles()`); True where it has
             not raises NativeUnavailable at the trace; False: never.
         float32_many_rows: A generation's prompt pass's float32 products of more than `float32_max_rows` rows
-            run on the many-row product too, instead of XLA's dot. None (the default): only where XLA's own
-            thread pool has one thread (`tf.config.threading.set_intra_op_parallelism_threads(1)`, see
-            `xla_single_threaded`), whose dot would then use one core while the kernels' pool has them all.
-            Not otherwise: alone, the many-row product multiplies GPT-2-small's 512 x 768 by 768 x 3072 at
+            run on the many-row product too, instead of XLA's dot; it adds a projection's bias and applies a
+            feed-forward block's ReLU or tanh-form GELU as it stores y (`ops.projection`). None (the default):
+            where the kernels run with AVX-512 (`library.isa()`), or XLA's own thread pool has one thread
+            (`tf.config.threading.set_intra_op_parallelism_threads(1)`, see `xla_single_threaded`), whose dot
+            would then use one core while the kernels' pool has them all. With AVX-512 (register tiles of 14
+            rows by 32 columns) the first token of a 512-token prompt came 1.04x as fast as with XLA's dot
+            for GPT-2-small and 1.12x for T5-small (2 threads, `benchmarks/ab.py --compare
+            many-rows-float32 --prompt-tokens 512 --new-tokens 1`). Not on AVX2 alone: alone, the many-row product multiplies GPT-2-small's 512 x 768 by 768 x 3072 at
             126-130 GFLOP/s on 2 AVX2 cores against numpy's (OpenBLAS) 114-129, but inside the prompt pass
-            it was 0.90-0.94x as fast as XLA's dot on XLA's two threads (`--compare many-rows-float32`).
+            it was 0.90-0.94x as fast as XLA's dot on XLA's two threads.
         int8_integer_min_rows: Products of int8 weights with at least this many rows (batch x beams in a
             decoding step; prompt tokens x batch in a prefill; encoder positions) run in integers
             (`xlagen_int8_imatmul`: activations quantized to int8 per row, int8 x int8 sums in int32), which
@@ -427,8 +431,13 @@ class Kernels:
         return rows >= max(least, 1)
 
     def many_float32_rows(self) -> bool:
-        """`float32_many_rows`, None resolved: whether XLA's thread pool has one thread now."""
-        return xla_single_threaded() if self.float32_many_rows is None else bool(self.float32_many_rows)
+        """`float32_many_rows`, None resolved: whether the kernels run with AVX-512 here, or XLA's thread pool
+        has one thread now."""
+        if self.float32_many_rows is not None:
+            return bool(self.float32_many_rows)
+        from xlagen.native.library import isa
+
+        return (isa() or "").startswith("avx512") or xla_single_threaded()
 
     def _float32(self) -> bool:
         return self.enabled and self.float32

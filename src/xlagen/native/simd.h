@@ -250,6 +250,24 @@ inline void StoreFirst8(float* p, __m256 v, int count) {
   }
 }
 
+// What the many-row products (the 7-bit int8 product, the bfloat16 tile product, gemm.cc's) do to y as they
+// store it (their xlagen_*_epilogue entry points): add a projection's bias, then apply an activation.
+enum Activation : int { kLinear = 0, kRelu = 1, kGeluTanh = 2 };
+
+// v + bias[0..8) (bias not null; nothing past `count` is read), then the activation: ReLU, max(v, 0); or
+// GELU's tanh form (GPT-2's "gelu_new"), 0.5 v (1 + tanh(u)) = v / (1 + exp(-2u)), u = sqrt(2 / pi) (v +
+// 0.044715 v^3).
+inline __m256 Epilogue8(__m256 v, const float* bias, int count, int activation) {
+  if (bias != nullptr) v = _mm256_add_ps(v, LoadFirst8(bias, count));
+  if (activation == kRelu) return _mm256_max_ps(v, _mm256_setzero_ps());
+  if (activation == kGeluTanh) {
+    const __m256 u = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(0.7978845608f)),
+                                   _mm256_fmadd_ps(_mm256_mul_ps(v, v), _mm256_set1_ps(0.044715f), _mm256_set1_ps(1.0f)));
+    return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), Exp8(_mm256_mul_ps(u, _mm256_set1_ps(-2.0f)))));
+  }
+  return v;
+}
+
 // Calls body(std::integral_constant<int, R>()) for R = count, 1 to Most: a register tile's row count as a
 // compile-time constant, so that its sums stay in registers (with a run-time count GCC kept the sums of rows
 // past the first on the stack: GPT-2-small's bfloat16 products took 1.15x as long at 4 rows, 1.22x at 8).

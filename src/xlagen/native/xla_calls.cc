@@ -168,6 +168,12 @@ extern "C" void xlagen_f32_gemm(void* out, const void** in, const char* opaque, 
   ProductCall<float>("xlagen_f32_gemm", xlagen_f32_many_product, out, in, opaque, opaque_len, status);
 }
 
+extern "C" void xlagen_f32_gemm_epilogue(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                         XlaCustomCallStatus_* status) {
+  EpilogueProductCall<float>("xlagen_f32_gemm_epilogue", xlagen_f32_many_product_epilogue, out, in, opaque, opaque_len,
+                             status);
+}
+
 extern "C" void xlagen_bf16_gemm(void* out, const void** in, const char* opaque, size_t opaque_len,
                                  XlaCustomCallStatus_* status) {
   ProductCall<uint32_t>("xlagen_bf16_gemm", xlagen_bf16_many_product, out, in, opaque, opaque_len, status);
@@ -449,6 +455,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_bf16_tile_gemm"), reinterpret_cast<void*>(&xlagen_bf16_tile_gemm), host);
   add(global(), std::string("xlagen_bf16_tile_gemm_epilogue"),
       reinterpret_cast<void*>(&xlagen_bf16_tile_gemm_epilogue), host);
+  add(global(), std::string("xlagen_f32_gemm_epilogue"), reinterpret_cast<void*>(&xlagen_f32_gemm_epilogue), host);
   add(global(), std::string("xlagen_int8_many_imatmul_epilogue"),
       reinterpret_cast<void*>(&xlagen_int8_many_imatmul_epilogue), host);
   add(global(), std::string("xlagen_int8_gemm"), reinterpret_cast<void*>(&xlagen_int8_gemm), host);
