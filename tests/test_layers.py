@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 
 from xlagen.layers.dense import Dense
@@ -24,3 +25,38 @@ def test_dense_equals_keras_dense():
     np.testing.assert_array_equal(ours(x).numpy(), theirs(x).numpy())
     compiled = tf.function(ours, jit_compile=True)(x).numpy()
     np.testing.assert_allclose(compiled, theirs(x).numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt-post-norm", "mistral"])
+def test_a_prompts_last_block_on_the_last_row_only_gives_the_same_logits_and_cache(tmp_path, family):
+    # `call_with_cache(..., last_only=True)` (a generation's prompt pass) runs the last block past its keys
+    # and values on the last token's row only: the last row's logits and the whole cache are those of the
+    # full pass; left padding, a post-norm stack (OPT-350m's), grouped queries with a sliding window
+    # (Mistral's), compiled and eager.
+    from conftest import random_ids, save_tiny_gpt2, tiny_family_model
+    from xlagen import TFAutoModelForCausalLM
+
+    if family == "gpt2":
+        save_tiny_gpt2(tmp_path)
+        model = TFAutoModelForCausalLM.from_pretrained(tmp_path)
+    elif family == "mistral":
+        model, _ = tiny_family_model(tmp_path, "mistral")
+    else:
+        from models.test_opt import VARIANTS, save_tiny_opt
+
+        save_tiny_opt(tmp_path, **VARIANTS["post_norm"])
+        model = TFAutoModelForCausalLM.from_pretrained(tmp_path)
+    ids = tf.constant(random_ids((2, 9), 50, seed=3))
+    mask = np.zeros((2, 16), np.int32)
+    mask[0, :9], mask[1, 3:9] = 1, 1
+
+    def prompt(last_only):
+        cache = model.init_cache(2, 16)
+        return model.call_with_cache(ids, cache, tf.constant(0), tf.constant(mask), last_only=last_only)
+
+    for run in (prompt, tf.function(prompt, jit_compile=True)):
+        (full, full_cache), (last, last_cache) = run(False), run(True)
+        assert last.shape == (2, 1, full.shape[-1])
+        np.testing.assert_allclose(last.numpy(), full.numpy()[:, -1:], rtol=1e-5, atol=1e-5)
+        for a, b in zip(tf.nest.flatten(full_cache), tf.nest.flatten(last_cache)):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())

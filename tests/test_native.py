@@ -553,11 +553,12 @@ def test_float32_kernel_only_in_decoding_loops_of_few_rows(gpt2_model):
     assert native.FLOAT32_TARGET in hlo(
         lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=5, kernels=steps_only), ids)
     # The prompt pass (float32_prefill) of 3 x 5 = 15 rows takes the kernel, even where the steps' 18 do not;
-    # of 3 x 6 = 18 rows, only its head does (the 3 last positions).
+    # of 3 x 6 = 18 rows, only the products of the 3 last positions do: the last block's after its keys and
+    # values (3), and the head.
     assert native.FLOAT32_TARGET in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=6), ids)
     longer = random_ids((3, 6), 300, seed=1)
     assert hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3, num_beams=6), longer).count(
-        f'custom_call_target="{native.FLOAT32_TARGET}"') == 1
+        f'custom_call_target="{native.FLOAT32_TARGET}"') == 4
     with native.tracing(native.Kernels.OFF):
         assert native.FLOAT32_TARGET not in hlo(lambda ids: gpt2_model.generate(ids, max_new_tokens=3), ids)
     assert native.FLOAT32_TARGET not in hlo(

@@ -49,8 +49,9 @@ def test_gpt2_generates_the_same_with_one_trace_per_block_spec(monkeypatch, opti
     mask[1, :3] = 0
     shared_ops, own_ops = _assert_sharing_changes_nothing(model, {"input_ids": ids, "attention_mask": mask},
                                                           monkeypatch, **options)
-    # Four blocks traced in two places (prompt, step): once each instead of four times each.
-    assert shared_ops < 0.6 * own_ops
+    # Four blocks traced in two places (prompt, step): 3 traces (the prompt's last block, which goes on with
+    # the last token's row only, has its own) instead of 8.
+    assert shared_ops < 0.7 * own_ops
 
 
 def test_blocks_of_different_specs_get_their_own_trace(monkeypatch):

@@ -274,7 +274,8 @@ class Attention(_MultiHead):
             if norm is not None:
                 norm.build((None, self.head_dim))
 
-    def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, bias=None, rotary=None):
+    def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, bias=None, rotary=None,
+             last_only=False):
         """Attends from `x` over the cache (or over `x` itself when there is no cache).
 
         Args:
@@ -289,10 +290,18 @@ class Attention(_MultiHead):
             bias: Optional additive score bias `[1 or B, H, T, S]`, or a `RelativeBias`.
             rotary: Optional `(cos, sin)` `[B, T, D]` of the tokens' positions (`rotary.rotary_tables`): the
                 queries and keys are rotated before the keys are cached.
+            last_only: Attend from the last token only (the output is `[B, 1, hidden]`), over every token's
+                key and value, all of which are cached: a prompt's last block, whose other rows nothing reads.
+                Not with a `bias`.
 
         Returns:
             `(output [B, T, hidden], layer_cache or None)`.
+
+        Raises:
+            ValueError: `last_only` with a `bias`.
         """
+        if last_only and bias is not None:
+            raise ValueError("Attention: last_only attends without a score bias")
         projection = self.qkv(x)
         query, key, value = self._project(projection)
         # The heads as the projection left them, for the attention kernels to read in place (unless rotated,
@@ -304,6 +313,13 @@ class Attention(_MultiHead):
         elif self.query_norm is None and self.groups == 1:
             width = self.num_heads * self.head_dim
             in_place = [native.Heads(projection, i * width, self.num_heads, self.head_dim) for i in range(3)]
+        if last_only and query.shape[2] != 1:  # the last query row (and its row of the mask)
+            query, in_place = query[:, :, -1:], None
+            key_mask = None if key_mask is None else key_mask[:, :, -1:]
+            if layer_cache is None:
+                return self._attend(query, key, value, key_mask, None, training), None
+            layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
+            return self._attend(query, layer_cache.key, layer_cache.value, key_mask, None, training), layer_cache
         if layer_cache is None:
             return self._attend(query, key, value, key_mask, bias, training, in_place=in_place), None
         if query.shape[2] == 1:

@@ -133,7 +133,7 @@ class TransformerBlock(keras.layers.Layer):
         return x if self.spec.norm_first else norm(x)
 
     def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, position_bias=None,
-             cross=None, rotary=None):
+             cross=None, rotary=None, last_only=False):
         """Runs the block.
 
         Args:
@@ -148,26 +148,33 @@ class TransformerBlock(keras.layers.Layer):
                 `attention.RelativeBias`.
             cross: `CrossInputs`, required when the block has cross-attention.
             rotary: Optional `(cos, sin)` `[B, T, D]` rotary tables of the tokens (`layers.rotary`).
+            last_only: The output of the last token only, `[B, 1, hidden]` (every token's key and value still
+                cached): without a position bias, only its row goes on past the self-attention's keys and
+                values (a prompt's last block: about 3/4 of its products and its attention not computed).
 
         Returns:
-            `(output [B, T, hidden], layer_cache or None)`.
+            `(output [B, T, hidden] (T = 1 with last_only), layer_cache or None)`.
         """
         def before(norm, h):
             return norm(h) if self.spec.norm_first else h
 
+        last_row = last_only and position_bias is None and x.shape[1] != 1
         attended, layer_cache = self.attention(before(self.attention_norm, x), key_mask, layer_cache, cache_index,
-                                               training=training, bias=position_bias, rotary=rotary)
+                                               training=training, bias=position_bias, rotary=rotary,
+                                               last_only=last_row)
+        if last_row:
+            x = x[:, -1:]
         x = self._residual(x, attended, self.attention_norm, training)
         if self.cross_attention is not None:
             attended = self.cross_attention(before(self.cross_attention_norm, x), cross.memory, cross.mask,
                                             training=training)
             x = self._residual(x, attended, self.cross_attention_norm, training)
         x = self._residual(x, self.mlp(before(self.mlp_norm, x), training=training), self.mlp_norm, training)
-        return x, layer_cache
+        return (x[:, -1:] if last_only else x), layer_cache
 
 
 def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, position_bias=None, cross=None,
-               rotary=None):
+               rotary=None, last_only=False):
     """Runs `blocks` one after the other (a model's stack).
 
     Args:
@@ -176,9 +183,11 @@ def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, p
             `key_mask`), the same for every block; `mask` may also be a tuple of one per block.
         caches: Optional sequence of one `LayerCache` per block.
         cross: Optional sequence of one `CrossInputs` per block.
+        last_only: The last block's output for the last token only (`TransformerBlock.call`'s `last_only`).
 
     Returns:
-        `(output [B, T, hidden], tuple of the blocks' updated caches, or None without caches)`.
+        `(output [B, T, hidden] (T = 1 with last_only), tuple of the blocks' updated caches, or None without
+        caches)`.
 
     While a graph is being traced for inference (not eagerly, not training), blocks of one `BlockSpec`
     share one trace: the first of them is traced once as a nested `tf.function` with its weights as
@@ -192,6 +201,8 @@ def run_blocks(blocks, x, mask, caches=None, cache_index=None, training=False, p
     for i, block in enumerate(blocks):
         inputs = (x, mask[i] if isinstance(mask, tuple) else mask, None if caches is None else caches[i], cache_index)
         options = dict(position_bias=position_bias, cross=None if cross is None else cross[i], rotary=rotary)
+        if last_only and i == len(blocks) - 1:
+            options["last_only"] = True
         if shared is None:
             x, layer_cache = block(*inputs, training=training, **options)
         else:

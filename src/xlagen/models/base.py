@@ -418,8 +418,9 @@ class DecoderOnlyLM(CausalDecoding):
 
     def _forward(self, token_ids, positions, mask, cache=None, cache_index=None, last_only=False, training=False):
         x = self._embed(token_ids, positions, training)
-        x, new_cache = run_blocks(self.blocks, x, mask, cache, cache_index, training, rotary=self._rotary(positions))
-        x = self._finish(x[:, -1:] if last_only else x)
+        x, new_cache = run_blocks(self.blocks, x, mask, cache, cache_index, training, rotary=self._rotary(positions),
+                                  last_only=last_only)
+        x = self._finish(x)
         logits = self.token_embedding.attend(x) if self.lm_head is None else self.lm_head(x)
         return ops.cast(logits, "float32"), new_cache
 
