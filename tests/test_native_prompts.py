@@ -256,6 +256,15 @@ def test_long_prompts_embeddings_come_from_the_native_lookup_with_the_same_value
                              native.LOOKUP_TARGET, count, 3)
 
 
+def test_long_prompts_rms_norms_run_natively_close_to_xla(wide_heads):
+    # The Llama family's RMS norms (Mistral's): 2 per block, the last block's second and the final one on the
+    # last token's row only; from layer_norm_min_rows (64) rows, as the LayerNorms.
+    model = wide_heads["mistral"]
+    for rows, count in ((40, 2 * model.config.num_layers - 1), (20, 0)):
+        _check_prompt_kernel(model, random_ids((2, rows), 60, seed=rows + 2), "layer_norm_min_rows",
+                             native.RMS_NORM_TARGET, count, 3)
+
+
 def test_long_prompts_layer_norms_run_natively_close_to_xla(gpt2_model):
     # 2 x 40 prompt tokens: past layer_norm_min_rows (64), the prompt pass's LayerNorms (2 per block; the last
     # block's second and the final one normalise the last token's row only) are the native kernel, and the

@@ -159,6 +159,23 @@ def test_layer_norm_matches_float64_numpy(rows, e, affine):
     assert b"at least 1" in norm(_p(x), None, None, _p(y), rows, 0, 1e-5)
 
 
+@pytest.mark.parametrize("rows, e", [(1, 2), (3, 7), (9, 16), (17, 33), (8, 768), (0, 5)])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_rms_norm_matches_float64_numpy(rows, e, scaled):
+    # The same rows and widths as the LayerNorm's; no mean is taken off (rows far from zero mean stay so).
+    rng = np.random.default_rng(rows * e + scaled + 1)
+    x = (rng.standard_normal((rows, e)) * 3 + 20).astype(np.float32)
+    scale = rng.standard_normal(e).astype(np.float32)
+    y = np.full((rows, e), np.nan, np.float32)
+    norm = _entry("xlagen_rms_norm", *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 2, ctypes.c_float)
+    assert norm(_p(x), _p(scale) if scaled else None, _p(y), rows, e, 1e-6) is None
+    x64 = x.astype(np.float64)
+    expected = x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6) * (scale if scaled else 1)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+    assert b"at least 1" in norm(_p(x), None, _p(y), rows, 0, 1e-6)
+    assert b"epsilon" in norm(_p(x), None, _p(y), rows, e, -1.0)
+
+
 @pytest.mark.parametrize("e, v, n", [(1, 1, 1), (16, 50, 7), (33, 1000, 40), (768, 5000, 3), (20, 9, 0)])
 def test_lookup_takes_columns_and_clamps_ids_as_xla_gather(e, v, n):
     # Rows of the table in units of 16 (33: a unit of one); ids past either end are clamped into [0, v).

@@ -21,6 +21,19 @@ class LayerNorm(keras.layers.LayerNormalization):
         return super().call(inputs)
 
 
+class RMSNorm(keras.layers.RMSNormalization):
+    """`keras.layers.RMSNormalization` over the last axis whose generation's long prompts run as xlagen's
+    native kernel (`xlagen.native.use_layer_norm`). Weights, names and serialization are Keras'."""
+
+    def call(self, x):
+        if self.axis in (-1, [-1]):
+            x = ops.convert_to_tensor(x)
+            scale = ops.convert_to_tensor(self.scale)
+            if native.use_layer_norm(x, scale, None):
+                return ops.cast(native.rms_norm(x, scale, self.epsilon), self.compute_dtype)
+        return super().call(x)
+
+
 def layer_norm(epsilon: float, name: str, dtype=None, affine: bool = True) -> keras.layers.LayerNormalization:
     """A LayerNorm over the last axis, as in GPT-2 / OPT / Whisper.
 
@@ -37,11 +50,12 @@ def layer_norm(epsilon: float, name: str, dtype=None, affine: bool = True) -> ke
 def rms_norm(epsilon: float, name: str, dtype=None) -> keras.layers.RMSNormalization:
     """T5's "LayerNorm": `x / sqrt(mean(x^2) + epsilon) * scale`, no mean, no bias (Zhang & Sennrich 2019).
 
-    Keras computes it in float32 for half-precision inputs, as transformers' T5LayerNorm does.
+    Keras computes it in float32 for half-precision inputs, as transformers' T5LayerNorm does; a generation's
+    long prompts run it as xlagen's native kernel (`RMSNorm`).
 
     Args:
         epsilon: Added to the mean square.
         name: Layer name (the variable path prefix; the weight is `scale`).
         dtype: Keras dtype policy.
     """
-    return keras.layers.RMSNormalization(epsilon=epsilon, name=name, dtype=dtype)
+    return RMSNorm(epsilon=epsilon, name=name, dtype=dtype)

@@ -60,10 +60,10 @@ from xlagen.native.library import (amx_tiles, configure_pool, constant, hardware
 from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BF16_TILE_TARGET, BIASED_ATTENTION_TARGET,
                                FLOAT32_TARGET, GEMM_TARGETS, INT8_INTEGER_TARGET, INT8_MANY_INTEGER_TARGET,
                                INT8_TARGET, LAYER_NORM_TARGET, LOOKUP_TARGET, MASKED_ATTENTION_TARGET, MEMORY_ATTENTION_TARGET,
-                               RELATIVE_ATTENTION_TARGET, SPLIT_HEADS_TARGET, STEP_ATTENTION_TARGET, TARGET, Heads, argmax, attention,
-                               layer_norm, lookup_columns, masked_attention, matmul, matmul_float32, memory_attention,
-                               projection, reference_memory_attention, relative_to_dense, split_heads,
-                               step_attention)
+                               RELATIVE_ATTENTION_TARGET, RMS_NORM_TARGET, SPLIT_HEADS_TARGET, STEP_ATTENTION_TARGET,
+                               TARGET, Heads, argmax, attention, layer_norm, lookup_columns, masked_attention, matmul,
+                               matmul_float32, memory_attention, projection, reference_memory_attention,
+                               relative_to_dense, rms_norm, split_heads, step_attention)
 from xlagen.native.packing import WEIGHT_DTYPES, pack_bfloat16, pack_int8, pack_tensor, unpack
 from xlagen.native.policy import (ATTENTION_HEAD_DIMS, Kernels, PoolSettings, current, decoding_step, prefill,
                                   tracing, use_argmax, use_attention_kernel, use_float32_kernel, use_layer_norm, use_lookup,
@@ -83,12 +83,12 @@ def __getattr__(name: str):
 __all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "BF16_TILE_TARGET", "BIASED_ATTENTION_TARGET",
            "FLOAT32_TARGET", "GEMM_TARGETS", "Heads", "INT8_INTEGER_TARGET", "INT8_MANY_INTEGER_TARGET",
            "INT8_TARGET", "Kernels", "LAYER_NORM_TARGET", "LOOKUP_TARGET", "MASKED_ATTENTION_TARGET", "MEMORY_ATTENTION_TARGET",
-           "NO_COMPILER", "NativeUnavailable", "PoolSettings", "RELATIVE_ATTENTION_TARGET", "SOURCES", "SPLIT_HEADS_TARGET",
+           "NO_COMPILER", "NativeUnavailable", "PoolSettings", "RELATIVE_ATTENTION_TARGET", "RMS_NORM_TARGET", "SOURCES", "SPLIT_HEADS_TARGET",
            "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "amx_tiles", "argmax", "attention", "compile_library",
            "configure_pool", "constant", "current", "decoding_step", "hardware_reason", "load", "lookahead_counts",
            "layer_norm", "lookahead_kib", "lookup_columns", "masked_attention", "matmul", "matmul_float32", "memory_attention",
            "pack_bfloat16", "pack_int8", "pack_tensor", "prefill", "projection", "ready",
-           "reference_memory_attention", "relative_to_dense", "set_lookahead", "split_heads", "status_supported", "step_attention",
+           "reference_memory_attention", "relative_to_dense", "rms_norm", "set_lookahead", "split_heads", "status_supported", "step_attention",
            "tracing", "unavailable_reason", "unpack", "use_argmax", "use_attention_kernel", "use_float32_kernel",
            "use_layer_norm", "use_lookup", "use_memory_attention", "use_prompt_attention", "use_split_heads",
            "use_step_attention"]

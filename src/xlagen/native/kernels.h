@@ -126,6 +126,8 @@ const char* xlagen_split_heads(const float* in, float* out, int b, int l, int wi
 // beta, gamma and beta [e] or null (1 and 0).
 const char* xlagen_layer_norm(const float* x, const float* gamma, const float* beta, float* y, int rows, int e,
                               float epsilon);
+// y = RMSNorm(x) over each row: x / sqrt(mean(x^2) + epsilon) * scale, scale [e] or null (1).
+const char* xlagen_rms_norm(const float* x, const float* scale, float* y, int rows, int e, float epsilon);
 // out[i, h] = table[h, clamp(ids[i], 0, v - 1)] for a table [e, v], n ids (lookup.cc): a prompt's token
 // embeddings from a table stored as the tied output projection.
 const char* xlagen_lookup_columns(const float* table, const int32_t* ids, float* out, int e, int v, int n);

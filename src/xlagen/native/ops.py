@@ -35,6 +35,7 @@ STEP_ATTENTION_TARGET = "xlagen_f32_step_attention"
 ARGMAX_TARGET = "xlagen_f32_argmax"
 LOOKUP_TARGET = "xlagen_f32_lookup_columns"
 LAYER_NORM_TARGET = "xlagen_f32_layer_norm"
+RMS_NORM_TARGET = "xlagen_f32_rms_norm"
 SPLIT_HEADS_TARGET = "xlagen_f32_split_heads"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
 
@@ -535,6 +536,24 @@ def layer_norm(x, gamma, beta, epsilon: float):
     (y,) = gen_xla_ops.xla_custom_call_v2(
         operands=[tf.reshape(x, (rows, e)), *given], call_target_name=LAYER_NORM_TARGET, backend_config=config,
         has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, e])])
+    return tf.reshape(y, x.shape)
+
+
+def rms_norm(x, scale, epsilon: float):
+    """RMS norm over the last axis of float32 `x` `[..., E]` of static shape, `scale` `[E]`, as the native
+    kernel's custom call (call it under XLA only; see `Kernels.use_layer_norm`): Keras' `RMSNormalization`,
+    `x * rsqrt(mean(x^2) + epsilon) * scale`, the mean square summed in another order and the scale folded
+    into the factor first. No gradient: the policy takes it in a generation's prompt pass only."""
+    import tensorflow as tf
+    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
+
+    load()
+    e = x.shape[-1]
+    rows = x.shape[:-1].num_elements()
+    (y,) = gen_xla_ops.xla_custom_call_v2(
+        operands=[tf.reshape(x, (rows, e)), tf.cast(scale, tf.float32)], call_target_name=RMS_NORM_TARGET,
+        backend_config=f"{rows},{e},{float(np.float32(epsilon))!r}", has_side_effect=False,
+        result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, e])])
     return tf.reshape(y, x.shape)
 
 

@@ -155,9 +155,10 @@ class Kernels:
             laid out in heads (keys transposed `[B, H, D, L]`, values `[B, H, L, D]`) by the native kernel
             before the loop (`ops.split_heads`): XLA transposed each into a layout of its own and copied it
             again for the loop and the first step (T5-small at 512 positions: about 9 ms). None: never.
-        layer_norm_min_rows: A generation's prompt pass runs its LayerNorms of this many rows or more as the
-            native kernel (`ops.layer_norm`): XLA splits each row's sums into a reduce-window and a reduce
-            (GPT-2-small's 25 norms of a 512-token prompt: about 9 ms). None: never.
+        layer_norm_min_rows: A generation's prompt pass runs its LayerNorms, and its RMS norms (T5's, the Llama
+            family's), of this many rows or more as the native kernel (`ops.layer_norm`, `ops.rms_norm`): XLA
+            splits each row's sums into a reduce-window and a reduce (GPT-2-small's 25 norms of a 512-token
+            prompt: about 9 ms; T5-small's 13 RMS norms: about 4 ms). None: never.
         lookup_min_tokens: A generation's prompt pass looks up the embeddings of this many tokens or more
             with the native lookup (`ops.lookup_columns`): the table is stored `[hidden, V]` (the tied output
             projection's layout), each value in its own cache line, and XLA's gather fetches them one at a
@@ -381,9 +382,10 @@ class Kernels:
         return in_prefill() and under_xla() and _ready()
 
     def use_layer_norm(self, x, gamma, beta) -> bool:
-        """Whether a LayerNorm over the last axis of `x` should be `ops.layer_norm`: float32 x of static shape
-        with at least `layer_norm_min_rows` rows, float32 `gamma` and `beta` `[E]` (or None), in a
-        generation's prompt pass compiled by XLA, and the kernels loadable."""
+        """Whether a LayerNorm over the last axis of `x` should be `ops.layer_norm` (an RMS norm, whose scale is
+        `gamma` and `beta` None, `ops.rms_norm`): float32 x of static shape with at least `layer_norm_min_rows`
+        rows, float32 `gamma` and `beta` `[E]` (or None), in a generation's prompt pass compiled by XLA, and
+        the kernels loadable."""
         if self.layer_norm_min_rows is None or not self._float32():
             return False
         if x.dtype != "float32" or x.shape.rank is None or x.shape.rank < 2 or not x.shape.is_fully_defined():

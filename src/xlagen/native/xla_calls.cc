@@ -350,6 +350,20 @@ extern "C" void xlagen_f32_layer_norm(void* out, const void** in, const char* op
                           e, epsilon));
 }
 
+// The backend config is "rows,e,epsilon": operands x float32 [rows, e] and the scale [e].
+extern "C" void xlagen_f32_rms_norm(void* out, const void** in, const char* opaque, size_t opaque_len,
+                                    XlaCustomCallStatus_* status) {
+  Fields f(opaque, opaque_len);
+  int rows, e;
+  float epsilon;
+  if (!(f.Int(&rows) && f.Int(&e) && f.Float(&epsilon) && f.Done())) {
+    return Fail(status, "xlagen_f32_rms_norm", "backend config " + Quoted(opaque, opaque_len) + " is not rows,e,epsilon");
+  }
+  Check(status, "xlagen_f32_rms_norm",
+        xlagen_rms_norm(static_cast<const float*>(in[0]), static_cast<const float*>(in[1]), static_cast<float*>(out),
+                        rows, e, epsilon));
+}
+
 // The backend config is "e,v,n": operands the table float32 [e, v] and the ids int32 [n]; out [n, e].
 extern "C" void xlagen_f32_lookup_columns(void* out, const void** in, const char* opaque, size_t opaque_len,
                                           XlaCustomCallStatus_* status) {
@@ -470,6 +484,7 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
   add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
   add(global(), std::string("xlagen_f32_split_heads"), reinterpret_cast<void*>(&xlagen_f32_split_heads), host);
   add(global(), std::string("xlagen_f32_layer_norm"), reinterpret_cast<void*>(&xlagen_f32_layer_norm), host);
+  add(global(), std::string("xlagen_f32_rms_norm"), reinterpret_cast<void*>(&xlagen_f32_rms_norm), host);
   add(global(), std::string("xlagen_f32_lookup_columns"), reinterpret_cast<void*>(&xlagen_f32_lookup_columns),
       host);
   add(global(), std::string("xlagen_f32_memory_attention"), reinterpret_cast<void*>(&xlagen_f32_memory_attention),
