@@ -102,9 +102,10 @@ class Kernels:
             where the kernels run with AVX-512 (`library.isa()`), or XLA's own thread pool has one thread
             (`tf.config.threading.set_intra_op_parallelism_threads(1)`, see `xla_single_threaded`), whose dot
             would then use one core while the kernels' pool has them all. With AVX-512 (register tiles of 14
-            rows by 32 columns) the first token of a 512-token prompt came 1.04x as fast as with XLA's dot
-            for GPT-2-small and 1.12x for T5-small (2 threads, `benchmarks/ab.py --compare
-            many-rows-float32 --prompt-tokens 512 --new-tokens 1`). Not on AVX2 alone: alone, the many-row product multiplies GPT-2-small's 512 x 768 by 768 x 3072 at
+            rows by 32 columns) the first token of a 512-token prompt came 1.07x as fast as with XLA's dot
+            for GPT-2-small and 1.15x for T5-small, Whisper-tiny's (its encoder) 1.00x (2 threads,
+            `benchmarks/ab.py --compare many-rows-float32 --prompt-tokens 512 --new-tokens 1`). Not on AVX2
+            alone: alone, the many-row product multiplies GPT-2-small's 512 x 768 by 768 x 3072 at
             126-130 GFLOP/s on 2 AVX2 cores against numpy's (OpenBLAS) 114-129, but inside the prompt pass
             it was 0.90-0.94x as fast as XLA's dot on XLA's two threads.
         int8_integer_min_rows: Products of int8 weights with at least this many rows (batch x beams in a
