@@ -71,6 +71,18 @@ def test_many_row_products_match_numpy(m, k, n, weights):
     np.testing.assert_allclose(y, x.astype(np.float64) @ used, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+def test_many_row_product_splits_every_width_into_blocks_that_fit():
+    # The columns' blocks (of equal strips, or panels shared out evenly) never exceed a unit's buffer, which
+    # the product checks before it runs: every width up to 3,000 columns, one row and one weight row.
+    product = _entry("xlagen_f32_many_product", *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)
+    x = np.ones((1, 1), np.float32)
+    for n in range(1, 3001):
+        w = np.arange(n, dtype=np.float32).reshape(1, n)
+        y = np.full((1, n), np.nan, np.float32)
+        assert product(_p(x), _p(w), _p(y), 1, 1, n) is None, n
+        np.testing.assert_array_equal(y, w)
+
+
 @pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (33, 31, 33), (64, 64, 64), (77, 200, 129), (40, 513, 200),
                                              (70, 3000, 130), (33, 1700, 65)])
 def test_bfloat16_tile_product_is_that_of_activations_rounded_to_bfloat16(m, k, n):

@@ -45,20 +45,27 @@ struct Gemm {
 
 constexpr int kPanelStrips = kInt8Panel / kStrip;  // a block's strips start at int8 panel boundaries
 
-// Blocks of at most kBlockColumns columns, as even as whole panels allow: of equal strips where a width of at
+constexpr int kBlockStrips = kBlockColumns / kStrip;
+
+// Blocks of at most kBlockStrips strips, as even as whole panels allow: of equal strips where a width of at
 // least half a block divides them (384 columns: 2 of 192, not 256 and 128, which left a thread idle for a
-// quarter of the product; 1152: 6 of 192), else the fewest, split as evenly as BlockStrip can.
+// quarter of the product; 1152: 6 of 192), else the fewest that hold the panels, which BlockStrip shares
+// out evenly.
 int Blocks(int n) {
-  const int strips = (n + kStrip - 1) / kStrip, most = kBlockColumns / kStrip;
-  for (int width = most; 2 * width >= most; width -= kPanelStrips) {
+  const int strips = (n + kStrip - 1) / kStrip, panels = (strips + kPanelStrips - 1) / kPanelStrips;
+  for (int width = kBlockStrips; 2 * width >= kBlockStrips; width -= kPanelStrips) {
     if (strips % width == 0) return strips / width;
   }
-  return (strips + most - 1) / most;
+  constexpr int kBlockPanels = kBlockStrips / kPanelStrips;
+  return (panels + kBlockPanels - 1) / kBlockPanels;
 }
 
-// The first strip of block b (b = blocks: the end).
+// The first strip of block b of `blocks` (b = blocks: the end, `strips`): block b starts at panel
+// b * panels / blocks, so no block has more than kBlockStrips strips (RunProduct checks; tests/native: every n
+// up to 3,000).
 int BlockStrip(int b, int blocks, int strips) {
-  return b == blocks ? strips : b * strips / blocks / kPanelStrips * kPanelStrips;
+  const int panels = (strips + kPanelStrips - 1) / kPanelStrips;
+  return b == blocks ? strips : std::min(strips, b * panels / blocks * kPanelStrips);
 }
 
 // Units of a block of columns by a part of the rows, in the order of the parts: one part per thread (fewer
@@ -216,13 +223,18 @@ const char* RunProduct(const float* x, const void* w, float* y, int m, int k, in
                        const float* bias = nullptr, int activation = kLinear) {
   Pool& pool = GetPool();
   Gemm a{x, w, y, m, k, n, kind, Blocks(n), RowParts(m, pool.threads()), bias, activation};
+  const int strips = (n + kStrip - 1) / kStrip;
+  for (int b = 0; b < a.blocks; ++b) {  // each unit's buffer holds kBlockStrips strips
+    const int width = BlockStrip(b + 1, a.blocks, strips) - BlockStrip(b, a.blocks, strips);
+    if (width < 1 || width > kBlockStrips) return "many-row product: a block of columns does not fit its buffer";
+  }
   pool.Run(Task{&a, RunGemm, a.blocks * a.parts});
   return nullptr;
 }
 
 static_assert(kPanel % kStrip == 0 || kStrip % kPanel == 0, "a strip is within one bfloat16 panel or is one");
 static_assert(kInt8Panel % kStrip == 0, "a strip is within one int8 panel");
-static_assert(kBlockColumns % kInt8Panel == 0 && (kBlockColumns / kStrip) % kPanelStrips == 0,
+static_assert(kBlockColumns % kInt8Panel == 0 && kBlockStrips % kPanelStrips == 0,
               "a unit's strips start at panel boundaries, and a block of whole panels has at most kBlockColumns");
 
 }  // namespace
