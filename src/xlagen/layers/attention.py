@@ -313,16 +313,12 @@ class Attention(_MultiHead):
         elif self.query_norm is None and self.groups == 1:
             width = self.num_heads * self.head_dim
             in_place = [native.Heads(projection, i * width, self.num_heads, self.head_dim) for i in range(3)]
-        if last_only and query.shape[2] != 1:  # the last query row (and its row of the mask)
+        if last_only and query.shape[2] != 1:  # the last query row (and its row of the mask), every key
             query, in_place = query[:, :, -1:], None
             key_mask = None if key_mask is None else key_mask[:, :, -1:]
-            if layer_cache is None:
-                return self._attend(query, key, value, key_mask, None, training), None
-            layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
-            return self._attend(query, layer_cache.key, layer_cache.value, key_mask, None, training), layer_cache
         if layer_cache is None:
             return self._attend(query, key, value, key_mask, bias, training, in_place=in_place), None
-        if query.shape[2] == 1:
+        if key.shape[2] == 1:  # a decoding step: one new token
             return self._step(query, key, value, key_mask, layer_cache, cache_index, dense_bias(bias), training)
         layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
         return self._attend(query, layer_cache.key, layer_cache.value, key_mask, bias, training,

@@ -525,17 +525,23 @@ def layer_norm(x, gamma, beta, epsilon: float):
     `LayerNormalization` formula, `x * inv + (beta - mean * inv)` with `inv = gamma / sqrt(var + epsilon)`, the
     row's mean and variance summed in another order. No gradient: the policy takes it in a generation's
     prompt pass only."""
+    return _norm_call(LAYER_NORM_TARGET, x, epsilon, (gamma, beta), f",{int(gamma is not None)},{int(beta is not None)}")
+
+
+def _norm_call(target: str, x, epsilon: float, weights, config: str = ""):
+    """The norm custom call `target` over the rows of x `[..., E]` with its weights `[E]` (those not None) ->
+    x's shape; its backend config is "rows,e,epsilon" and then `config`."""
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
     load()
     e = x.shape[-1]
     rows = x.shape[:-1].num_elements()
-    given = [tf.cast(t, tf.float32) for t in (gamma, beta) if t is not None]
-    config = f"{rows},{e},{float(np.float32(epsilon))!r},{int(gamma is not None)},{int(beta is not None)}"
+    given = [tf.cast(t, tf.float32) for t in weights if t is not None]
     (y,) = gen_xla_ops.xla_custom_call_v2(
-        operands=[tf.reshape(x, (rows, e)), *given], call_target_name=LAYER_NORM_TARGET, backend_config=config,
-        has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, e])])
+        operands=[tf.reshape(x, (rows, e)), *given], call_target_name=target,
+        backend_config=f"{rows},{e},{float(np.float32(epsilon))!r}{config}", has_side_effect=False,
+        result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, e])])
     return tf.reshape(y, x.shape)
 
 
@@ -545,16 +551,8 @@ def rms_norm(x, scale, epsilon: float):
     `x * rsqrt(mean(x^2) + epsilon) * scale`, the mean square summed in another order and the scale folded
     into the factor first. No gradient: the policy takes it in a generation's prompt pass only."""
     import tensorflow as tf
-    from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
-    load()
-    e = x.shape[-1]
-    rows = x.shape[:-1].num_elements()
-    (y,) = gen_xla_ops.xla_custom_call_v2(
-        operands=[tf.reshape(x, (rows, e)), tf.cast(scale, tf.float32)], call_target_name=RMS_NORM_TARGET,
-        backend_config=f"{rows},{e},{float(np.float32(epsilon))!r}", has_side_effect=False,
-        result_dtypes=[tf.float32], result_shapes=[tf.TensorShape([rows, e])])
-    return tf.reshape(y, x.shape)
+    return _norm_call(RMS_NORM_TARGET, x, epsilon, (tf.cast(scale, tf.float32),))  # the call reads a scale
 
 
 def lookup_columns(table, ids):
