@@ -51,12 +51,15 @@ SHAPES = [(1, 1, 1), (1, 7, 13), (2, 17, 33), (3, 64, 100), (8, 5, 300), (16, 20
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES + [(7, 513, 129), (40, 300, 200), (13, 256, 64), (50, 40, 384),
-                                             (30, 20, 1152), (45, 16, 288), (100, 24, 832)])
+                                             (30, 20, 1152), (45, 16, 288), (100, 24, 832), (45, 33, 600),
+                                             (29, 300, 1000), (200, 17, 520)])
 @pytest.mark.parametrize("weights", ["float32", "bfloat16", "int8"])
 def test_many_row_products_match_numpy(m, k, n, weights):
     # Past the kernel's 256 weight rows per run (513, 300), strips and blocks not whole (129, 200), row counts
     # that are not multiples of its tile; columns split into blocks of equal strips (384, 1152) or as evenly
-    # as whole panels allow (288, 832), and rows into one part per thread.
+    # as whole panels allow (288, 832), and rows into one part per thread; with two blocks or more (AVX-512),
+    # the part's rows packed for the tiles: K not a multiple of the 16 values packed at a time (33, 300, 17),
+    # a part's last tile of rows not whole (45, 29, 200).
     rng = np.random.default_rng(m * k + n)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)

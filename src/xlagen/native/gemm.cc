@@ -11,10 +11,16 @@
 // one strip runs over the kDepth rows, broadcasting x and multiplying by the strip's 2 vectors (AVX2: 12
 // sums, 2 weight vectors and a broadcast in 16 registers). The buffer (kDepth x kBlockColumns floats) stays
 // in the core's L2 cache while the part's rows pass over it; a tile's rows of x over kDepth stay in L1.
+// With AVX-512 and several blocks of columns (PackRowsFor), each thread first packs its part's rows of x for
+// the tiles (PackRows): a tile's 14 broadcasts then read one contiguous run of floats rather than 14 rows K
+// floats apart (14 pointers, which GCC keeps on the stack, and rows that share a set of the L1 cache when K is
+// a multiple of 1024).
 // Sums over successive runs of K are added into y; after the last, the float32 product's epilogue (a bias,
 // an activation) is applied to the tile's rows while they are in L1.
 
 #include <algorithm>
+#include <atomic>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -39,6 +45,8 @@ struct Gemm {
   Weights kind;
   int blocks, parts;  // blocks of columns (Blocks) and parts of the rows (RowParts); unit u: part u / blocks,
                       // block u % blocks
+  unsigned long call;  // this call's number (PackedRows: which call a thread's packed rows belong to)
+  bool pack_rows;      // whether the threads pack their parts' rows (PackRows)
   const float* bias;  // [n], added to y after its last run of K (y + b, the float32 add of a separate one); or null
   int activation;     // then applied (Activation, simd.h)
 };
@@ -133,17 +141,20 @@ inline void Epilogue(float* y, const float* bias, int activation, int columns) {
 }
 
 // y[m0 .. m0 + R, c0 .. c0 + columns) (+)= x[m0 .., k0 .. k0 + depth) @ strip, then the epilogue if the run is
-// K's last; R a compile-time count so that the 2 R sums stay in registers.
-template <int R>
-inline void Tile(const Gemm& a, const float* strip, int m0, int k0, int depth, int c0, int columns, bool add) {
+// K's last; R a compile-time count so that the 2 R sums stay in registers. x points at x[m0, k0]: in x itself
+// (the tile's rows K floats apart), or with kPacked in the part's packed rows (PackRows: the tile's R values
+// of each k side by side, kTileRows floats per k).
+template <int R, bool kPacked>
+inline void Tile(const Gemm& a, const float* strip, const float* x, int m0, int k0, int depth, int c0, int columns,
+                 bool add) {
   Vec lo[R], hi[R];
   for (int i = 0; i < R; ++i) lo[i] = hi[i] = Zero();
-  const float* x = a.x + static_cast<size_t>(m0) * a.k + k0;
+  const size_t row = kPacked ? 1 : a.k, step = kPacked ? kTileRows : 1;
 #pragma GCC unroll 2
   for (int kk = 0; kk < depth; ++kk) {
     const Vec w0 = Load(strip + kk * kStrip), w1 = Load(strip + kk * kStrip + kLanes);
     for (int i = 0; i < R; ++i) {
-      const Vec xv = Set(x[static_cast<size_t>(i) * a.k + kk]);
+      const Vec xv = Set(x[i * row + kk * step]);
       lo[i] = Fma(xv, w0, lo[i]);
       hi[i] = Fma(xv, w1, hi[i]);
     }
@@ -166,11 +177,76 @@ inline void Tile(const Gemm& a, const float* strip, int m0, int k0, int depth, i
   }
 }
 
+// The rows of x a thread packed last (PackRows): call `call`'s part `part`, or none (part -1).
+struct PackedRows {
+  unsigned long call = 0;
+  int part = -1;
+  std::vector<float> rows;
+};
+
+// Packing copies each row of x once per call and thread, and saves the strided reads of every block after.
+// Measured (2 threads, AVX-512): with three blocks of columns or more a gain for any rows up to 16 MB per thread
+// (GPT-2-small's products 1.04-1.09x as fast); with two, a gain for rows up to 4 MB (T5-small's 2048 x 512
+// product 1.08x) and a loss above (Whisper-tiny's 1536 x 384, 4.6 MB of rows per thread: 0.94x); with one
+// block, nothing to save.
+bool PackRowsFor(int blocks, size_t part_floats) {
+  return kAvx512 && (blocks >= 3 ? part_floats <= (size_t{1} << 22) : blocks == 2 && part_floats <= (size_t{1} << 20));
+}
+
+#if defined(__AVX512F__)
+// Transposes the 16 x 16 floats of r: lane i of r[j] becomes lane j of r[i].
+inline void Transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved: 2 x 2 blocks
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // 4 x 4 blocks within each 128-bit lane
+    r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {  // the 128-bit lanes of the 4 groups of 4 rows
+    const __m512 d0 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x44), d1 = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xEE);
+    const __m512 d2 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x44),
+                 d3 = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xEE);
+    t[c] = _mm512_shuffle_f32x4(d0, d2, 0x88);
+    t[4 + c] = _mm512_shuffle_f32x4(d0, d2, 0xDD);
+    t[8 + c] = _mm512_shuffle_f32x4(d1, d3, 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(d1, d3, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// packed[(t * K + k) * kTileRows + i] = x[r0 + t * kTileRows + i, k] for the tiles t of rows [r0, r1) (a last
+// tile's missing rows: 0), 16 values of k of each row at a time.
+void PackRows(const Gemm& a, int r0, int r1, float* packed) {
+  static_assert(kTileRows <= 16, "a tile's rows are lanes of one vector");
+  for (int t0 = r0; t0 < r1; t0 += kTileRows) {
+    const int rows = std::min(kTileRows, r1 - t0);
+    float* tile = packed + static_cast<size_t>(t0 - r0) * a.k;
+    for (int k0 = 0; k0 < a.k; k0 += 16) {
+      const int depth = std::min(16, a.k - k0);
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = i < rows ? LoadMasked(FirstLanes(depth), a.x + static_cast<size_t>(t0 + i) * a.k + k0) : Zero();
+      }
+      Transpose16(r);
+      for (int j = 0; j < depth; ++j) StoreFirst(tile + static_cast<size_t>(k0 + j) * kTileRows, r[j], kTileRows);
+    }
+  }
+}
+#else
+void PackRows(const Gemm&, int, int, float*) {}  // not used: kAvx512 only
+#endif
+
 void RunGemm(const void* args, int u0, int u1) {
   const Gemm& a = *static_cast<const Gemm*>(args);
   thread_local std::vector<float> buffer;
   buffer.resize(static_cast<size_t>(kDepth) * kBlockColumns + 64);
   float* strips = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / sizeof(float) % 16) % 16;
+  thread_local PackedRows packed;
   const int tiles = (a.m + kTileRows - 1) / kTileRows;
   const int all_strips = (a.n + kStrip - 1) / kStrip;
   for (int u = u0; u < u1; ++u) {
@@ -180,6 +256,15 @@ void RunGemm(const void* args, int u0, int u1) {
     const int part = u / a.blocks;  // tiles [part * tiles / parts, (part + 1) * tiles / parts)
     const int r0 = part * tiles / a.parts * kTileRows, r1 = std::min(a.m, (part + 1) * tiles / a.parts * kTileRows);
     const int count = (b1 - b0 + kStrip - 1) / kStrip;
+    // The thread packs the rows of the part of its first unit of the call; a unit of another part (where the
+    // threads meet, at the end of the call) reads its rows in x.
+    if (a.pack_rows && packed.call != a.call) {
+      packed.call = a.call;
+      packed.part = part;
+      packed.rows.resize(static_cast<size_t>(r1 - r0 + kTileRows) * a.k);
+      PackRows(a, r0, r1, packed.rows.data());
+    }
+    const bool packed_rows = a.pack_rows && packed.part == part;
     for (int k0 = 0; k0 < a.k; k0 += kDepth) {
       const int depth = std::min(kDepth, a.k - k0);
       if (a.kind == Weights::kFloat32 && (b1 - b0) % kStrip == 0) {
@@ -199,21 +284,34 @@ void RunGemm(const void* args, int u0, int u1) {
         }
       }
       const bool add = k0 > 0;
-      int m0 = r0;
-      for (; m0 + kTileRows <= r1; m0 += kTileRows) {
-        for (int s = 0; s < count; ++s) {
-          const int c0 = b0 + s * kStrip;
-          Tile<kTileRows>(a, strips + static_cast<size_t>(s) * kDepth * kStrip, m0, k0, depth, c0, b1 - c0, add);
-        }
-      }
-      if (m0 < r1) {
-        ForRows<kTileRows - 1>(r1 - m0, [&](auto rows) {
+      const auto run_tiles = [&](auto packed_constant) {  // the part's tiles of rows by the block's strips
+        constexpr bool kPacked = decltype(packed_constant)::value;
+        const auto x_at = [&](int m0) {
+          return kPacked ? packed.rows.data() + static_cast<size_t>(m0 - r0) * a.k + static_cast<size_t>(k0) * kTileRows
+                         : a.x + static_cast<size_t>(m0) * a.k + k0;
+        };
+        int m0 = r0;
+        for (; m0 + kTileRows <= r1; m0 += kTileRows) {
           for (int s = 0; s < count; ++s) {
             const int c0 = b0 + s * kStrip;
-            Tile<decltype(rows)::value>(a, strips + static_cast<size_t>(s) * kDepth * kStrip, m0, k0, depth, c0,
-                                        b1 - c0, add);
+            Tile<kTileRows, kPacked>(a, strips + static_cast<size_t>(s) * kDepth * kStrip, x_at(m0), m0, k0, depth,
+                                     c0, b1 - c0, add);
           }
-        });
+        }
+        if (m0 < r1) {
+          ForRows<kTileRows - 1>(r1 - m0, [&](auto rows) {
+            for (int s = 0; s < count; ++s) {
+              const int c0 = b0 + s * kStrip;
+              Tile<decltype(rows)::value, kPacked>(a, strips + static_cast<size_t>(s) * kDepth * kStrip, x_at(m0),
+                                                   m0, k0, depth, c0, b1 - c0, add);
+            }
+          });
+        }
+      };
+      if (packed_rows) {
+        run_tiles(std::true_type());
+      } else {
+        run_tiles(std::false_type());
       }
     }
   }
@@ -222,7 +320,11 @@ void RunGemm(const void* args, int u0, int u1) {
 const char* RunProduct(const float* x, const void* w, float* y, int m, int k, int n, Weights kind,
                        const float* bias = nullptr, int activation = kLinear) {
   Pool& pool = GetPool();
-  Gemm a{x, w, y, m, k, n, kind, Blocks(n), RowParts(m, pool.threads()), bias, activation};
+  static std::atomic<unsigned long> calls{0};
+  const int blocks = Blocks(n), parts = RowParts(m, pool.threads());
+  const int part_rows = ((m + kTileRows - 1) / kTileRows + parts - 1) / parts * kTileRows;  // at most
+  const bool pack_rows = PackRowsFor(blocks, static_cast<size_t>(part_rows + kTileRows) * k);
+  Gemm a{x, w, y, m, k, n, kind, blocks, parts, ++calls, pack_rows, bias, activation};
   const int strips = (n + kStrip - 1) / kStrip;
   for (int b = 0; b < a.blocks; ++b) {  // each unit's buffer holds kBlockStrips strips
     const int width = BlockStrip(b + 1, a.blocks, strips) - BlockStrip(b, a.blocks, strips);
