@@ -119,6 +119,24 @@ def test_int8_products_of_many_rows_run_in_integers(rows, k, n):
     np.testing.assert_array_equal(function(x).numpy(), kernel_reference.integer_product(x, quantized, scales, seven))
 
 
+def _epilogue_products(weight_dtype: str, rows: int) -> tuple:
+    """(kernels, fused) for the epilogue tests: a policy under which `rows` rows of x take the many-row products
+    with an epilogue (the 7-bit int8, the bfloat16 tiles where AMX runs them, the float32 one), and whether they
+    do at this many rows."""
+    kernels = native.Kernels(int8_many_integer_min_rows=8, bfloat16_tiles=None if native.amx_tiles() else False,
+                             float32_many_rows=True)
+    return kernels, rows == 40 and (weight_dtype != "bfloat16" or native.amx_tiles())
+
+
+def _compiled_in_prompt_pass(function):
+    """`function` compiled by XLA and traced as a generation's prompt pass (where float32 weights take the
+    kernels)."""
+    def traced(x):
+        with native.prefill():
+            return function(x)
+    return tf.function(traced, jit_compile=True)
+
+
 @pytest.mark.parametrize("weight_dtype", ["int8", "bfloat16", "float32"])
 @pytest.mark.parametrize("rows", [4, 40])
 def test_a_bias_and_an_activation_are_applied_by_the_many_row_products_and_after_the_others(weight_dtype, rows):
@@ -134,15 +152,8 @@ def test_a_bias_and_an_activation_are_applied_by_the_many_row_products_and_after
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bias = tf.constant(rng.standard_normal(n).astype(np.float32))
     words = tf.constant({"int8": native.pack_int8, "bfloat16": native.pack_bfloat16, "float32": np.asarray}[weight_dtype](w))
-    kernels = native.Kernels(int8_many_integer_min_rows=8, bfloat16_tiles=None if native.amx_tiles() else False,
-                             float32_many_rows=True)
-    fused = rows == 40 and (weight_dtype != "bfloat16" or native.amx_tiles())
-
-    def compiled(function):  # in a prompt pass, where float32 weights take the kernels
-        def traced(x):
-            with native.prefill():
-                return function(x)
-        return tf.function(traced, jit_compile=True)
+    kernels, fused = _epilogue_products(weight_dtype, rows)
+    compiled = _compiled_in_prompt_pass
 
     def product(x, bias=None):
         if weight_dtype == "float32":
@@ -167,6 +178,40 @@ def test_a_bias_and_an_activation_are_applied_by_the_many_row_products_and_after
                 np.testing.assert_allclose(projected(x).numpy(), expected, rtol=1e-5, atol=1e-6)
         assert native.projection(tf.constant(x), words, n, bias, "silu") is None  # no epilogue for it
     assert any(f'custom_call_target="{target}"' in hlo for target in native.ops.EPILOGUE_TARGETS.values()) == fused
+
+
+@pytest.mark.parametrize("weight_dtype", ["int8", "bfloat16", "float32"])
+@pytest.mark.parametrize("rows", [4, 40])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_residual_is_added_by_the_many_row_products_and_after_the_others(weight_dtype, rows, with_bias):
+    # `matmul(..., residual=r)` is (x @ W - (-b)) + r bit for bit: the many-row products with an epilogue add r
+    # as they store y (their epilogue call has the residual as its last operand, and nothing adds after it);
+    # the products of 4 rows leave both adds to XLA. A residual of another shape than y's is refused.
+    rng = np.random.default_rng(rows + 3)
+    k, n = 70, 130
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    x = rng.standard_normal((2, rows // 2, k)).astype(np.float32)
+    residual = tf.constant((rng.standard_normal((2, rows // 2, n)) * 10).astype(np.float32))
+    bias = tf.constant(rng.standard_normal(n).astype(np.float32)) if with_bias else None
+    words = tf.constant({"int8": native.pack_int8, "bfloat16": native.pack_bfloat16, "float32": np.asarray}[weight_dtype](w))
+    kernels, fused = _epilogue_products(weight_dtype, rows)
+    compiled = _compiled_in_prompt_pass
+
+    def product(x, **options):
+        if weight_dtype == "float32":
+            return native.matmul_float32(x, words, bias=bias, **options)
+        return native.matmul(x, words, n, bias=bias, **options)
+
+    with native.tracing(kernels):
+        summed = compiled(lambda x: product(x, residual=residual))
+        plain = compiled(lambda x: product(x) + residual)
+        np.testing.assert_array_equal(summed(x).numpy(), plain(x).numpy())
+        hlo = summed.experimental_get_compiler_ir(x)(stage="optimized_hlo")
+        with pytest.raises(ValueError, match="the residual must be float32"):
+            compiled(lambda x: product(x, residual=residual[:, :1]))(x)
+    config = f'backend_config="{rows},{k},{n},{int(with_bias)},0,1"'
+    assert (config in hlo) == fused
+    assert ("add(" in hlo or "subtract(" in hlo) != fused
 
 
 @pytest.mark.parametrize("weight_dtype", list(FORMATS))

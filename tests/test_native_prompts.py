@@ -6,6 +6,8 @@ the many-row products (`gemm.cc`), under XLA and inside `generate`, against XLA'
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -192,6 +194,9 @@ def test_float32_many_rows_in_a_prompt_pass_generate_as_xla_dot(gpt2_model):
     # The last block's products after its query/key/value projection run on the last token's row only.
     assert _count(hlo, fused) == 4 * gpt2_model.config.num_layers - 3
     assert _count(hlo, native.GEMM_TARGETS["float32"]) == 0
+    # The attention's and the MLP's output projections add the residual connection's input too (but the last
+    # block's, of one row per sequence: XLA's add after the streaming product).
+    assert len(re.findall(r'backend_config="\d+,\d+,\d+,1,0,1"', hlo)) == 2 * (gpt2_model.config.num_layers - 1)
     # Not in a forward pass (training): XLA's dot, which has a gradient.
     with native.tracing(many):
         forward = tf.function(lambda ids: gpt2_model(ids).logits, jit_compile=True)

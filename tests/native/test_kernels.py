@@ -111,24 +111,28 @@ def _gelu_tanh(y: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (77, 200, 129), (40, 513, 200), (70, 3000, 130)])
 @pytest.mark.parametrize("product", ["int8_many_integer", "bf16_tile", "f32_many"])
-def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_and_apply_the_activation(m, k, n, product):
+def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_apply_the_activation_and_add_the_residual(
+        m, k, n, product):
     # The bias added as the product stores y: exactly y + b, the add XLA would do after the call, in every
     # column of partial vectors, blocks and panels; then ReLU exactly, and GELU's tanh form within float32
-    # roundings (large negative and positive sums included: the products' y reaches +-3 sqrt(k)).
+    # roundings (large negative and positive sums included: the products' y reaches +-3 sqrt(k)); then a
+    # residual [m, n] added, exactly (y + b) + r as XLA's add after it, in every row and column.
     if product == "bf16_tile" and not native.amx_tiles():
         pytest.skip("AMX's tiles: this CPU or process has none (the refusal is tested instead)")
     rng = np.random.default_rng(m * k + n + 9)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
+    residual = (rng.standard_normal((m, n)) * 10).astype(np.float32)
     stored = {"int8_many_integer": native.pack_int8, "bf16_tile": native.pack_bfloat16, "f32_many": np.asarray}[product](w)
     y = _product(f"xlagen_{product}_product", x, stored, n)
-    entry = _entry(f"xlagen_{product}_product_epilogue", *[ctypes.c_void_p] * 3, ctypes.c_int, ctypes.c_void_p,
+    entry = _entry(f"xlagen_{product}_product_epilogue", *[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 2,
                    *[ctypes.c_int] * 3)
 
-    def run(with_bias: bool, activation: int) -> np.ndarray:
+    def run(with_bias: bool, activation: int, with_residual: bool = False) -> np.ndarray:
         out = np.full((m, n), np.nan, np.float32)
-        error = entry(_p(x), _p(stored), _p(bias) if with_bias else None, activation, _p(out), m, k, n)
+        error = entry(_p(x), _p(stored), _p(bias) if with_bias else None, activation,
+                      _p(residual) if with_residual else None, _p(out), m, k, n)
         assert error is None, error
         return out
 
@@ -137,7 +141,10 @@ def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_and_apply_the
     np.testing.assert_array_equal(run(True, 1), np.maximum(y + bias, 0))
     np.testing.assert_allclose(run(True, 2), _gelu_tanh(y + bias), rtol=2e-6, atol=1e-6)
     np.testing.assert_allclose(run(False, 2), _gelu_tanh(y), rtol=2e-6, atol=1e-6)
-    assert b"activation must be" in entry(_p(x), _p(stored), None, 3, _p(y), m, k, n)
+    np.testing.assert_array_equal(run(True, 0, True), (y + bias) + residual)
+    np.testing.assert_array_equal(run(False, 0, True), y + residual)
+    np.testing.assert_array_equal(run(True, 1, True), np.maximum(y + bias, 0) + residual)
+    assert b"activation must be" in entry(_p(x), _p(stored), None, 3, None, _p(y), m, k, n)
 
 
 @pytest.mark.parametrize("b, l, heads, d, offset, extra", [(1, 1, 1, 1, 0, 0), (2, 17, 3, 16, 48, 5),

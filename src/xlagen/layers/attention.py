@@ -208,13 +208,14 @@ class _MultiHead(keras.layers.Layer):
         """`[B, T, parts * H * D]` -> `parts` tensors `[B, H, T, D]`."""
         return [split_heads(p, self.num_heads, self.head_dim) for p in ops.split(x, parts, axis=-1)]
 
-    def _attend(self, query, key, value, mask, bias, training, key_transposed=False, in_place=None):
+    def _attend(self, query, key, value, mask, bias, training, key_transposed=False, in_place=None, residual=None):
         """Attention of `[B, H, T, D]` queries over `[B, Hkv, S, D]` keys -> `[B, T, hidden]`. Long unmasked
         attention under XLA (an encoder's, or a decoder's over it) is the fused native kernel
         (`xlagen.native.attention`), and so is a generation's prompt over the cache
         (`xlagen.native.masked_attention`). `in_place`: the same query, key and value (each, or None) as
         `native.Heads` of the fused projection, which the kernels read where they are; the kernels then also
-        write their output as the output projection's input `[B, T, H * D]` (without grouped queries)."""
+        write their output as the output projection's input `[B, T, H * D]` (without grouped queries).
+        `residual` (`[B, T, hidden]` or None): added to the output (`Dense.call`)."""
         dropout = self.dropout.rate > 0 and training is not None and training is not False
         groups = self.groups
         if groups > 1:  # each key/value head's queries as one group of rows: the keys are never repeated
@@ -244,10 +245,10 @@ class _MultiHead(keras.layers.Layer):
                                        training=training)
                 attended = ops.matmul(weights, value)
         if merged:
-            return self.output_projection(attended)
+            return self.output_projection(attended, residual=residual)
         if groups > 1:
             attended = ungroup_queries(attended, groups)
-        return self.output_projection(merge_heads(attended))
+        return self.output_projection(merge_heads(attended), residual=residual)
 
 
 class Attention(_MultiHead):
@@ -275,7 +276,7 @@ class Attention(_MultiHead):
                 norm.build((None, self.head_dim))
 
     def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, bias=None, rotary=None,
-             last_only=False):
+             last_only=False, residual=None):
         """Attends from `x` over the cache (or over `x` itself when there is no cache).
 
         Args:
@@ -293,6 +294,9 @@ class Attention(_MultiHead):
             last_only: Attend from the last token only (the output is `[B, 1, hidden]`), over every token's
                 key and value, all of which are cached: a prompt's last block, whose other rows nothing reads.
                 Not with a `bias`.
+            residual: Optional `[B, T, hidden]` (`[B, 1, hidden]` with `last_only`) added to the output: the
+                block's residual connection, which the output projection may add as it stores its output
+                (`Dense.call`).
 
         Returns:
             `(output [B, T, hidden], layer_cache or None)`.
@@ -317,12 +321,14 @@ class Attention(_MultiHead):
             query, in_place = query[:, :, -1:], None
             key_mask = None if key_mask is None else key_mask[:, :, -1:]
         if layer_cache is None:
-            return self._attend(query, key, value, key_mask, bias, training, in_place=in_place), None
+            return self._attend(query, key, value, key_mask, bias, training, in_place=in_place,
+                                residual=residual), None
         if key.shape[2] == 1:  # a decoding step: one new token
-            return self._step(query, key, value, key_mask, layer_cache, cache_index, dense_bias(bias), training)
+            return self._step(query, key, value, key_mask, layer_cache, cache_index, dense_bias(bias), training,
+                              residual)
         layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
         return self._attend(query, layer_cache.key, layer_cache.value, key_mask, bias, training,
-                            in_place=in_place and [in_place[0], None, None]), layer_cache
+                            in_place=in_place and [in_place[0], None, None], residual=residual), layer_cache
 
     def _project(self, projection):
         """The fused projection `[B, T, (H + 2 * Hkv) * D]` -> query `[B, H, T, D]`, key and value `[B, Hkv,
@@ -336,7 +342,7 @@ class Attention(_MultiHead):
             query, key = self.query_norm(query), self.key_norm(key)
         return query, key, value
 
-    def _step(self, query, key, value, mask, layer_cache, cache_index, bias, training):
+    def _step(self, query, key, value, mask, layer_cache, cache_index, bias, training, residual=None):
         """A decoding step (T = 1): attends over the cache as it was before this step plus the new
         key/value, and only then writes them into the cache.
 
@@ -424,7 +430,7 @@ class Attention(_MultiHead):
             key, value = key[:, :, :, None], value[:, :, :, None]
         layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
         attended = ops.reshape(ops.transpose(attended, (0, 2, 1, 3)), (-1, 1, heads * head_dim))
-        return self.output_projection(attended), layer_cache
+        return self.output_projection(attended, residual=residual), layer_cache
 
 
 class FoldedMemory(NamedTuple):

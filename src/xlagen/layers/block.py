@@ -127,9 +127,16 @@ class TransformerBlock(keras.layers.Layer):
                 layer.build((None, None, self.spec.hidden_size))
         self.built = True
 
-    def _residual(self, x, update, norm, training):
-        """Adds a sub-layer's output; post-norm blocks normalise the sum."""
-        x = x + self.residual_dropout(update, training=training)
+    def _fuses_residual(self, training) -> bool:
+        """Whether the self-attention and the feed-forward add the residual connection's input themselves, as
+        their output projection stores its output (`Dense.call`: the many-row products' epilogue, no pass of
+        XLA's over the sum): wherever no residual dropout runs between them."""
+        return self.residual_dropout.rate == 0 or training is None or training is False
+
+    def _residual(self, x, update, norm, training, fused=False):
+        """Adds a sub-layer's output (`fused`: the update is already the sum); post-norm blocks normalise the
+        sum."""
+        x = update if fused else x + self.residual_dropout(update, training=training)
         return x if self.spec.norm_first else norm(x)
 
     def call(self, x, key_mask, layer_cache=None, cache_index=None, training=False, position_bias=None,
@@ -159,17 +166,20 @@ class TransformerBlock(keras.layers.Layer):
             return norm(h) if self.spec.norm_first else h
 
         last_row = last_only and position_bias is None and x.shape[1] != 1
+        fused = self._fuses_residual(training)
         attended, layer_cache = self.attention(before(self.attention_norm, x), key_mask, layer_cache, cache_index,
                                                training=training, bias=position_bias, rotary=rotary,
-                                               last_only=last_row)
+                                               last_only=last_row,
+                                               residual=(x[:, -1:] if last_row else x) if fused else None)
         if last_row:
             x = x[:, -1:]
-        x = self._residual(x, attended, self.attention_norm, training)
+        x = self._residual(x, attended, self.attention_norm, training, fused)
         if self.cross_attention is not None:
             attended = self.cross_attention(before(self.cross_attention_norm, x), cross.memory, cross.mask,
                                             training=training)
             x = self._residual(x, attended, self.cross_attention_norm, training)
-        x = self._residual(x, self.mlp(before(self.mlp_norm, x), training=training), self.mlp_norm, training)
+        update = self.mlp(before(self.mlp_norm, x), training=training, residual=x if fused else None)
+        x = self._residual(x, update, self.mlp_norm, training, fused)
         return (x[:, -1:] if last_only else x), layer_cache
 
 

@@ -82,10 +82,11 @@ class FeedForward(keras.layers.Layer):
         self.output_projection.build((None, self.intermediate_size))
         self.built = True
 
-    def call(self, x, training=False):
-        """x: `[B, T, hidden]` -> `[B, T, hidden]`. With packed weights, or float32 ones on the native
-        many-row product, a prompt's or an encoder's input projection may apply the activation as it stores
-        its output (`xlagen.native.projection`)."""
+    def call(self, x, training=False, residual=None):
+        """x: `[B, T, hidden]` -> `[B, T, hidden]`, plus `residual` `[B, T, hidden]` if given (the block's
+        residual connection, which the output projection may add as it stores its output: `Dense.call`). With
+        packed weights, or float32 ones on the native many-row product, a prompt's or an encoder's input
+        projection may apply the activation as it stores its output (`xlagen.native.projection`)."""
         projection = self.input_projection
         if self.gate_projection is not None:
             inner = projection(x)
@@ -99,4 +100,4 @@ class FeedForward(keras.layers.Layer):
                 inner = native.projection(x, kernel, projection.units, projection.bias, self.activation_name)
             if inner is None:
                 inner = self.activation(projection(x))
-        return self.output_projection(self.dropout(inner, training=training))
+        return self.output_projection(self.dropout(inner, training=training), residual=residual)

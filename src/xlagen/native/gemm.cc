@@ -47,8 +47,9 @@ struct Gemm {
                       // block u % blocks
   unsigned long call;  // this call's number (PackedRows: which call a thread's packed rows belong to)
   bool pack_rows;      // whether the threads pack their parts' rows (PackRows)
-  const float* bias;  // [n], added to y after its last run of K (y + b, the float32 add of a separate one); or null
-  int activation;     // then applied (Activation, simd.h)
+  const float* bias;      // [n], added to y after its last run of K (y + b, the float32 add of a separate one); or null
+  int activation;         // then applied (Activation, simd.h)
+  const float* residual;  // [m, n], then added (Epilogue8); or null
 };
 
 constexpr int kPanelStrips = kInt8Panel / kStrip;  // a block's strips start at int8 panel boundaries
@@ -132,11 +133,13 @@ void PackStrip(const Gemm& a, int k0, int depth, int c0, float* strip) {
   }
 }
 
-// y[0 .. columns) of one row (at most kStrip), in place: the epilogue (bias at the row's first column or null).
-inline void Epilogue(float* y, const float* bias, int activation, int columns) {
+// y[0 .. columns) of one row (at most kStrip), in place: the epilogue (bias and residual at the row's first
+// column, or null).
+inline void Epilogue(float* y, const float* bias, int activation, const float* residual, int columns) {
   for (int j = 0; j < columns; j += 8) {
     const int count = std::min(8, columns - j);
-    StoreFirst8(y + j, Epilogue8(LoadFirst8(y + j, count), bias ? bias + j : nullptr, count, activation), count);
+    StoreFirst8(y + j, Epilogue8(LoadFirst8(y + j, count), bias ? bias + j : nullptr, count, activation,
+                                 residual ? residual + j : nullptr), count);
   }
 }
 
@@ -171,8 +174,9 @@ inline void Tile(const Gemm& a, const float* strip, const float* x, int m0, int 
         StoreFirst(y + kLanes, add ? Add(hi[i], LoadMasked(FirstLanes(second), y + kLanes)) : hi[i], second);
       }
     }
-    if ((a.bias != nullptr || a.activation != kLinear) && k0 + depth == a.k) {
-      Epilogue(y, a.bias ? a.bias + c0 : nullptr, a.activation, std::min(columns, kStrip));
+    if ((a.bias != nullptr || a.activation != kLinear || a.residual != nullptr) && k0 + depth == a.k) {
+      const float* residual = a.residual ? a.residual + static_cast<size_t>(m0 + i) * a.n + c0 : nullptr;
+      Epilogue(y, a.bias ? a.bias + c0 : nullptr, a.activation, residual, std::min(columns, kStrip));
     }
   }
 }
@@ -318,13 +322,13 @@ void RunGemm(const void* args, int u0, int u1) {
 }
 
 const char* RunProduct(const float* x, const void* w, float* y, int m, int k, int n, Weights kind,
-                       const float* bias = nullptr, int activation = kLinear) {
+                       const float* bias = nullptr, int activation = kLinear, const float* residual = nullptr) {
   Pool& pool = GetPool();
   static std::atomic<unsigned long> calls{0};
   const int blocks = Blocks(n), parts = RowParts(m, pool.threads());
   const int part_rows = ((m + kTileRows - 1) / kTileRows + parts - 1) / parts * kTileRows;  // at most
   const bool pack_rows = PackRowsFor(blocks, static_cast<size_t>(part_rows + kTileRows) * k);
-  Gemm a{x, w, y, m, k, n, kind, blocks, parts, ++calls, pack_rows, bias, activation};
+  Gemm a{x, w, y, m, k, n, kind, blocks, parts, ++calls, pack_rows, bias, activation, residual};
   const int strips = (n + kStrip - 1) / kStrip;
   for (int b = 0; b < a.blocks; ++b) {  // each unit's buffer holds kBlockStrips strips
     const int width = BlockStrip(b + 1, a.blocks, strips) - BlockStrip(b, a.blocks, strips);
@@ -345,14 +349,15 @@ static_assert(kBlockColumns % kInt8Panel == 0 && kBlockStrips % kPanelStrips == 
 using namespace xlagen;
 
 extern "C" const char* xlagen_f32_many_product_epilogue(const float* x, const float* w, const float* bias,
-                                                        int activation, float* y, int m, int k, int n) {
+                                                        int activation, const float* residual, float* y, int m, int k,
+                                                        int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_f32_many_product: m, k and n must be at least 1";
   if (activation < kLinear || activation > kGeluTanh) return "xlagen_f32_many_product: activation must be 0, 1 or 2";
-  return RunProduct(x, w, y, m, k, n, Weights::kFloat32, bias, activation);
+  return RunProduct(x, w, y, m, k, n, Weights::kFloat32, bias, activation, residual);
 }
 
 extern "C" const char* xlagen_f32_many_product(const float* x, const float* w, float* y, int m, int k, int n) {
-  return xlagen_f32_many_product_epilogue(x, w, nullptr, kLinear, y, m, k, n);
+  return xlagen_f32_many_product_epilogue(x, w, nullptr, kLinear, nullptr, y, m, k, n);
 }
 
 extern "C" const char* xlagen_bf16_many_product(const float* x, const uint32_t* w, float* y, int m, int k, int n) {

@@ -60,11 +60,13 @@ const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, fl
 const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n);
 // The last two with an epilogue as y is stored: bias[n] added (y + b: the same float32 add as one after the
 // call; bias may be null), then `activation` applied: 0 none, 1 ReLU, 2 GELU's tanh form (GPT-2's "gelu_new",
-// computed as y / (1 + exp(-2u)), u = sqrt(2 / pi) (y + 0.044715 y^3)).
+// computed as y / (1 + exp(-2u)), u = sqrt(2 / pi) (y + 0.044715 y^3)), then residual[m, n] added (a residual
+// connection's input, the same float32 add again; may be null).
 const char* xlagen_int8_many_integer_product_epilogue(const float* x, const int8_t* w, const float* bias,
-                                                      int activation, float* y, int m, int k, int n);
+                                                      int activation, const float* residual, float* y, int m, int k,
+                                                      int n);
 const char* xlagen_bf16_tile_product_epilogue(const float* x, const uint32_t* w, const float* bias, int activation,
-                                              float* y, int m, int k, int n);
+                                              const float* residual, float* y, int m, int k, int n);
 // 1 where xlagen_int8_many_integer_product runs on AMX's tile registers: the build has them (-mamx-int8) and
 // Linux granted this process their state; else 0 (it runs on vectors).
 int xlagen_amx_tiles();
@@ -72,9 +74,9 @@ int xlagen_amx_tiles();
 // per block and reused by every row of x: y[m, n] = x[m, k] @ W, W float32 row-major, packed bfloat16, or
 // packed int8 (y = x @ (Q * s)).
 const char* xlagen_f32_many_product(const float* x, const float* w, float* y, int m, int k, int n);
-// The float32 one with the epilogue of the products above (bias may be null; activation 0, 1 or 2).
+// The float32 one with the epilogue of the products above (bias and residual may be null; activation 0, 1 or 2).
 const char* xlagen_f32_many_product_epilogue(const float* x, const float* w, const float* bias, int activation,
-                                             float* y, int m, int k, int n);
+                                             const float* residual, float* y, int m, int k, int n);
 const char* xlagen_bf16_many_product(const float* x, const uint32_t* w, float* y, int m, int k, int n);
 const char* xlagen_int8_many_product(const float* x, const int8_t* w, float* y, int m, int k, int n);
 // out[heads, t, d] = softmax(scale * q k^T) v per head, no mask; k is [heads, s, d], or [heads, d, s] when

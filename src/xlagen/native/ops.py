@@ -20,8 +20,9 @@ INT8_INTEGER_TARGET = "xlagen_int8_imatmul"
 INT8_MANY_INTEGER_TARGET = "xlagen_int8_many_imatmul"
 GEMM_TARGETS = {"float32": "xlagen_f32_gemm", "bfloat16": "xlagen_bf16_gemm", "int8": "xlagen_int8_gemm"}
 BF16_TILE_TARGET = "xlagen_bf16_tile_gemm"
-# The products that can add a bias and apply an activation as they store their output: target -> the target
-# with that epilogue (`matmul`'s bias, `projection`'s activations).
+# The products that can add a bias, apply an activation and add a residual connection's input as they store
+# their output: target -> the target with that epilogue (`matmul`'s bias and residual, `projection`'s
+# activations).
 EPILOGUE_TARGETS = {INT8_MANY_INTEGER_TARGET: "xlagen_int8_many_imatmul_epilogue",
                     BF16_TILE_TARGET: "xlagen_bf16_tile_gemm_epilogue",
                     GEMM_TARGETS["float32"]: "xlagen_f32_gemm_epilogue"}
@@ -40,9 +41,10 @@ SPLIT_HEADS_TARGET = "xlagen_f32_split_heads"
 MEMORY_ATTENTION_TARGET = "xlagen_f32_memory_attention"
 
 
-def matmul(x, words, n: int, bias=None):
+def matmul(x, words, n: int, bias=None, residual=None):
     """`x [..., K] @ W` for W packed by `pack_bfloat16` or `pack_int8` (N = n columns), in float32; with
-    `bias` (float32 `[n]`), `x @ W + b`.
+    `bias` (float32 `[n]`), `x @ W + b`; with `residual` (float32 `[..., n]`, a residual connection's input),
+    that plus the residual.
 
     The native kernel's custom call where the policy of the trace says so (`Kernels.use_packed_product`:
     under XLA, in a decoding step always, elsewhere for at most `packed_max_rows` rows). Otherwise (long
@@ -60,12 +62,13 @@ def matmul(x, words, n: int, bias=None):
     is quantized to 7 bits with a zero point instead (scale (max(x, 0) - min(x, 0)) / 126), which the CPU
     multiplies in fewer instructions. bfloat16 weights' many-row products run on AMX's bfloat16 tiles where
     the policy says so (`Kernels.use_bfloat16_tiles`): x rounded to bfloat16, sums in float32. These two
-    many-row products add the bias as they store their output (their `EPILOGUE_TARGETS`: no pass of XLA's over
-    it after the call); the others leave it to XLA, as `x @ W - (-b)` (`xlagen.layers.dense.Dense`); both are
-    the same float32 add.
+    many-row products add the bias and the residual as they store their output (their `EPILOGUE_TARGETS`: no
+    pass of XLA's over it after the call); the others leave them to XLA, as `x @ W - (-b) + r`
+    (`xlagen.layers.dense.Dense`); both are the same float32 adds.
 
     Raises:
         TypeError: x is not float32.
+        ValueError: the residual is not float32 of y's shape.
         NativeUnavailable: `Kernels.bfloat16_tiles` is True where this process has no AMX tiles.
     """
     import tensorflow as tf
@@ -73,15 +76,24 @@ def matmul(x, words, n: int, bias=None):
     x = tf.convert_to_tensor(x)
     if x.dtype != tf.float32:
         raise TypeError(f"packed weights multiply float32 activations; got {x.dtype.name}")
+    residual = _checked_residual(x, n, residual)
     target = _packed_target(x, words)
     if target is None:  # also for rows of unknown or zero count
         y = tf.tensordot(x, unpack(words, n), 1)
-    elif bias is not None and target in EPILOGUE_TARGETS:
-        return _epilogue_call(target, x, words, n, bias, None)
+    elif (bias is not None or residual is not None) and target in EPILOGUE_TARGETS:
+        return _epilogue_call(target, x, words, n, bias, None, residual)
     else:
         load()
         y = _custom_call(target, x, words, n)
-    return y if bias is None else tf.subtract(y, tf.negative(bias))
+    return _add_after(y, bias, residual)
+
+
+def _add_after(y, bias, residual):
+    """`y - (-bias) + residual` (either may be None) in TensorFlow ops, after a product without an epilogue."""
+    import tensorflow as tf
+
+    y = y if bias is None else tf.subtract(y, tf.negative(bias))
+    return y if residual is None else tf.add(y, residual)
 
 
 def projection(x, words, n: int, bias, activation: str):
@@ -106,14 +118,37 @@ def projection(x, words, n: int, bias, activation: str):
     return _epilogue_call(target, x, words, n, bias, activation)
 
 
-def _epilogue_call(target: str, x, words, n: int, bias, activation: str | None):
-    """`target`'s product with its epilogue: the bias (or None) added, then `activation` (or None) applied."""
+def _checked_residual(x, n: int, residual):
+    """`residual` as a tensor, or None.
+
+    Raises:
+        ValueError: it is not float32 of the product's output shape (x's leading dimensions, then n): a residual is
+            added element by element, never broadcast.
+    """
+    import tensorflow as tf
+
+    if residual is None:
+        return None
+    residual = tf.convert_to_tensor(residual)
+    expected = [*x.shape[:-1], n]
+    if residual.shape.as_list() != expected or residual.dtype != tf.float32:
+        raise ValueError(f"the residual must be float32 {expected}, as the product's output; got "
+                         f"{residual.dtype.name} {residual.shape.as_list()}")
+    return residual
+
+
+def _epilogue_call(target: str, x, words, n: int, bias, activation: str | None, residual=None):
+    """`target`'s product with its epilogue: the bias (or None) added, `activation` (or None) applied, then the
+    residual (`[..., n]` as y, `_checked_residual`, or None) added."""
     import tensorflow as tf
 
     load()
     code = 0 if activation is None else EPILOGUE_ACTIVATIONS[activation]
-    return _custom_call(EPILOGUE_TARGETS[target], x, words, n, [] if bias is None else [tf.cast(bias, tf.float32)],
-                        f",{int(bias is not None)},{code}")
+    extra = [] if bias is None else [tf.cast(bias, tf.float32)]
+    if residual is not None:
+        extra.append(tf.reshape(_checked_residual(x, n, residual), (-1, n)))
+    return _custom_call(EPILOGUE_TARGETS[target], x, words, n, extra,
+                        f",{int(bias is not None)},{code},{int(residual is not None)}")
 
 
 def _packed_target(x, words) -> str | None:
@@ -159,27 +194,29 @@ def _custom_call(target: str, x, weights, n: int, extra=(), config: str = ""):
     return tf.reshape(y, [*leading, n])
 
 
-def matmul_float32(x, kernel, bias=None):
+def matmul_float32(x, kernel, bias=None, residual=None):
     """`x [..., K] @ kernel [K, N]`, float32, as the native kernel's custom call (call it under XLA only;
     see `Kernels.use_float32_product`): the streaming product up to the policy's `float32_max_rows` rows,
     the many-row product above. Computes the same sums as XLA's dot in another order. With `bias` (float32
-    `[N]`), `x @ kernel + b`: the many-row product adds it as it stores y, else XLA after the call, as
-    `y - (-b)`; both are the same float32 add.
+    `[N]`), `x @ kernel + b`, and with `residual` (float32 `[..., N]`) that plus the residual: the many-row
+    product adds them as it stores y, else XLA after the call, as `y - (-b) + r`; both are the same float32
+    adds.
 
     Raises:
         TypeError: x or the kernel is not float32 (the kernel would read their bytes as float32).
+        ValueError: the residual is not float32 of y's shape.
     """
     import tensorflow as tf
 
     x, kernel = tf.convert_to_tensor(x), tf.convert_to_tensor(kernel)
     if x.dtype != tf.float32 or kernel.dtype != tf.float32:
         raise TypeError(f"the float32 kernel multiplies float32 by float32; got {x.dtype.name} @ {kernel.dtype.name}")
+    residual = _checked_residual(x, kernel.shape[-1], residual)
     target = _float32_target(x)
-    if bias is not None and target in EPILOGUE_TARGETS:
-        return _epilogue_call(target, x, kernel, kernel.shape[-1], bias, None)
+    if (bias is not None or residual is not None) and target in EPILOGUE_TARGETS:
+        return _epilogue_call(target, x, kernel, kernel.shape[-1], bias, None, residual)
     load()
-    y = _custom_call(target, x, kernel, kernel.shape[-1])
-    return y if bias is None else tf.subtract(y, tf.negative(bias))
+    return _add_after(_custom_call(target, x, kernel, kernel.shape[-1]), bias, residual)
 
 
 def _float32_target(x) -> str:

@@ -289,8 +289,9 @@ struct IntegerProduct {
   const int8_t* w;
   float* y;
   int m, k, n, kq;
-  const float* bias;  // [n], added to y (y + b, the float32 add of a separate one); or null
-  int activation;     // then applied (Activation; 7-bit only)
+  const float* bias;      // [n], added to y (y + b, the float32 add of a separate one); or null
+  int activation;         // then applied (Activation; 7-bit only)
+  const float* residual;  // [m, n], then added (Epilogue8; 7-bit only); or null
 };
 
 // A panel's rows (64 bytes each, K of them) -> quads [Kq / 4][64][4], and, if `sums`, sums[c] = the sum of
@@ -416,7 +417,8 @@ inline void IntegerTile(const IntegerProduct& a, const int8_t* quads, const int3
       const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[m0 + r]), s);
       StoreFirst8(a.y + static_cast<size_t>(m0 + r) * a.n + c0 + j,
                   Epilogue8(_mm256_mul_ps(IntsToFloats(sums), factor), a.bias ? a.bias + c0 + j : nullptr, left,
-                            a.activation),
+                            a.activation,
+                            a.residual ? a.residual + static_cast<size_t>(m0 + r) * a.n + c0 + j : nullptr),
                   left);
     }
   }
@@ -642,7 +644,8 @@ void RunAmxPanels(const void* args, int p0, int p1) {
             const __m256 factor = _mm256_mul_ps(_mm256_set1_ps(a.xs[r0 + r]), _mm256_loadu_ps(scales + j));
             StoreFirst8(a.y + static_cast<size_t>(r0 + r) * a.n + c0 + j,
                         Epilogue8(_mm256_mul_ps(IntsToFloats(total), factor), a.bias ? a.bias + c0 + j : nullptr,
-                                  columns - 8 * g, a.activation),
+                                  columns - 8 * g, a.activation,
+                                  a.residual ? a.residual + static_cast<size_t>(r0 + r) * a.n + c0 + j : nullptr),
                         columns - 8 * g);
           }
         }
@@ -683,8 +686,9 @@ struct Bf16TileProduct {
   uint16_t* tiles;  // x in tile order
   float* y;
   int m, k, n, kp;  // kp: K rounded up to kBf16Depth
-  const float* bias;  // [n], added to y; or null
-  int activation;     // then applied (Activation)
+  const float* bias;      // [n], added to y; or null
+  int activation;         // then applied (Activation)
+  const float* residual;  // [m, n], then added (Epilogue8); or null
 };
 
 // x's rows of blocks [b0, b1) of 16 rows, as bfloat16 in tile order: tile (b, j) at tiles + (b kp / 32 + j) 512.
@@ -759,7 +763,8 @@ void RunBf16TilePanels(const void* args, int p0, int p1) {
       float* y = a.y + static_cast<size_t>(r0) * a.n + c0;
       if (!c.chunk.last) {
         StoreBlock(partial, partial_row);
-      } else if (rows == kAmxRows && columns == kPanel && a.bias == nullptr && a.activation == kLinear) {
+      } else if (rows == kAmxRows && columns == kPanel && a.bias == nullptr && a.activation == kLinear &&
+                 a.residual == nullptr) {
         StoreBlock(reinterpret_cast<char*>(y), y_row);  // the whole block, as it is: straight into y
       } else {
         StoreBlock(reinterpret_cast<char*>(&sums[0][0]), sizeof(sums[0]));
@@ -768,7 +773,8 @@ void RunBf16TilePanels(const void* args, int p0, int p1) {
           for (int j = 0; j < columns; j += 8) {
             StoreFirst8(row + j,
                         Epilogue8(_mm256_load_ps(&sums[r][j]), a.bias ? a.bias + c0 + j : nullptr, columns - j,
-                                  a.activation),
+                                  a.activation,
+                                  a.residual ? a.residual + static_cast<size_t>(r0 + r) * a.n + c0 + j : nullptr),
                         columns - j);
           }
         }
@@ -778,13 +784,13 @@ void RunBf16TilePanels(const void* args, int p0, int p1) {
   _tile_release();
 }
 
-void RunBf16TileProduct(const float* x, const uint32_t* w, const float* bias, int activation, float* y, int m, int k,
-                        int n) {
+void RunBf16TileProduct(const float* x, const uint32_t* w, const float* bias, int activation, const float* residual,
+                        float* y, int m, int k, int n) {
   const int kp = (k + kBf16Depth - 1) / kBf16Depth * kBf16Depth;
   const int rows = (m + kAmxRows - 1) / kAmxRows * kAmxRows;
   thread_local std::vector<uint16_t> tiles;
   tiles.resize(static_cast<size_t>(rows) * kp);
-  Bf16TileProduct a{x, w, tiles.data(), y, m, k, n, kp, bias, activation};
+  Bf16TileProduct a{x, w, tiles.data(), y, m, k, n, kp, bias, activation, residual};
   if (static_cast<long>(m) * k <= kQuantizeAlone) {
     Bf16ToTiles(&a, 0, rows / 16);
   } else {
@@ -803,8 +809,8 @@ void RunBf16TileProduct(const float* x, const uint32_t* w, const float* bias, in
 
 // Quantizes x's rows (by the pool unless they are few) and runs the integer product's panels on the pool.
 template <bool kSeven>
-void RunIntegerProduct(const float* x, const int8_t* w, const float* bias, int activation, float* y, int m, int k,
-                       int n) {
+void RunIntegerProduct(const float* x, const int8_t* w, const float* bias, int activation, const float* residual,
+                       float* y, int m, int k, int n) {
 #if XLAGEN_AMX
   const bool amx = kSeven && AmxGranted();
 #else
@@ -826,7 +832,7 @@ void RunIntegerProduct(const float* x, const int8_t* w, const float* bias, int a
   } else {
     GetPool().Run(Task{&quantized, quantize, m});
   }
-  IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq, bias, activation};
+  IntegerProduct a{xq.data(), xs.data(), xz.data(), w, y, m, k, n, kq, bias, activation, residual};
 #if XLAGEN_AMX
   if (amx) return RunAmxIntegerProduct(a, rows);
 #endif
@@ -855,26 +861,27 @@ extern "C" const char* xlagen_int8_product(const float* x, const int8_t* w, floa
 
 extern "C" const char* xlagen_int8_integer_product(const float* x, const int8_t* w, float* y, int m, int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_int8_integer_product: m, k and n must be at least 1";
-  RunIntegerProduct<false>(x, w, nullptr, kLinear, y, m, k, n);
+  RunIntegerProduct<false>(x, w, nullptr, kLinear, nullptr, y, m, k, n);
   return nullptr;
 }
 
 extern "C" const char* xlagen_bf16_tile_product_epilogue(const float* x, const uint32_t* w, const float* bias,
-                                                         int activation, float* y, int m, int k, int n) {
+                                                         int activation, const float* residual, float* y, int m, int k,
+                                                         int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_bf16_tile_product: m, k and n must be at least 1";
   if (activation < kLinear || activation > kGeluTanh) return "xlagen_bf16_tile_product: activation must be 0, 1 or 2";
 #if XLAGEN_AMX
   if (!AmxGranted()) return "xlagen_bf16_tile_product: Linux did not grant this process AMX's tiles";
-  RunBf16TileProduct(x, w, bias, activation, y, m, k, n);
+  RunBf16TileProduct(x, w, bias, activation, residual, y, m, k, n);
   return nullptr;
 #else
-  (void)x, (void)w, (void)bias, (void)y;
+  (void)x, (void)w, (void)bias, (void)residual, (void)y;
   return "xlagen_bf16_tile_product: needs the kernels' AMX build (a CPU with amx_bf16 and amx_int8)";
 #endif
 }
 
 extern "C" const char* xlagen_bf16_tile_product(const float* x, const uint32_t* w, float* y, int m, int k, int n) {
-  return xlagen_bf16_tile_product_epilogue(x, w, nullptr, kLinear, y, m, k, n);
+  return xlagen_bf16_tile_product_epilogue(x, w, nullptr, kLinear, nullptr, y, m, k, n);
 }
 
 extern "C" int xlagen_amx_tiles() {
@@ -886,16 +893,17 @@ extern "C" int xlagen_amx_tiles() {
 }
 
 extern "C" const char* xlagen_int8_many_integer_product_epilogue(const float* x, const int8_t* w, const float* bias,
-                                                                 int activation, float* y, int m, int k, int n) {
+                                                                 int activation, const float* residual, float* y, int m,
+                                                                 int k, int n) {
   if (m < 1 || k < 1 || n < 1) return "xlagen_int8_many_integer_product: m, k and n must be at least 1";
   if (activation < kLinear || activation > kGeluTanh) {
     return "xlagen_int8_many_integer_product: activation must be 0, 1 or 2";
   }
-  RunIntegerProduct<true>(x, w, bias, activation, y, m, k, n);
+  RunIntegerProduct<true>(x, w, bias, activation, residual, y, m, k, n);
   return nullptr;
 }
 
 extern "C" const char* xlagen_int8_many_integer_product(const float* x, const int8_t* w, float* y, int m, int k,
                                                         int n) {
-  return xlagen_int8_many_integer_product_epilogue(x, w, nullptr, kLinear, y, m, k, n);
+  return xlagen_int8_many_integer_product_epilogue(x, w, nullptr, kLinear, nullptr, y, m, k, n);
 }

@@ -251,20 +251,24 @@ inline void StoreFirst8(float* p, __m256 v, int count) {
 }
 
 // What the many-row products (the 7-bit int8 product, the bfloat16 tile product, gemm.cc's) do to y as they
-// store it (their xlagen_*_epilogue entry points): add a projection's bias, then apply an activation.
+// store it (their xlagen_*_epilogue entry points): add a projection's bias, apply an activation, then add a
+// residual connection's input.
 enum Activation : int { kLinear = 0, kRelu = 1, kGeluTanh = 2 };
 
 // v + bias[0..8) (bias not null; nothing past `count` is read), then the activation: ReLU, max(v, 0); or
 // GELU's tanh form (GPT-2's "gelu_new"), 0.5 v (1 + tanh(u)) = v / (1 + exp(-2u)), u = sqrt(2 / pi) (v +
-// 0.044715 v^3).
-inline __m256 Epilogue8(__m256 v, const float* bias, int count, int activation) {
+// 0.044715 v^3); then + residual[0..8) (not null: y's own elements of the residual [m, n]). Each add is the
+// float32 add XLA would do after the product.
+inline __m256 Epilogue8(__m256 v, const float* bias, int count, int activation, const float* residual = nullptr) {
   if (bias != nullptr) v = _mm256_add_ps(v, LoadFirst8(bias, count));
-  if (activation == kRelu) return _mm256_max_ps(v, _mm256_setzero_ps());
-  if (activation == kGeluTanh) {
+  if (activation == kRelu) {
+    v = _mm256_max_ps(v, _mm256_setzero_ps());
+  } else if (activation == kGeluTanh) {
     const __m256 u = _mm256_mul_ps(_mm256_mul_ps(v, _mm256_set1_ps(0.7978845608f)),
                                    _mm256_fmadd_ps(_mm256_mul_ps(v, v), _mm256_set1_ps(0.044715f), _mm256_set1_ps(1.0f)));
-    return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), Exp8(_mm256_mul_ps(u, _mm256_set1_ps(-2.0f)))));
+    v = _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f), Exp8(_mm256_mul_ps(u, _mm256_set1_ps(-2.0f)))));
   }
+  if (residual != nullptr) v = _mm256_add_ps(v, LoadFirst8(residual, count));
   return v;
 }
 

@@ -111,21 +111,25 @@ void ProductCall(const char* target, const char* (*entry)(const float*, const W*
                               static_cast<float*>(out), m, k, n));
 }
 
-// A product with an epilogue: the backend config is "M,K,N,bias,activation", bias 1 when a third operand,
-// float32 [N], is added to y as it is stored, and the activation then applied (0 none, 1 ReLU, 2 GELU's tanh
-// form).
+// A product with an epilogue: the backend config is "M,K,N,bias,activation,residual": bias 1 when an operand
+// after the weights, float32 [N], is added to y as it is stored; the activation then applied (0 none, 1 ReLU, 2
+// GELU's tanh form); residual 1 when a last operand, float32 [M, N], is then added.
 template <typename W>
 void EpilogueProductCall(const char* target,
-                         const char* (*entry)(const float*, const W*, const float*, int, float*, int, int, int),
+                         const char* (*entry)(const float*, const W*, const float*, int, const float*, float*, int,
+                                              int, int),
                          void* out, const void** in, const char* opaque, size_t opaque_len,
                          XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
-  int m, k, n, biased, activation;
-  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Int(&biased) && f.Int(&activation) && f.Done())) {
-    return Fail(status, target, "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N,bias,activation");
+  int m, k, n, biased, activation, residual;
+  if (!(f.Int(&m) && f.Int(&k) && f.Int(&n) && f.Int(&biased) && f.Int(&activation) && f.Int(&residual) &&
+        f.Done())) {
+    return Fail(status, target,
+                "backend config " + Quoted(opaque, opaque_len) + " is not M,K,N,bias,activation,residual");
   }
   Check(status, target, entry(static_cast<const float*>(in[0]), static_cast<const W*>(in[1]),
                               biased ? static_cast<const float*>(in[2]) : nullptr, activation,
+                              residual ? static_cast<const float*>(in[biased ? 3 : 2]) : nullptr,
                               static_cast<float*>(out), m, k, n));
 }
 
