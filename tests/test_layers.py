@@ -45,7 +45,8 @@ def test_dense_adds_a_residual_after_its_activation(activation):
 @pytest.mark.parametrize("training", [False, True])
 def test_a_block_drops_out_its_sublayers_outputs_not_their_sums_with_the_residual(training):
     # The sub-layers add the residual themselves (their output projections' epilogue) except where residual
-    # dropout runs, in training: then only their outputs are dropped, the residual input never is.
+    # dropout runs, in training: then only their outputs are dropped, the residual input never is; and except
+    # in a decoding step.
     from xlagen.layers.block import BlockSpec, TransformerBlock
 
     spec = BlockSpec(16, 2, 8, 32, "gelu_new", 8 ** -0.5, 1e-5, residual_dropout=0.5)
@@ -54,6 +55,9 @@ def test_a_block_drops_out_its_sublayers_outputs_not_their_sums_with_the_residua
     block.build(x.shape)
     out = block(x, None, training=training)[0].numpy()
     assert block._fuses_residual(training) == (not training)
+    from xlagen import native
+    with native.decoding_step():  # a step's products of a few rows have no epilogue: the block adds
+        assert not block._fuses_residual(training)
     # The updates are small beside x (weights ~0.02-0.05, x ~100): x passes through either way, undropped.
     np.testing.assert_allclose(out, x, rtol=0.05, atol=5)
     deterministic = block(x, None, training=training)[0].numpy()
