@@ -172,13 +172,11 @@ class TransformerBlock(keras.layers.Layer):
 
         last_row = last_only and position_bias is None and x.shape[1] != 1
         fused = self._fuses_residual(training)
+        kept = x[:, -1:] if last_row else x  # the rows that go on past the self-attention
         attended, layer_cache = self.attention(before(self.attention_norm, x), key_mask, layer_cache, cache_index,
                                                training=training, bias=position_bias, rotary=rotary,
-                                               last_only=last_row,
-                                               residual=(x[:, -1:] if last_row else x) if fused else None)
-        if last_row:
-            x = x[:, -1:]
-        x = self._residual(x, attended, self.attention_norm, training, fused)
+                                               last_only=last_row, residual=kept if fused else None)
+        x = self._residual(kept, attended, self.attention_norm, training, fused)
         if self.cross_attention is not None:
             attended = self.cross_attention(before(self.cross_attention_norm, x), cross.memory, cross.mask,
                                             training=training)

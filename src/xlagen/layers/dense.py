@@ -37,19 +37,21 @@ class Dense(keras.layers.Dense):
         """`activation(inputs @ kernel + bias)`, plus `residual` (`[..., units]`, a residual connection's input,
         or None) if given: the many-row products add it as they store their output, with a linear activation
         (`xlagen.native.matmul`), else it is added after; the same float32 add either way."""
-        fused = residual if self.activation in (None, keras.activations.linear) else None
+        # The native products take the residual (and add it, by their epilogue or after) where nothing comes
+        # between the product and the sum.
+        native_residual = residual if self.activation in (None, keras.activations.linear) else None
         if self.packed_kernel is not None:  # the bias in the call: the many-row products add it themselves
-            x = native.matmul(inputs, self.packed_kernel, self.units, bias=self.bias, residual=fused)
+            x = native.matmul(inputs, self.packed_kernel, self.units, bias=self.bias, residual=native_residual)
         elif native.use_float32_kernel(inputs, self.kernel):  # the many-row product adds the bias itself
-            x = native.matmul_float32(inputs, self.kernel, bias=self.bias, residual=fused)
+            x = native.matmul_float32(inputs, self.kernel, bias=self.bias, residual=native_residual)
         else:
-            fused = None
+            native_residual = None
             x = ops.matmul(inputs, self.kernel)
             if self.bias is not None:
                 x = ops.subtract(x, ops.negative(self.bias))
         if self.activation is not None:
             x = self.activation(x)
-        return x if residual is None or fused is not None else ops.add(x, residual)
+        return x if residual is None or native_residual is not None else ops.add(x, residual)
 
 
 def packed_kernel_of(layer, weight_dtype: str):

@@ -15,8 +15,9 @@
 // the tiles (PackRows): a tile's 14 broadcasts then read one contiguous run of floats rather than 14 rows K
 // floats apart (14 pointers, which GCC keeps on the stack, and rows that share a set of the L1 cache when K is
 // a multiple of 1024).
-// Sums over successive runs of K are added into y; after the last, the float32 product's epilogue (a bias,
-// an activation) is applied to the tile's rows while they are in L1.
+// Sums over successive runs of K are added into y; after the last, the float32 product's epilogue (a bias, an
+// activation, a residual) is applied to the tile's rows as they are stored (a linear one in registers) or
+// while they are in L1.
 
 #include <algorithm>
 #include <atomic>
@@ -153,14 +154,18 @@ inline void Tile(const Gemm& a, const float* strip, const float* x, int m0, int 
   Vec lo[R], hi[R];
   for (int i = 0; i < R; ++i) lo[i] = hi[i] = Zero();
   const size_t row = kPacked ? 1 : a.k, step = kPacked ? kTileRows : 1;
-  if (a.residual != nullptr && k0 + depth == a.k) {
+  const bool last = k0 + depth == a.k, linear = last && a.activation == kLinear;
+  // Row i of the residual at the tile's first column, after K's last run; else null.
+  const auto residual_row = [&](int i) -> const float* {
+    return a.residual != nullptr && last ? a.residual + static_cast<size_t>(m0 + i) * a.n + c0 : nullptr;
+  };
+  if (a.residual != nullptr && last) {
     // The epilogue's residual rows, fetched while the sums run: read when the epilogue needs them, R rows a
     // row of y apart each missed the cache in turn (GPT-2-small's float32 first token from 512 tokens took
     // 1.02x as long as with XLA's add after the product; with the rows fetched ahead, 0.995x).
     for (int i = 0; i < R; ++i) {
-      const float* residual = a.residual + static_cast<size_t>(m0 + i) * a.n + c0;
-      _mm_prefetch(reinterpret_cast<const char*>(residual), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(residual + kStrip - 1), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(residual_row(i)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(residual_row(i) + kStrip - 1), _MM_HINT_T0);
     }
   }
 #pragma GCC unroll 2
@@ -174,7 +179,6 @@ inline void Tile(const Gemm& a, const float* strip, const float* x, int m0, int 
   }
   // After K's last run, a linear epilogue of whole strips is applied in registers, as y is stored: the same
   // float32 adds in the same order, without reading y back.
-  const bool last = k0 + depth == a.k, linear = last && a.activation == kLinear;
   for (int i = 0; i < R; ++i) {
     float* y = a.y + static_cast<size_t>(m0 + i) * a.n + c0;
     if (columns >= kStrip) {
@@ -184,9 +188,8 @@ inline void Tile(const Gemm& a, const float* strip, const float* x, int m0, int 
         v1 = Add(v1, Load(a.bias + c0 + kLanes));
       }
       if (linear && a.residual != nullptr) {
-        const float* residual = a.residual + static_cast<size_t>(m0 + i) * a.n + c0;
-        v0 = Add(v0, Load(residual));
-        v1 = Add(v1, Load(residual + kLanes));
+        v0 = Add(v0, Load(residual_row(i)));
+        v1 = Add(v1, Load(residual_row(i) + kLanes));
       }
       Store(y, v0);
       Store(y + kLanes, v1);
@@ -199,8 +202,7 @@ inline void Tile(const Gemm& a, const float* strip, const float* x, int m0, int 
       }
     }
     if ((a.bias != nullptr || a.activation != kLinear || a.residual != nullptr) && last) {
-      const float* residual = a.residual ? a.residual + static_cast<size_t>(m0 + i) * a.n + c0 : nullptr;
-      Epilogue(y, a.bias ? a.bias + c0 : nullptr, a.activation, residual, std::min(columns, kStrip));
+      Epilogue(y, a.bias ? a.bias + c0 : nullptr, a.activation, residual_row(i), std::min(columns, kStrip));
     }
   }
 }

@@ -139,14 +139,14 @@ def _checked_residual(x, n: int, residual):
 
 def _epilogue_call(target: str, x, words, n: int, bias, activation: str | None, residual=None):
     """`target`'s product with its epilogue: the bias (or None) added, `activation` (or None) applied, then the
-    residual (`[..., n]` as y, `_checked_residual`, or None) added."""
+    residual (`[..., n]` as y, checked by the caller with `_checked_residual`, or None) added."""
     import tensorflow as tf
 
     load()
     code = 0 if activation is None else EPILOGUE_ACTIVATIONS[activation]
     extra = [] if bias is None else [tf.cast(bias, tf.float32)]
     if residual is not None:
-        extra.append(tf.reshape(_checked_residual(x, n, residual), (-1, n)))
+        extra.append(tf.reshape(residual, (-1, n)))
     return _custom_call(EPILOGUE_TARGETS[target], x, words, n, extra,
                         f",{int(bias is not None)},{code},{int(residual is not None)}")
 

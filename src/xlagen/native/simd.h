@@ -259,7 +259,7 @@ enum Activation : int { kLinear = 0, kRelu = 1, kGeluTanh = 2 };
 // GELU's tanh form (GPT-2's "gelu_new"), 0.5 v (1 + tanh(u)) = v / (1 + exp(-2u)), u = sqrt(2 / pi) (v +
 // 0.044715 v^3); then + residual[0..8) (not null: y's own elements of the residual [m, n]). Each add is the
 // float32 add XLA would do after the product.
-inline __m256 Epilogue8(__m256 v, const float* bias, int count, int activation, const float* residual = nullptr) {
+inline __m256 Epilogue8(__m256 v, const float* bias, int count, int activation, const float* residual) {
   if (bias != nullptr) v = _mm256_add_ps(v, LoadFirst8(bias, count));
   if (activation == kRelu) {
     v = _mm256_max_ps(v, _mm256_setzero_ps());
