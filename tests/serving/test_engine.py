@@ -40,17 +40,9 @@ def references(model, prompts, new_tokens, left_pad=True):
 
 
 def run(engine, *requests):
-    """Runs `(prompt, options)` requests concurrently; returns their `Completion`s."""
-    async def main():
-        return await asyncio.gather(*(engine.generate(prompt, **options) for prompt, options in requests))
-
-    return asyncio.run(main())
-
-
-def run_together(engine, *requests):
-    """Like `run`, with every request submitted before the engine thread may take any of them, so that one
-    admission finds them all (with `run`, a loaded machine can let the engine thread take the first request
-    alone before the next one is submitted)."""
+    """Runs `(prompt, options)` requests concurrently; returns their `Completion`s. Every request is submitted
+    before the engine thread may take any of them, so that one admission finds them all (submitted one after
+    another, a loaded machine could let the engine thread take the first alone)."""
     async def main():
         with engine._lock:  # the engine thread takes waiting requests under this (re-entrant) lock
             streams = [engine.stream(prompt, **options) for prompt, options in requests]
@@ -104,7 +96,7 @@ def test_a_request_left_alone_moves_to_the_first_slot(engine, gpt2_model):
     and decoded by the one-row step, with the same tokens."""
     before = engine.stats()
     prompts = [random_ids((n,), 300, seed=90 + n).tolist() for n in (4, 9)]
-    completions = run_together(engine, (prompts[0], dict(max_new_tokens=2)), (prompts[1], dict(max_new_tokens=16)))
+    completions = run(engine, (prompts[0], dict(max_new_tokens=2)), (prompts[1], dict(max_new_tokens=16)))
     assert [list(c.token_ids) for c in completions] == references(gpt2_model, prompts, [2, 16])
     stats = engine.stats()
     assert stats["moves"] == before["moves"] + 1 and stats["prefills"] == before["prefills"] + 2
@@ -121,7 +113,7 @@ def test_a_narrow_step_reads_its_rows_of_the_whole_cache(gpt2_model, tokenizer, 
     try:
         prompts = [random_ids((n,), 300, seed=70 + n).tolist() for n in (4, 9, 13)]
         new_tokens = [20, 3, 12]
-        completions = run_together(engine, *((p, dict(max_new_tokens=n)) for p, n in zip(prompts, new_tokens)))
+        completions = run(engine, *((p, dict(max_new_tokens=n)) for p, n in zip(prompts, new_tokens)))
     finally:
         engine.close()
     assert [list(c.token_ids) for c in completions] == references(gpt2_model, prompts, new_tokens)
