@@ -258,14 +258,18 @@ void RunAttention(const void* args, int u0, int u1) {
       // per pass, vt[c / w][j][c % w].
       const int upto = std::min((last + kKeyPanel - 1) / kKeyPanel * kKeyPanel, padded);
       if (copied < upto) {
+        float* const keys = kt.data();
+        float* const values = vt.data();
+        const int vectors = width / kLanes;
         for (int j = copied; j < upto; ++j) {
-          float* panel = kt.data() + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel + j % kKeyPanel;
+          float* panel = keys + static_cast<size_t>(j / kKeyPanel) * a.d * kKeyPanel + j % kKeyPanel;
           const float* k = j < a.s ? a.k + At(a, a.lk, head, j) : nullptr;
           for (int c = 0; c < a.d; ++c) panel[static_cast<size_t>(c) * kKeyPanel] = k ? k[c] : 0.0f;
           if (j >= a.s) continue;
-          for (int c = 0; c < a.d; c += width) {
-            std::memcpy(vt.data() + (static_cast<size_t>(c / width) * a.s + j) * width,
-                        v + static_cast<size_t>(j) * a.lv.row + c, sizeof(float) * width);
+          const float* from = v + static_cast<size_t>(j) * a.lv.row;
+          float* to = values + static_cast<size_t>(j) * width;
+          for (int c = 0; c < a.d; c += width, from += width, to += static_cast<size_t>(a.s) * width) {
+            for (int i = 0; i < vectors; ++i) Store(to + kLanes * i, Load(from + kLanes * i));
           }
         }
         copied = upto;
