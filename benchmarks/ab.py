@@ -38,6 +38,9 @@
   prompt-attention a prompt's causal self-attention with XLA's ops (`prompt_attention_min_tokens=None`: two
                    dots over every cache position and the softmax's fusions per layer) against the native
                    masked attention; with --prompt-tokens 512 --new-tokens 1 the time is the first token's.
+  prompt-cache     a prompt's keys and values written into the fresh cache by XLA (a transposing, padding
+                   fusion per tensor on one thread; `prompt_cache_min_tokens=None`) against the native kernel on
+                   the pool; with --prompt-tokens 512 --new-tokens 1 the time is the first token's.
   integer          int8 weights (with --weights int8) multiplied in float32 at every row count
                    (`int8_integer_min_rows=None`, `int8_many_integer_min_rows=None`) against int8 x int8
                    products from `int8_integer_min_rows` rows (activations quantized per row); the two
@@ -95,6 +98,7 @@ POLICIES = {  # --compare: (name A, changes from the default for A), (name B, ch
     "many-rows": (("unpacked_for_xla_dot", {"many_rows": False}), ("many_rows", {})),
     "many-rows-float32": (("xla_dot", {"float32_many_rows": False}), ("many_rows", {"float32_many_rows": True})),
     "prompt-attention": (("xla_prompt_attention", {"prompt_attention_min_tokens": None}), ("prompt_attention", {})),
+    "prompt-cache": (("xla_cache_write", {"prompt_cache_min_tokens": None}), ("native_cache_write", {})),
 }
 RUN_TIME = {"lookahead"}  # choices made before each call rather than at the trace
 

@@ -210,6 +210,30 @@ def test_prompt_attention_only_in_a_prompt_pass_from_its_token_count(kernels_rea
     assert not any(ask(native.Kernels(), key=tf.zeros((1, 2, 300, 24)), query=tf.zeros((1, 2, 256, 24))).values())
 
 
+def test_a_fresh_cache_is_written_natively_only_in_a_prompt_pass_from_its_token_count(kernels_ready):
+    def ask(kernels, tokens=64, projection=None, cache=None, heads=2, head_dim=16):
+        projection = tf.zeros((2, tokens, 96)) if projection is None else projection
+        cache = tf.zeros((2, 2, 80, 16)) if cache is None else cache
+        with native.tracing(kernels):
+            return _under_xla(lambda: kernels.use_fresh_cache(native.Heads(projection, 32, heads, head_dim), cache))
+
+    assert native.Kernels().prompt_cache_min_tokens == 64
+    assert ask(native.Kernels()) == {"outside a step": False, "in a step": False, "in a prefill": True,
+                                     "in a loop that is no step": False}
+    assert not any(ask(native.Kernels(), tokens=63).values())
+    assert ask(native.Kernels(prompt_cache_min_tokens=8), tokens=8)["in a prefill"]
+    assert not any(ask(native.Kernels(prompt_cache_min_tokens=None)).values())
+    assert not any(ask(native.Kernels.OFF).values())
+    assert not any(ask(native.Kernels(float32=False)).values())
+    assert not any(ask(native.Kernels(), tokens=81).values())  # more tokens than the cache holds
+    assert not any(ask(native.Kernels(), cache=tf.zeros((1, 2, 80, 16))).values())  # another batch
+    assert not any(ask(native.Kernels(), cache=tf.zeros((2, 2, 80, 16), tf.bfloat16)).values())
+    assert not any(ask(native.Kernels(), cache=tf.zeros((2, 2, 2, 80, 16))).values())  # the beam layout
+    assert not any(ask(native.Kernels(), projection=tf.zeros((2, 64, 96), tf.bfloat16)).values())
+    assert not any(ask(native.Kernels(), heads=3, head_dim=16).values())  # heads the cache does not have
+    assert not any(ask(native.Kernels(), heads=4, head_dim=8).values())
+
+
 def test_int8_products_run_in_integers_from_their_min_rows(kernels_ready):
     def ask(kernels, rows):
         with native.tracing(kernels):

@@ -279,6 +279,17 @@ def test_long_prompts_layer_norms_run_natively_close_to_xla(gpt2_model):
                              native.LAYER_NORM_TARGET, count, 3)
 
 
+def test_long_prompts_keys_and_values_are_written_into_the_fresh_cache_natively(wide_heads):
+    # 2 x 70 prompt tokens: past prompt_cache_min_tokens (64), each GPT-2 layer's keys and values go into the
+    # fresh cache by the native kernel (2 calls per layer, the last layer's too, which attends from its last
+    # row only), and the generation is the same as with XLA's writes; 2 x 40 stay XLA's, and so do Mistral's
+    # rotated keys.
+    gpt2 = wide_heads["gpt2"]
+    for model, rows, count in ((gpt2, 70, 2 * gpt2.config.num_layers), (gpt2, 40, 0), (wide_heads["mistral"], 70, 0)):
+        _check_prompt_kernel(model, random_ids((2, rows), 60, seed=rows + 3), "prompt_cache_min_tokens",
+                             native.SPLIT_HEADS_TARGET, count, 3)
+
+
 def test_a_long_encoder_outputs_cross_attention_memory_is_laid_out_in_heads_natively(tmp_path):
     # T5 over 70 encoder positions: past memory_heads_min_positions (64), each decoder layer's keys (transposed)
     # and values are laid out by the native kernel, 2 calls per layer, with the same generation as XLA's.

@@ -34,6 +34,19 @@ class LayerCache(NamedTuple):
     value: object
 
 
+class FreshCache(LayerCache):
+    """A layer's cache that holds only zeros: nothing has been written into it yet (a generation's prompt
+    pass starts from one, `fresh`). Its first write may then build the cache from the new keys and values
+    and zeros around them, without reading it (`xlagen.layers.attention.Attention`); any write returns a
+    plain `LayerCache`."""
+
+
+def fresh(cache):
+    """`cache` (a tuple of `LayerCache` of zeros, as `init_cache` makes) with each layer marked a
+    `FreshCache`; anything else in the tuple is kept as it is."""
+    return tuple(FreshCache(*layer) if isinstance(layer, LayerCache) else layer for layer in cache)
+
+
 def init_cache(num_layers: int, batch_size: int, num_heads: int, max_length: int, head_dim: int,
                dtype: str = "float32") -> tuple[LayerCache, ...]:
     """Returns a zero cache of static shape.

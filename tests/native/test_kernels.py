@@ -150,18 +150,25 @@ def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_apply_the_act
 @pytest.mark.parametrize("b, l, heads, d, offset, extra", [(1, 1, 1, 1, 0, 0), (2, 17, 3, 16, 48, 5),
                                                          (1, 70, 8, 64, 512, 0)])
 @pytest.mark.parametrize("transposed", [True, False])
-def test_split_heads_lays_out_a_projection_in_heads(b, l, heads, d, offset, extra, transposed):
-    # Positions past a block of 16 (17, 70), heads from a column offset of a wider projection.
+@pytest.mark.parametrize("more, start", [(0, 0), (5, 0), (5, 3), (5, 5), (5, 9), (5, -2)])
+def test_split_heads_lays_out_a_projection_in_heads(b, l, heads, d, offset, extra, transposed, more, start):
+    # Positions past a block of 16 (17, 70), heads from a column offset of a wider projection; into an output
+    # `more` positions longer, at `start` with zeros around (clamped as XLA's dynamic-update-slice: 9 -> 5, -2 -> 0).
     width = offset + heads * d + extra
+    length = l + more
     rng = np.random.default_rng(b * l + d)
     x = rng.standard_normal((b, l, width)).astype(np.float32)
-    shape = (b, heads, d, l) if transposed else (b, heads, l, d)
+    shape = (b, heads, d, length) if transposed else (b, heads, length, d)
     out = np.full(shape, np.nan, np.float32)
-    split = _entry("xlagen_split_heads", *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 7)
-    assert split(_p(x), _p(out), b, l, width, offset, heads, d, int(transposed)) is None
-    expected = x[:, :, offset:offset + heads * d].reshape(b, l, heads, d)
-    np.testing.assert_array_equal(out, expected.transpose((0, 2, 3, 1) if transposed else (0, 2, 1, 3)))
-    assert b"within width" in split(_p(x), _p(out), b, l, width, width, heads, d, 0)
+    split = _entry("xlagen_split_heads", *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 9)
+    assert split(_p(x), _p(out), b, l, width, offset, heads, d, int(transposed), length, start) is None
+    heads_of_x = x[:, :, offset:offset + heads * d].reshape(b, l, heads, d).transpose((0, 2, 1, 3))
+    at = min(max(start, 0), more)
+    expected = np.zeros((b, heads, length, d), np.float32)
+    expected[:, :, at:at + l] = heads_of_x
+    np.testing.assert_array_equal(out, expected.transpose((0, 1, 3, 2)) if transposed else expected)
+    assert b"within width" in split(_p(x), _p(out), b, l, width, width, heads, d, 0, length, 0)
+    assert b"at least l" in split(_p(x), _p(out), b, l, width, offset, heads, d, 0, l - 1, 0)
 
 
 @pytest.mark.parametrize("rows, e", [(1, 2), (3, 7), (9, 16), (17, 33), (8, 768), (0, 5)])

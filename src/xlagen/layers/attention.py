@@ -317,6 +317,7 @@ class Attention(_MultiHead):
         elif self.query_norm is None and self.groups == 1:
             width = self.num_heads * self.head_dim
             in_place = [native.Heads(projection, i * width, self.num_heads, self.head_dim) for i in range(3)]
+        cached_heads = None if in_place is None else in_place[1:]  # the keys and values, for a fresh cache
         if last_only and query.shape[2] != 1:  # the last query row (and its row of the mask), every key
             query, in_place = query[:, :, -1:], None
             key_mask = None if key_mask is None else key_mask[:, :, -1:]
@@ -326,7 +327,16 @@ class Attention(_MultiHead):
         if key.shape[2] == 1:  # a decoding step: one new token
             return self._step(query, key, value, key_mask, layer_cache, cache_index, dense_bias(bias), training,
                               residual)
-        layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
+        if (isinstance(layer_cache, cache_lib.FreshCache) and cached_heads is not None
+                and all(native.use_fresh_cache(heads, layer_cache.key) for heads in cached_heads)):
+            # The prompt's keys and values at cache_index of a cache of zeros: written by the pool from the
+            # projection, with the zeros around them, rather than transposed and padded by XLA on one thread.
+            length = layer_cache.key.shape[2]
+            layer_cache = cache_lib.LayerCache(*(
+                native.split_heads(projection, heads.heads, heads.head_dim, heads.column, False, length, cache_index)
+                for heads in cached_heads))
+        else:
+            layer_cache = cache_lib.update_layer(layer_cache, key, value, cache_index)
         return self._attend(query, layer_cache.key, layer_cache.value, key_mask, bias, training,
                             in_place=in_place and [in_place[0], None, None], residual=residual), layer_cache
 

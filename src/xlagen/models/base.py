@@ -230,7 +230,7 @@ class CausalDecoding:
         """
         context = self.encode_context(**extra)
         mask = extend_mask(attention_mask, total_length)
-        cache = self.init_cache(ops.shape(input_ids)[0], total_length)
+        cache = cache_lib.fresh(self.init_cache(ops.shape(input_ids)[0], total_length))
         logits, cache = self.call_with_cache(input_ids, cache, ops.zeros((), "int32"), mask, last_only=True,
                                              context=context)
         return logits[:, -1], DecoderState(cache, mask, context)

@@ -66,7 +66,8 @@ from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BF16_TILE_TARGET
                                relative_to_dense, rms_norm, split_heads, step_attention)
 from xlagen.native.packing import WEIGHT_DTYPES, pack_bfloat16, pack_int8, pack_tensor, unpack
 from xlagen.native.policy import (ATTENTION_HEAD_DIMS, Kernels, PoolSettings, current, decoding_step, prefill,
-                                  tracing, use_argmax, use_attention_kernel, use_float32_kernel, use_layer_norm, use_lookup,
+                                  tracing, use_argmax, use_attention_kernel, use_float32_kernel, use_fresh_cache,
+                                  use_layer_norm, use_lookup,
                                   use_memory_attention, use_prompt_attention, use_split_heads, use_step_attention)
 
 # The kernels' constants that Python code reads by these names (`native.PANEL`, ...), from the library.
@@ -90,5 +91,6 @@ __all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "BF16_TIL
            "pack_bfloat16", "pack_int8", "pack_tensor", "prefill", "projection", "ready",
            "reference_memory_attention", "relative_to_dense", "rms_norm", "set_lookahead", "split_heads", "status_supported", "step_attention",
            "tracing", "unavailable_reason", "unpack", "use_argmax", "use_attention_kernel", "use_float32_kernel",
-           "use_layer_norm", "use_lookup", "use_memory_attention", "use_prompt_attention", "use_split_heads",
+           "use_fresh_cache", "use_layer_norm", "use_lookup", "use_memory_attention", "use_prompt_attention",
+           "use_split_heads",
            "use_step_attention"]

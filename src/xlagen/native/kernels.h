@@ -120,10 +120,12 @@ const char* xlagen_memory_attention(const float* q, const float* m, const float*
 // out[r] = the index of the largest of x[r, 0..n), the first on ties; NaN is skipped (a row of only -inf
 // or NaN gives 0).
 const char* xlagen_argmax(const float* x, int32_t* out, int rows, int n);
-// The `heads` heads of d columns from column `offset` of in [b, l, width] (heads.cc): out [b, heads, d, l] if
-// `transposed`, else [b, heads, l, d] (a decoder's cross-attention keys and values, laid out once).
+// The `heads` heads of d columns from column `offset` of in [b, l, width] (heads.cc): out [b, heads, d, length]
+// if `transposed`, else [b, heads, length, d], the l positions at [start, start + l) and zeros around them
+// (start clamped to [0, length - l]): a decoder's cross-attention keys and values laid out once (length l),
+// or a prompt's keys and values written into a fresh cache.
 const char* xlagen_split_heads(const float* in, float* out, int b, int l, int width, int offset, int heads, int d,
-                               int transposed);
+                               int transposed, int length, int start);
 // y = LayerNorm(x) over each of `rows` rows of e values (norm.cc): (x - mean) / sqrt(var + epsilon) * gamma +
 // beta, gamma and beta [e] or null (1 and 0).
 const char* xlagen_layer_norm(const float* x, const float* gamma, const float* beta, float* y, int rows, int e,

@@ -538,21 +538,34 @@ def argmax(scores):
     return out
 
 
-def split_heads(x, heads: int, head_dim: int, offset: int, transposed: bool):
+def split_heads(x, heads: int, head_dim: int, offset: int, transposed: bool, length: int | None = None, start=None):
     """The `heads` heads of `head_dim` columns from column `offset` of float32 `x` `[B, L, width]` of static
-    shape: `[B, heads, head_dim, L]` if `transposed`, else `[B, heads, L, head_dim]`, as the native kernel's
-    custom call (call it under XLA only; see `Kernels.use_split_heads`). No gradient: the policy takes it in a
-    generation's prompt pass only."""
+    shape: `[B, heads, head_dim, length]` if `transposed`, else `[B, heads, length, head_dim]`, as the native
+    kernel's custom call (call it under XLA only; see `Kernels.use_split_heads` and `Kernels.use_fresh_cache`).
+    No gradient: the policy takes it in a generation's prompt pass only.
+
+    `length` (default L, at least L): the output's positions, the L of `x` at `[start, start + L)` and zeros
+    around them; `start` is an int32 scalar tensor (default 0), clamped to `[0, length - L]` as
+    `dynamic_update_slice` clamps its start. So a prompt's keys or values written at `start` into a cache of
+    zeros are the cache `length` long.
+
+    Raises:
+        ValueError: `length` is less than L.
+    """
     import tensorflow as tf
     from tensorflow.compiler.tf2xla.ops import gen_xla_ops
 
     load()
-    b, length, width = x.shape
+    b, positions, width = x.shape
+    length = positions if length is None else length
+    if length < positions:
+        raise ValueError(f"split_heads: length {length} is less than the {positions} positions of x")
+    start = tf.zeros((), tf.int32) if start is None else tf.cast(tf.reshape(start, ()), tf.int32)
     shape = [b, heads, head_dim, length] if transposed else [b, heads, length, head_dim]
     (out,) = gen_xla_ops.xla_custom_call_v2(
-        operands=[x], call_target_name=SPLIT_HEADS_TARGET,
-        backend_config=f"{b},{length},{width},{offset},{heads},{head_dim},{int(transposed)}", has_side_effect=False,
-        result_dtypes=[tf.float32], result_shapes=[tf.TensorShape(shape)])
+        operands=[x, start], call_target_name=SPLIT_HEADS_TARGET,
+        backend_config=f"{b},{positions},{width},{offset},{heads},{head_dim},{int(transposed)},{length}",
+        has_side_effect=False, result_dtypes=[tf.float32], result_shapes=[tf.TensorShape(shape)])
     return out
 
 

@@ -52,7 +52,8 @@ def _default(field: dataclasses.Field):
 
 # The Kernels fields that may be None.
 _OPTIONAL = ("float32_max_columns", "int8_integer_min_rows", "int8_many_integer_min_rows", "layer_norm_min_rows",
-             "lookup_min_tokens", "memory_heads_min_positions", "prompt_attention_min_tokens")
+             "lookup_min_tokens", "memory_heads_min_positions", "prompt_attention_min_tokens",
+             "prompt_cache_min_tokens")
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,11 @@ class Kernels:
             relative position bias added to the scores. None: never. GPT-2-small's first token
             (`benchmarks/ab.py --compare prompt-attention --prompt-tokens P --new-tokens 1`, AVX2, 2
             threads): 1.07-1.10x as fast as XLA's attention from 512 tokens, even (0.91-0.98x) at 64.
+        prompt_cache_min_tokens: A generation's prompt pass of at least this many tokens writes its keys and
+            values into the fresh cache (`xlagen.cache.FreshCache`) with the native kernel on the pool
+            (`ops.split_heads` of the fused projection, zeros after the prompt), where XLA pads and transposes
+            each layer's keys and values on one thread (GPT-2-small's 24 writes from a 512-token prompt: about
+            7 ms). Not where the keys are rotated or normed first (the Llama family). None: never.
         argmax: Whether greedy decoding's choice of token runs as the native argmax (XLA's reduces one logit
             at a time: over Whisper-tiny's 8 x 51,865 logits about 0.9 ms of a 12 ms step).
         memory_heads_min_positions: A decoder's cross-attention memory of this many encoder positions or more is
@@ -185,6 +191,7 @@ class Kernels:
     memory_attention_min_bytes: int = 8 * 2**20
     step_attention_min_rows: int = 2
     prompt_attention_min_tokens: int | None = 128
+    prompt_cache_min_tokens: int | None = 64
     argmax: bool = True
     memory_heads_min_positions: int | None = 64
     layer_norm_min_rows: int | None = 64
@@ -379,6 +386,21 @@ class Kernels:
         if self.memory_heads_min_positions is None or not self._static_float32(3, x):
             return False
         if x.shape[1] < max(self.memory_heads_min_positions, 1):
+            return False
+        return in_prefill() and under_xla() and _ready()
+
+    def use_fresh_cache(self, heads, cache) -> bool:
+        """Whether a prompt's keys or values, `heads` (`ops.Heads` of the fused projection `[B, T, width]`),
+        should be written into a fresh cache tensor `cache` `[B, H, S, D]` of zeros by `ops.split_heads`: both
+        float32 of static shapes, the same B, H and D, S at least T, T at least `prompt_cache_min_tokens`, in
+        a generation's prompt pass compiled by XLA, and the kernels loadable."""
+        x = heads.tensor
+        if self.prompt_cache_min_tokens is None or not self._static_float32(3, x) or not self._static_float32(4, cache):
+            return False
+        batch, head_count, length, head_dim = cache.shape
+        if (batch, head_count, head_dim) != (x.shape[0], heads.heads, heads.head_dim) or length < x.shape[1]:
+            return False
+        if x.shape[1] < max(self.prompt_cache_min_tokens, 1):
             return False
         return in_prefill() and under_xla() and _ready()
 
@@ -617,6 +639,11 @@ def use_prompt_attention(query, key, mask, bias=None, dropout: bool = False, rel
 def use_split_heads(x) -> bool:
     """`current().use_split_heads(x)`."""
     return current().use_split_heads(x)
+
+
+def use_fresh_cache(heads, cache) -> bool:
+    """`current().use_fresh_cache(heads, cache)`."""
+    return current().use_fresh_cache(heads, cache)
 
 
 def use_layer_norm(x, gamma, beta) -> bool:

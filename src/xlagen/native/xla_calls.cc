@@ -318,20 +318,20 @@ extern "C" void xlagen_f32_memory_attention(void* out, const void** in, const ch
                                 d, l, e, scale));
 }
 
-// The backend config is "rows,n".
-// The backend config is "b,l,width,offset,heads,d,transposed": operand in float32 [b, l, width].
+// The backend config is "b,l,width,offset,heads,d,transposed,length": operands in float32 [b, l, width] and
+// the int32 start of its positions in the output.
 extern "C" void xlagen_f32_split_heads(void* out, const void** in, const char* opaque, size_t opaque_len,
                                        XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
-  int b, l, width, offset, heads, d, transposed;
+  int b, l, width, offset, heads, d, transposed, length;
   if (!(f.Int(&b) && f.Int(&l) && f.Int(&width) && f.Int(&offset) && f.Int(&heads) && f.Int(&d) &&
-        f.Int(&transposed) && f.Done())) {
+        f.Int(&transposed) && f.Int(&length) && f.Done())) {
     return Fail(status, "xlagen_f32_split_heads",
-                "backend config " + Quoted(opaque, opaque_len) + " is not b,l,width,offset,heads,d,transposed");
+                "backend config " + Quoted(opaque, opaque_len) + " is not b,l,width,offset,heads,d,transposed,length");
   }
   Check(status, "xlagen_f32_split_heads",
         xlagen_split_heads(static_cast<const float*>(in[0]), static_cast<float*>(out), b, l, width, offset, heads, d,
-                           transposed));
+                           transposed, length, *static_cast<const int32_t*>(in[1])));
 }
 
 // The backend config is "rows,e,epsilon,gamma,beta" (gamma and beta 1 when given): operands x float32
@@ -381,6 +381,7 @@ extern "C" void xlagen_f32_lookup_columns(void* out, const void** in, const char
                               static_cast<float*>(out), e, v, n));
 }
 
+// The backend config is "rows,n".
 extern "C" void xlagen_f32_argmax(void* out, const void** in, const char* opaque, size_t opaque_len,
                                   XlaCustomCallStatus_* status) {
   Fields f(opaque, opaque_len);
