@@ -144,6 +144,7 @@ def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_apply_the_act
     np.testing.assert_array_equal(run(True, 0, True), (y + bias) + residual)
     np.testing.assert_array_equal(run(False, 0, True), y + residual)
     np.testing.assert_array_equal(run(True, 1, True), np.maximum(y + bias, 0) + residual)
+    np.testing.assert_allclose(run(True, 2, True), _gelu_tanh(y + bias) + residual, rtol=2e-6, atol=1e-5)
     assert b"activation must be" in entry(_p(x), _p(stored), None, 3, None, _p(y), m, k, n)
 
 

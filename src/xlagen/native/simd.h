@@ -61,6 +61,7 @@ inline Vec Add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, rounded once
 inline float ReduceAdd(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float ReduceMax(Vec v) { return _mm512_reduce_max_ps(v); }
@@ -111,6 +112,9 @@ inline Vec ExpNonPositive(Vec x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// exp(x), x clamped to [-104, 88] as Exp8 clamps it: ExpNonPositive's scalef scales exactly up to 2^127.
+inline Vec Exp(Vec x) { return ExpNonPositive(_mm512_min_ps(x, _mm512_set1_ps(88.0f))); }
+
 // The four sums of the lanes of a0..a3, in that order.
 inline __m128 FourSums(Vec a0, Vec a1, Vec a2, Vec a3) {
   const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
@@ -140,6 +144,7 @@ inline Vec Add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec Sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec Mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec Max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec Div(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec Fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 
 inline __m128 Halves(Vec v) { return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); }
@@ -186,8 +191,9 @@ inline Vec LoadInt8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
-// As the AVX-512 ExpNonPositive (Exp8).
+// As the AVX-512 ExpNonPositive and Exp (Exp8).
 inline Vec ExpNonPositive(Vec x) { return Exp8(x); }
+inline Vec Exp(Vec x) { return Exp8(x); }
 
 inline __m128 FourSums(Vec a0, Vec a1, Vec a2, Vec a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -270,6 +276,15 @@ inline __m256 Epilogue8(__m256 v, const float* bias, int count, int activation, 
   }
   if (residual != nullptr) v = _mm256_add_ps(v, LoadFirst8(residual, count));
   return v;
+}
+
+// Epilogue8's activation of a whole vector: ReLU, or GELU's tanh form by the same operations (so the same
+// floats), kLanes at a time.
+inline Vec Activate(Vec v, int activation) {
+  if (activation == kRelu) return Max(v, Zero());
+  if (activation != kGeluTanh) return v;
+  const Vec u = Mul(Mul(v, Set(0.7978845608f)), Fma(Mul(v, v), Set(0.044715f), Set(1.0f)));
+  return Div(v, Add(Set(1.0f), Exp(Mul(u, Set(-2.0f)))));
 }
 
 // Calls body(std::integral_constant<int, R>()) for R = count, 1 to Most: a register tile's row count as a
