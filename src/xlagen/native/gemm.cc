@@ -310,7 +310,10 @@ void RunGemm(const void* args, int u0, int u1) {
     if (a.pack_rows && packed.call != a.call) {
       packed.call = a.call;
       packed.part = part;
-      packed.rows.resize(static_cast<size_t>(r1 - r0 + kTileRows) * a.k);
+      // Grown, never shrunk: resize zeros what it adds, and a model's products alternate between two K's
+      // (GPT-2-small's 768 and 3072), so each growth zeroed megabytes that PackRows then wrote.
+      const size_t floats = static_cast<size_t>(r1 - r0 + kTileRows) * a.k;
+      if (packed.rows.size() < floats) packed.rows.resize(floats);
       PackRows(a, r0, r1, packed.rows.data());
     }
     const bool packed_rows = a.pack_rows && packed.part == part;
