@@ -214,15 +214,15 @@ inline void Tile(const Gemm& a, const float* strip, const float* x, int m0, int 
       Store(y, v0);
       Store(y + kLanes, v1);
       continue;
-    } else {
-      const int first = std::min(columns, kLanes), second = columns - first;
-      StoreFirst(y, add ? Add(lo[i], LoadMasked(FirstLanes(first), y)) : lo[i], first);
-      if (second > 0) {
-        StoreFirst(y + kLanes, add ? Add(hi[i], LoadMasked(FirstLanes(second), y + kLanes)) : hi[i], second);
-      }
+    }
+    // A partial strip: its lanes stored, then the epilogue over them in place.
+    const int first = std::min(columns, kLanes), second = columns - first;
+    StoreFirst(y, add ? Add(lo[i], LoadMasked(FirstLanes(first), y)) : lo[i], first);
+    if (second > 0) {
+      StoreFirst(y + kLanes, add ? Add(hi[i], LoadMasked(FirstLanes(second), y + kLanes)) : hi[i], second);
     }
     if ((a.bias != nullptr || a.activation != kLinear || a.residual != nullptr) && last) {
-      Epilogue(y, a.bias ? a.bias + c0 : nullptr, a.activation, residual_row(i), std::min(columns, kStrip));
+      Epilogue(y, a.bias ? a.bias + c0 : nullptr, a.activation, residual_row(i), columns);
     }
   }
 }
