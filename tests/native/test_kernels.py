@@ -87,12 +87,13 @@ def test_many_row_product_splits_every_width_into_blocks_that_fit():
 
 
 @pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (33, 31, 33), (64, 64, 64), (77, 200, 129), (40, 513, 200),
-                                             (70, 3000, 130), (33, 1700, 65)])
+                                             (70, 3000, 130), (33, 1700, 65), (1100, 200, 129), (1057, 1700, 65)])
 def test_bfloat16_tile_product_is_that_of_activations_rounded_to_bfloat16(m, k, n):
     if not native.amx_tiles():
         pytest.skip("AMX's tiles: this CPU or process has none (the refusal is tested instead)")
     # Blocks of 32 rows and columns not whole (33, 77, 129, 200), K past whole tiles of 32 (31, 200, 513),
-    # whole blocks written straight into y (32, 64), K in several chunks over several blocks of rows (3000, 1700). Against float64 bf16(x) @ W: float32 sums' rounding only.
+    # whole blocks written straight into y (32, 64), K in several chunks over several blocks of rows (3000, 1700),
+    # rows in several slabs, the last one short (1100, 1057). Against float64 bf16(x) @ W: float32 sums' rounding only.
     rng = np.random.default_rng(m * k + n + 5)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -109,7 +110,8 @@ def _gelu_tanh(y: np.ndarray) -> np.ndarray:
     return 0.5 * y * (1 + np.tanh(np.sqrt(2 / np.pi) * (y + 0.044715 * y ** 3)))
 
 
-@pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (77, 200, 129), (40, 513, 200), (70, 3000, 130)])
+@pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (77, 200, 129), (40, 513, 200), (70, 3000, 130),
+                                             (1057, 200, 129)])
 @pytest.mark.parametrize("product", ["int8_many_integer", "bf16_tile", "f32_many"])
 def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_apply_the_activation_and_add_the_residual(
         m, k, n, product):
@@ -267,7 +269,8 @@ INTEGER_PRODUCTS = {"xlagen_int8_integer_product": False, "xlagen_int8_many_inte
 @pytest.mark.parametrize("name", INTEGER_PRODUCTS)
 @pytest.mark.parametrize("m, k, n", SHAPES + [(4, 4, 64), (5, 6, 65), (70, 31, 130), (64, 8, 16), (3, 2, 7),
                                              (7, 40, 64), (10, 33, 96), (130, 70, 200), (77, 200, 129),
-                                             (33, 129, 64), (70, 3000, 130), (33, 1700, 65)])
+                                             (33, 129, 64), (70, 3000, 130), (33, 1700, 65), (1100, 200, 129),
+                                             (1057, 1700, 65)])
 def test_int8_integer_products_match_their_numpy_reference_exactly(name, m, k, n):
     rng = np.random.default_rng(m * k + n + 2)
     x = (rng.standard_normal((m, k)) * rng.uniform(0.1, 10, (m, 1))).astype(np.float32)

@@ -572,6 +572,13 @@ struct TileChunks {
   }
 };
 
+// Rows of x per slab of the tile products: as many as keep kChunkSteps steps of K of them in tile order within
+// kChunkBytes. A longer x (Whisper's encoder at batch 8: 12,000 rows) runs slab by slab; as one, its chunks
+// of K would shrink to a step each, and their partial sums of every row would go to memory and back at
+// every step.
+constexpr int kSlabRows = static_cast<int>(kChunkBytes / (64 * kChunkSteps));
+static_assert(kSlabRows % kAmxRows == 0, "a slab holds whole blocks of rows");
+
 // x [rows, K] (row-major, `from`, `bytes` a row) -> `to` as tiles: the 16 rows of block i and the 64 bytes of
 // row from 64 j at to + (i bytes / 64 + j) kTileBytes, row r of them 64 bytes after row r - 1. Units: blocks
 // of 16 rows.
@@ -666,15 +673,24 @@ void RunAmxIntegerProduct(IntegerProduct a, int rows) {
   } else {
     GetPool().Run(Task{&blocks, ToTiles, rows / 16});
   }
-  a.xq = tiles.data();
-  const TileChunks chunks(rows, a.kq / 64);
   const int columns = (a.n + kInt8Panel - 1) / kInt8Panel * kInt8Panel;
   thread_local std::vector<int32_t> partial, column_sums;
-  if (chunks.count() > 1) partial.resize(static_cast<size_t>(rows) * columns);
   column_sums.resize(columns);
-  for (int step = 0; step < chunks.steps; step += chunks.per_chunk) {
-    AmxIntegerChunk chunk{&a, chunks.at(step), partial.data(), column_sums.data(), columns};
-    GetPool().Run(Task{&chunk, RunAmxPanels, columns / kInt8Panel});
+  for (int s0 = 0; s0 < a.m; s0 += kSlabRows) {
+    IntegerProduct slab = a;
+    slab.xq = tiles.data() + static_cast<size_t>(s0) * a.kq;
+    slab.xs = a.xs + s0;
+    slab.xz = a.xz + s0;
+    slab.y = a.y + static_cast<size_t>(s0) * a.n;
+    slab.residual = a.residual ? a.residual + static_cast<size_t>(s0) * a.n : nullptr;
+    slab.m = a.m - s0 < kSlabRows ? a.m - s0 : kSlabRows;
+    const int slab_rows = (slab.m + kAmxRows - 1) / kAmxRows * kAmxRows;
+    const TileChunks chunks(slab_rows, a.kq / 64);
+    if (chunks.count() > 1) partial.resize(static_cast<size_t>(slab_rows) * columns);
+    for (int step = 0; step < chunks.steps; step += chunks.per_chunk) {
+      AmxIntegerChunk chunk{&slab, chunks.at(step), partial.data(), column_sums.data(), columns};
+      GetPool().Run(Task{&chunk, RunAmxPanels, columns / kInt8Panel});
+    }
   }
 }
 
@@ -796,13 +812,21 @@ void RunBf16TileProduct(const float* x, const uint32_t* w, const float* bias, in
   } else {
     GetPool().Run(Task{&a, Bf16ToTiles, rows / 16});
   }
-  const TileChunks chunks(rows, kp / kBf16Depth);
   const int columns = (n + kPanel - 1) / kPanel * kPanel;
   thread_local std::vector<float> partial;
-  if (chunks.count() > 1) partial.resize(static_cast<size_t>(rows) * columns);
-  for (int step = 0; step < chunks.steps; step += chunks.per_chunk) {
-    Bf16TileChunk chunk{&a, chunks.at(step), partial.data(), columns};
-    GetPool().Run(Task{&chunk, RunBf16TilePanels, columns / kPanel});
+  for (int s0 = 0; s0 < m; s0 += kSlabRows) {
+    Bf16TileProduct slab = a;
+    slab.tiles = tiles.data() + static_cast<size_t>(s0) * kp;
+    slab.y = y + static_cast<size_t>(s0) * n;
+    slab.residual = residual ? residual + static_cast<size_t>(s0) * n : nullptr;
+    slab.m = m - s0 < kSlabRows ? m - s0 : kSlabRows;
+    const int slab_rows = (slab.m + kAmxRows - 1) / kAmxRows * kAmxRows;
+    const TileChunks chunks(slab_rows, kp / kBf16Depth);
+    if (chunks.count() > 1) partial.resize(static_cast<size_t>(slab_rows) * columns);
+    for (int step = 0; step < chunks.steps; step += chunks.per_chunk) {
+      Bf16TileChunk chunk{&slab, chunks.at(step), partial.data(), columns};
+      GetPool().Run(Task{&chunk, RunBf16TilePanels, columns / kPanel});
+    }
   }
 }
 #endif
