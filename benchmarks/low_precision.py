@@ -4,7 +4,7 @@ One XLA program with a `tf.while_loop` whose body does, per step, 12 layers of b
 matrix-vector products (768 x 3072 and 3072 x 768) plus the 768 x 50257 LM head: the weight reads of a
 GPT-2-small decode step (95 M weights). Each variant stores the weights differently:
 
-* `float32`: `x @ W` with float32 weights (xlagen today);
+* `float32`: `x @ W` with float32 weights (XLA's own dot);
 * `bfloat16`: bfloat16 weights and activations, `x @ W` in bfloat16;
 * `int8-upcast`: int8 weights with a per-column scale, `x @ float(W) * s`;
 * `int8-dot`: int8 weights and dynamically quantised int8 activations, an s8 x s8 -> s32 dot
