@@ -178,7 +178,7 @@ def convert_ctranslate2(folder, output) -> Path:
     heads = int(source["encoder/num_heads"])
     sot, eot, no_timestamps = token("<|startoftranscript|>"), token("<|endoftext|>"), token("<|notimestamps|>")
     languages = {t: i for t, i in backend.get_vocab(with_added_tokens=True).items()
-                 if re.fullmatch(r"<\|[a-z]{2,3}(_[a-z]+)?\|>", t) and t not in ("<|nocaptions|>",)}
+                 if re.fullmatch(r"<\|[a-z]{2,3}\|>", t)}
     multilingual = vocabulary > 51864  # the English-only vocabularies have one regular token fewer
     config = WhisperConfig(
         vocab_size=vocabulary, num_mel_bins=mel_bins, d_model=width,
