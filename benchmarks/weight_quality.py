@@ -82,37 +82,46 @@ def _outputs(model, tokenizer, new_tokens: int, prompt_words: int, same_length: 
     return found
 
 
-def compare(full: list[tuple], packed: list[tuple]) -> dict:
-    """The measures of the module docstring, packed model against float32, from their `outputs`."""
+def logit_measures(pairs) -> dict:
+    """Over (reference, other) pairs of logits `[T, V]` (float64): the max and mean |difference|, the
+    reference's spread (mean std) for scale, the mean KL divergence of other's next-token distribution from
+    the reference's, and how often the top-1 token agrees."""
     import numpy as np
 
-    logits = {"max_abs_diff": 0.0, "sum_abs_diff": 0.0, "count": 0, "kl_sum": 0.0, "positions": 0, "agree": 0}
+    max_difference = difference = kl = 0.0
+    count = positions = agree = 0
     spreads = []
-    generation = {"agree": 0, "tokens": 0, "first_difference": []}
-    for (a, x), (b, y) in zip(full, packed):
-        difference = np.abs(a - b)
-        logits["max_abs_diff"] = max(logits["max_abs_diff"], float(difference.max()))
-        logits["sum_abs_diff"] += float(difference.sum())
-        logits["count"] += difference.size
+    for a, b in pairs:
+        gap = np.abs(a - b)
+        max_difference = max(max_difference, float(gap.max()))
+        difference += float(gap.sum())
+        count += gap.size
         spreads.append(float(a.std()))
         p = np.exp(a - a.max(-1, keepdims=True))
         p /= p.sum(-1, keepdims=True)
         log_q = b - b.max(-1, keepdims=True)
         log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
-        logits["kl_sum"] += float((p * (np.log(p + 1e-300) - log_q)).sum())
-        logits["positions"] += a.shape[0]
-        logits["agree"] += int((a.argmax(-1) == b.argmax(-1)).sum())
+        kl += float((p * (np.log(p + 1e-300) - log_q)).sum())
+        positions += a.shape[0]
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+    return {"logits_max_abs_diff": max_difference, "logits_mean_abs_diff": difference / count,
+            "logits_std": float(np.mean(spreads)), "mean_kl": kl / positions, "top1_agreement": agree / positions,
+            "positions": positions}
+
+
+def compare(full: list[tuple], packed: list[tuple]) -> dict:
+    """The measures of the module docstring, packed model against float32, from their `outputs`."""
+    import numpy as np
+
+    generation = {"agree": 0, "tokens": 0, "first_difference": []}
+    for (_, x), (_, y) in zip(full, packed):
         same = x == y
         generation["agree"] += int(same.sum())
         generation["tokens"] += same.size
         generation["first_difference"].append(int(np.argmin(same)) if not same.all() else None)
     return {
         "texts": len(TEXTS),
-        "logits_max_abs_diff": logits["max_abs_diff"],
-        "logits_mean_abs_diff": logits["sum_abs_diff"] / logits["count"],
-        "logits_std": float(np.mean(spreads)),
-        "mean_kl": logits["kl_sum"] / logits["positions"],
-        "top1_agreement": logits["agree"] / logits["positions"], "positions": logits["positions"],
+        **logit_measures((a, b) for (a, _), (b, _) in zip(full, packed)),
         "greedy_token_agreement": generation["agree"] / generation["tokens"],
         "greedy_first_difference": generation["first_difference"],
     }

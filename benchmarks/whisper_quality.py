@@ -302,7 +302,8 @@ def teacher_forced(model, features: list, tokens: list, kernels) -> list:
 def compare(sentences: list[str], full: list, variant: list, full_logits: list, logits: list) -> dict:
     """The measures of the module docstring for one variant's transcripts and logits against float32's."""
     import jiwer
-    import numpy as np
+
+    from weight_quality import logit_measures
 
     spoken = [normalize(s) for s in sentences]
     reference = [normalize(text) for _, _, text in full]
@@ -312,24 +313,9 @@ def compare(sentences: list[str], full: list, variant: list, full_logits: list, 
         n = min(len(a), len(b))
         agree += int((a[:n] == b[:n]).sum())
         total += len(a)
-    difference = max_difference = kl = top1 = positions = count = 0.0
-    spreads = []
-    for a, b in zip(full_logits, logits):
-        gap = np.abs(a - b)
-        max_difference, difference, count = max(max_difference, float(gap.max())), difference + float(gap.sum()), count + gap.size
-        spreads.append(float(a.std()))
-        p = np.exp(a - a.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        log_q = b - b.max(-1, keepdims=True)
-        log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
-        kl += float((p * (np.log(p + 1e-300) - log_q)).sum())
-        top1 += int((a.argmax(-1) == b.argmax(-1)).sum())
-        positions += a.shape[0]
     return {"clips": len(sentences), "wer": jiwer.wer(spoken, heard), "wer_vs_float32": jiwer.wer(reference, heard),
             "identical_transcripts": sum(x == y for x, y in zip(reference, heard)),
-            "token_agreement": agree / total, "logits_max_abs_diff": max_difference,
-            "logits_mean_abs_diff": difference / count, "logits_std": float(np.mean(spreads)),
-            "mean_kl": kl / positions, "top1_agreement": top1 / positions, "positions": int(positions)}
+            "token_agreement": agree / total, **logit_measures(zip(full_logits, logits))}
 
 
 _CT2_WORKER = """
