@@ -149,7 +149,8 @@ def _attention(tensors: dict, source: dict, prefix: str, target: str, fused: boo
         raise ValueError(f"{prefix}: the keys' projection has a bias, which Whisper's has not")
     for name, weight, bias in zip(("q_proj", "k_proj", "v_proj"), weights, (biases[0], None, biases[2])):
         _linear(tensors, f"{target}.{name}", weight, bias)
-    _linear(tensors, f"{target}.out_proj", source[f"{prefix}/linear_{out}/weight"], source[f"{prefix}/linear_{out}/bias"])
+    projection = f"{prefix}/linear_{out}"
+    _linear(tensors, f"{target}.out_proj", source[f"{projection}/weight"], source[f"{projection}/bias"])
 
 
 def _layer_norm(tensors: dict, source: dict, prefix: str, target: str) -> None:
@@ -299,22 +300,27 @@ def teacher_forced(model, features: list, tokens: list, kernels) -> list:
         return found
 
 
-def compare(sentences: list[str], full: list, variant: list, full_logits: list, logits: list) -> dict:
-    """The measures of the module docstring for one variant's transcripts and logits against float32's."""
+def transcript_measures(sentences: list[str], reference: list[str], texts: list[str]) -> dict:
+    """Word error rates of `texts` against the sentences spoken and against `reference` (float32's
+    transcripts), and how many are the same as the reference's, all after `normalize`."""
     import jiwer
 
+    spoken, reference, texts = ([normalize(t) for t in group] for group in (sentences, reference, texts))
+    return {"wer": jiwer.wer(spoken, texts), "wer_vs_float32": jiwer.wer(reference, texts),
+            "identical_transcripts": sum(a == b for a, b in zip(reference, texts))}
+
+
+def compare(sentences: list[str], full: list, variant: list, full_logits: list, logits: list) -> dict:
+    """The measures of the module docstring for one variant's transcripts and logits against float32's."""
     from weight_quality import logit_measures
 
-    spoken = [normalize(s) for s in sentences]
-    reference = [normalize(text) for _, _, text in full]
-    heard = [normalize(text) for _, _, text in variant]
     agree = total = 0
     for (_, a, _), (_, b, _) in zip(full, variant):
         n = min(len(a), len(b))
         agree += int((a[:n] == b[:n]).sum())
         total += len(a)
-    return {"clips": len(sentences), "wer": jiwer.wer(spoken, heard), "wer_vs_float32": jiwer.wer(reference, heard),
-            "identical_transcripts": sum(x == y for x, y in zip(reference, heard)),
+    return {"clips": len(sentences),
+            **transcript_measures(sentences, [text for *_, text in full], [text for *_, text in variant]),
             "token_agreement": agree / total, **logit_measures(zip(full_logits, logits))}
 
 
@@ -364,8 +370,9 @@ def measure(model_name: str, weight_dtypes: list[str], new_tokens: int, clips: l
     full = transcribe(model, processor, features, None, new_tokens)
     tokens = [np.concatenate([prompt, ids]) for prompt, ids, _ in full]
     full_logits = teacher_forced(model, features, tokens, None)
-    float32 = compare(sentences, full, full, full_logits, full_logits)
-    results = {"float32": {"wer": float32["wer"], "transcripts": [text for _, _, text in full]}, "variants": []}
+    texts = [text for *_, text in full]
+    results = {"float32": {"wer": transcript_measures(sentences, texts, texts)["wer"], "transcripts": texts},
+               "variants": []}
     for name in weight_dtypes:
         weight_dtype, changes = VARIANTS[name]
         packed = TFWhisperForConditionalGeneration.from_pretrained(model_name, weight_dtype=weight_dtype)
@@ -375,19 +382,15 @@ def measure(model_name: str, weight_dtypes: list[str], new_tokens: int, clips: l
         results["variants"].append({"weight_dtype": name, **compare(sentences, full, found, full_logits, logits),
                                     "transcripts": [text for _, _, text in found]})
     if ctranslate2:
-        import jiwer
-
-        spoken = [normalize(s) for s in sentences]
         theirs = ctranslate2_transcripts(*ctranslate2, features, [int(i) for i in full[0][0]], new_tokens,
                                          ["float32", "int8_float32", "int8"])
         results["ctranslate2"] = [
-            {"compute_type": kind, "wer": jiwer.wer(spoken, [normalize(t) for t in texts]),
-             "wer_vs_float32": jiwer.wer([normalize(t) for t in theirs["float32"]], [normalize(t) for t in texts]),
-             "identical_transcripts": sum(normalize(a) == normalize(b) for a, b in zip(theirs["float32"], texts)),
-             "same_as_xlagen_float32": sum(normalize(a) == normalize(b) for a, b in zip(results["float32"]["transcripts"], texts)),
-             "transcripts": texts} for kind, texts in theirs.items()]
+            {"compute_type": kind, **transcript_measures(sentences, theirs["float32"], found),
+             "same_as_xlagen_float32": transcript_measures(sentences, texts, found)["identical_transcripts"],
+             "transcripts": found} for kind, found in theirs.items()]
     results.update(kernels_isa=native.library.isa(), amx_tiles=native.amx_tiles(), clips=len(clips),
-                   voices=list(VOICES), sentences=list(SENTENCES))
+                   clip_names=[path.stem for _, path in clips], spoken=sentences, voices=list(VOICES),
+                   sentences=list(SENTENCES))
     return results
 
 
@@ -397,9 +400,9 @@ def markdown(results: dict, model: str, arguments: str) -> str:
     def row(measure: str, value) -> str:
         return f"| {measure} | " + " | ".join(value(r) for r in variants) + " |"
 
-    clips = [(voice, i, sentence) for voice in results["voices"] for i, sentence in enumerate(results["sentences"])]
-    misses = [f"| {voice} {i} | {normalize(sentence)} | {normalize(text)} |"
-              for (voice, i, sentence), text in zip(clips, results["float32"]["transcripts"])
+    misses = [f"| {name} | {normalize(sentence)} | {normalize(text)} |"
+              for name, sentence, text in zip(results["clip_names"], results["spoken"],
+                                              results["float32"]["transcripts"])
               if normalize(text) != normalize(sentence)]
     theirs = []
     if results.get("ctranslate2"):
