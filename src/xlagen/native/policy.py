@@ -545,11 +545,15 @@ def tracing(kernels: Kernels | None) -> Iterator[Kernels]:
 
     Raises:
         TypeError: kernels is not a `Kernels`.
+        NativeUnavailable: kernels asks for what this CPU or process lacks (`bfloat16_tiles=True` without AMX):
+            here, before anything is traced, not from inside a trace.
     """
     if kernels is None:
         kernels = current()
     if not isinstance(kernels, Kernels):
         raise TypeError(f"kernels must be a xlagen.native.Kernels policy, got {type(kernels).__name__}")
+    if kernels.bfloat16_tiles:
+        kernels.use_bfloat16_tiles()
     token = _active.set(kernels)
     try:
         yield kernels
