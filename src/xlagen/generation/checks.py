@@ -27,6 +27,29 @@ def physical_memory_bytes() -> int | None:
         return None
 
 
+def available_memory_bytes() -> int | None:
+    """Memory this process could still take: the kernel's `MemAvailable`, or less under a cgroup limit (None where
+    the OS does not tell)."""
+    available = None
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+                    break
+    except (OSError, ValueError):
+        return physical_memory_bytes()
+    try:
+        with open("/sys/fs/cgroup/memory.max") as limit_file, open("/sys/fs/cgroup/memory.current") as used_file:
+            limit = limit_file.read().strip()
+            if limit != "max":
+                room = int(limit) - int(used_file.read())
+                available = room if available is None else min(available, room)
+    except (OSError, ValueError):
+        pass
+    return available
+
+
 def _known(tensor: tf.Tensor) -> np.ndarray | None:
     """The tensor's value when it is known before running (eager, constant), else None."""
     return tf.get_static_value(tensor)

@@ -25,6 +25,7 @@ import tensorflow as tf
 from keras import ops
 
 from xlagen import native
+from xlagen.generation import checks
 from xlagen.cache import LayerCache
 from xlagen.generation.loop import Prompt, prefill, write_column
 from xlagen.generation.row_sampling import RowOptions, choose, presence
@@ -80,6 +81,7 @@ class SlotDecoder:
         self.compiles = 0
         self._banned = self._ban_mask(suppress)
         self._banned_first = self._ban_mask(tuple(suppress) + tuple(begin_suppress))
+        self.cache_bytes = self._check_memory(model)
         self._cache = tuple(LayerCache(tf.Variable(k, trainable=False), tf.Variable(v, trainable=False))
                             for k, v in model.init_cache(slots, self.length))
         self._mask = tf.Variable(tf.zeros([slots, self.length], tf.int32), trainable=False)
@@ -90,7 +92,26 @@ class SlotDecoder:
         self._insert = self._compiled(self._insert_program)
         self._step = self._compiled(self._step_program)
         self._shift = self._compiled(self._shift_program)
+        self._shift_cache = self._compiled(self._shift_cache_program)
         self._move = self._compiled(self._move_program)
+
+    def _check_memory(self, model) -> int:
+        """The bytes of the slots' KV cache (and their masks and histories); refuses sizes that would not fit in the
+        memory still available, before allocating them.
+
+        Raises:
+            ValueError: naming the bytes needed and available, and what lowers them.
+        """
+        sizes = [int(np.prod(t.shape)) * t.dtype.size for t in keras.tree.flatten(model.init_cache(1, 1))]
+        need = self.slots * self.length * (sum(sizes) + 8)  # + int32 mask and history per column
+        shifting = self.slots * self.length * max(sizes)  # a shift's copy of one cache variable
+        available = checks.available_memory_bytes()
+        if available is not None and need + shifting > available:
+            raise ValueError(f"the KV cache of {self.slots} slots x {self.length} columns (max_length {self.max_length} "
+                             f"+ {self.margin}) needs {need / 2**30:.2f} GiB, more than the {available / 2**30:.2f} "
+                             "GiB of memory available: lower max_length or the number of slots (xlagen serve: "
+                             "--max-length, --slots)")
+        return need
 
     def _ban_mask(self, ids) -> np.ndarray | None:
         """bool `[V]`, True at `ids` (None without any)."""
@@ -100,53 +121,66 @@ class SlotDecoder:
         mask[[i for i in ids if 0 <= i < self.vocab_size]] = True
         return mask
 
-    def _choose(self, logits, present, options: RowOptions, banned):
+    def _choose(self, logits, present, options: RowOptions, banned, alternatives: int):
         """`row_sampling.choose` with the `banned` ids (a `_ban_mask`) at -inf."""
         if banned is not None:
             logits = tf.where(tf.constant(banned)[None, :], float("-inf"), logits)
-        return choose(logits, present, options)
+        return choose(logits, present, options, alternatives)
 
     def _traced(self):
         """Counts a trace (each one compiles a program at its first call)."""
         self.compiles += 1
 
     def _compiled(self, program):
-        """`program` as an XLA-compiled function traced under this decoder's kernel policy."""
+        """`program` as XLA-compiled functions traced under this decoder's kernel policy: one `tf.function` per
+        signature (the shapes and dtypes of the tensors, the Python values), each traced once, so that a prompt
+        bucket or step width seen for the first time compiles its own program without retracing another."""
+        functions = {}
 
-        def traced(*args, **kwargs):
+        def traced(*args):
             with native.tracing(self.kernels):
-                return program(*args, **kwargs)
+                return program(*args)
 
-        return tf.function(traced, jit_compile=True, autograph=False)
+        def call(*args):
+            key = tuple((tuple(x.shape), x.dtype.name) if hasattr(x, "shape") else x for x in tf.nest.flatten(args))
+            function = functions.get(key)
+            if function is None:  # called as a concrete function: each traces once, by design, never "retraces"
+                function = functions[key] = tf.function(traced, jit_compile=True,
+                                                        autograph=False).get_concrete_function(*args)
+            return function(*args)
+
+        return call
 
     # -- prefill --------------------------------------------------------------------------------------
 
-    def prefill(self, ids: np.ndarray, mask: np.ndarray, extra: dict, options: RowOptions):
-        """Runs P prompts of one bucket together (one program per bucket and P) and chooses their first tokens.
+    def prefill(self, ids: np.ndarray, mask: np.ndarray, extra: dict, options: RowOptions, alternatives: int = 0):
+        """Runs P prompts of one bucket together (one program per bucket, P and A) and chooses their first tokens.
 
         Args:
             ids: int32 `[P, Pb]`, the (decoder) prompts left-padded to their bucket.
             mask: int32 `[P, Pb]`.
             extra: The model's other inputs (an encoder's, padded to their bucket), each `[P, ...]`.
             options: The requests' options, each with P rows.
+            alternatives: A, the most likely tokens to report with each chosen one (0: none).
 
         Returns:
-            An opaque prefill result for `insert`, and `(tokens, logprobs)` as numpy arrays `[P]`.
+            An opaque prefill result for `insert`, and `(tokens [P], logprobs [P], top_ids [P, A],
+            top_logprobs [P, A])` as numpy arrays.
         """
         result = self._prefill(tf.constant(ids, tf.int32), tf.constant(mask, tf.int32),
                                {name: tf.constant(value) for name, value in extra.items()},
-                               RowOptions(*(tf.constant(value) for value in options)))
-        return result, (result[0].numpy(), result[1].numpy())
+                               RowOptions(*(tf.constant(value) for value in options)), alternatives)
+        return result, tuple(result[i].numpy() for i in (0, 1, 4, 5))
 
-    def _prefill_program(self, ids, mask, extra, options: RowOptions):
+    def _prefill_program(self, ids, mask, extra, options: RowOptions, alternatives: int):
         self._traced()
         logits, state = prefill(self.model, Prompt(ids, mask, extra), ids.shape[1])
-        token, logprob = self._choose(logits, lambda: presence(ids, mask > 0, self.vocab_size), options,
-                                      self._banned_first)
+        token, logprob, top_ids, top_logprobs = self._choose(
+            logits, lambda: presence(ids, mask > 0, self.vocab_size), options, self._banned_first, alternatives)
         context = state.context
         if isinstance(context, EncoderContext):
             context = self._padded_context(context.projected(self.model.decoder_blocks))
-        return token, logprob, state.cache, context
+        return token, logprob, state.cache, context, top_ids, top_logprobs
 
     def _padded_context(self, context: EncoderContext) -> EncoderContext:
         """The projected encoder memory (keys `[1, H, D, L]`, values `[1, H, L, D]`, mask `[1, L]`) padded to
@@ -177,7 +211,7 @@ class SlotDecoder:
             index: The current write column, >= Pb.
             row: Which of the P prompts.
         """
-        token, _, cache, context = prefilled
+        token, _, cache, context = prefilled[:4]
         if ids.shape[0] > 1:  # one program per bucket inserts one row: take it out of the batch
             def one(tensor):
                 return tensor[row:row + 1]
@@ -218,7 +252,7 @@ class SlotDecoder:
 
     # -- generate step --------------------------------------------------------------------------------
 
-    def step(self, index: int, options: RowOptions, width: int | None = None):
+    def step(self, index: int, options: RowOptions, width: int | None = None, alternatives: int = 0):
         """Advances the first `width` slots by `steps_per_call` tokens, from column `index` (needs
         `index + k <= S`).
 
@@ -229,9 +263,12 @@ class SlotDecoder:
                 cost less (a step of 16 GPT-2-small rows took 1.7-3.6x one of 1 row on a 2-core AVX2 CPU with
                 the native kernels), and the others keep their state. The step reads the first W rows of the
                 cache in place. Default: all N.
+            alternatives: A, the most likely tokens to report with each chosen one (0: none; each A is a
+                program of its own).
 
         Returns:
-            `(tokens int32 [W, k], logprobs float32 [W, k])` as numpy arrays; rows of free slots are noise.
+            `(tokens int32 [W, k], logprobs float32 [W, k], top_ids int32 [W, k, A], top_logprobs float32
+            [W, k, A])` as numpy arrays; rows of free slots are noise.
         """
         width = self.slots if width is None else width
         if not 1 <= width <= self.slots:
@@ -239,11 +276,11 @@ class SlotDecoder:
         if index + self.steps_per_call > self.length:
             raise ValueError(f"step at column {index} needs {self.steps_per_call} free columns of "
                              f"{self.length}: shift first")
-        tokens, logprobs = self._step(tf.constant(index, tf.int32), RowOptions(*(tf.constant(v) for v in options)),
-                                      width)
-        return tokens.numpy(), logprobs.numpy()
+        outputs = self._step(tf.constant(index, tf.int32), RowOptions(*(tf.constant(v) for v in options)), width,
+                             alternatives)
+        return tuple(output.numpy() for output in outputs)
 
-    def _step_program(self, index, options: RowOptions, width: int):
+    def _step_program(self, index, options: RowOptions, width: int, alternatives: int):
         self._traced()
         everything = width == self.slots
 
@@ -259,7 +296,7 @@ class SlotDecoder:
         columns = tf.range(self.length)
         steps = self.steps_per_call
 
-        def body(i, last, cache, history, tokens, logprobs):
+        def body(i, last, cache, history, tokens, logprobs, top_ids, top_logprobs):
             column = index + i
             history = write_column(history, last, column)
 
@@ -268,25 +305,28 @@ class SlotDecoder:
 
             with native.decoding_step():
                 logits, state = self.model.decode_step(last[:, None], column, DecoderState(cache, mask, context))
-            ids, logprob = self._choose(logits, present, options._replace(step=options.step + i), self._banned)
+            ids, logprob, top, top_logprob = self._choose(logits, present, options._replace(step=options.step + i),
+                                                          self._banned, alternatives)
             return (i + 1, ids, state.cache, history, write_column(tokens, ids, i),
-                    write_column(logprobs, logprob, i))
+                    write_column(logprobs, logprob, i), write_column(top_ids, top, i),
+                    write_column(top_logprobs, top_logprob, i))
 
         # The whole cache goes in, whatever the width: the attention reads the first W rows in place (a copy
         # of the rows cost more than a narrow step's products) and the step writes its column into them.
         cache = keras.tree.map_structure(tf.convert_to_tensor, self._cache)
         loop = (tf.constant(0), rows(self._last), cache, rows(self._history),
-                tf.zeros([width, steps], tf.int32), tf.zeros([width, steps], tf.float32))
+                tf.zeros([width, steps], tf.int32), tf.zeros([width, steps], tf.float32),
+                tf.zeros([width, steps, alternatives], tf.int32), tf.zeros([width, steps, alternatives], tf.float32))
         if steps == 1:
             loop = body(*loop)
         else:
             loop = tf.while_loop(lambda i, *_: i < steps, body, loop, maximum_iterations=steps)
-        _, last, cache, history, tokens, logprobs = loop
+        _, last, cache, history, tokens, logprobs, top_ids, top_logprobs = loop
         for variable, new in zip(keras.tree.flatten(self._cache), keras.tree.flatten(cache)):
             variable.assign(new)
         write(self._history, history)
         write(self._last, last)
-        return tokens, logprobs
+        return tokens, logprobs, top_ids, top_logprobs
 
     # -- move ------------------------------------------------------------------------------------------
 
@@ -314,12 +354,20 @@ class SlotDecoder:
         """
         if not 0 < amount <= index:
             raise ValueError(f"shift amount must be in (0, {index}], got {amount}")
-        self._shift(tf.constant(amount, tf.int32), tf.constant(index - amount, tf.int32))
+        amount = tf.constant(amount, tf.int32)
+        for variable in keras.tree.flatten(self._cache):
+            self._shift_cache(variable, amount)
+        self._shift(amount, tf.constant(index - amount, tf.int32))
+
+    def _shift_cache_program(self, variable, amount):
+        """One cache variable `[N, H, S, D]` rotated left: one program serves every layer, so a shift holds one
+        layer's copy at a time (a program rotating every layer held a copy of the whole cache, which the allocator
+        kept afterwards: 1.2 GB more resident memory for GPT-2 small at 16 slots of 1280 columns)."""
+        self._traced()
+        variable.assign(_roll_left(tf.convert_to_tensor(variable), amount, axis=2))
 
     def _shift_program(self, amount, new_index):
         self._traced()
-        for variable in keras.tree.flatten(self._cache):  # [N, H, S, D]
-            variable.assign(_roll_left(tf.convert_to_tensor(variable), amount, axis=2))
         mask = _roll_left(tf.convert_to_tensor(self._mask), amount, axis=1)
         self._mask.assign(tf.where(tf.range(self.length)[None, :] >= new_index, 1, mask))
         self._history.assign(_roll_left(tf.convert_to_tensor(self._history), amount, axis=1))
