@@ -77,7 +77,7 @@ def row_uniform(seed: tf.Tensor, step: tf.Tensor, vocab_size: int) -> tf.Tensor:
     return (tf.cast(tf.bitwise.right_shift(bits, 8), tf.float32) + 0.5) * (1.0 / 2**24)
 
 
-def choose(logits: tf.Tensor, present, options: RowOptions):
+def choose(logits: tf.Tensor, present, options: RowOptions, alternatives: int = 0):
     """Each row's next token and its log-probability.
 
     Args:
@@ -86,11 +86,14 @@ def choose(logits: tf.Tensor, present, options: RowOptions):
             called when a row has a repetition penalty (the scatter costs about a quarter of a GPT-2-small
             step of 16 rows on a 2-core CPU).
         options: The rows' options.
+        alternatives: A: how many of the most likely tokens of each row's distribution to report too
+            (static; 0: none).
 
     Returns:
-        `(ids int32 [B], logprobs float32 [B])`: greedy rows take the argmax of the penalised logits (their
-        log-softmax gives the logprob); sampling rows draw from the penalised logits divided by the
-        temperature and filtered by top-k and top-p (the logprob is of that distribution).
+        `(ids int32 [B], logprobs float32 [B], top_ids int32 [B, A], top_logprobs float32 [B, A])`: greedy rows
+        take the argmax of the penalised logits (their log-softmax gives the logprob); sampling rows draw from
+        the penalised logits divided by the temperature and filtered by top-k and top-p (the logprob is of that
+        distribution); the top tokens are of the same distribution, most likely first.
     """
     scores = tf.cond(tf.reduce_any(options.repetition_penalty != 1.0),
                      lambda: penalize(logits, present(), options.repetition_penalty), lambda: logits)
@@ -106,5 +109,10 @@ def choose(logits: tf.Tensor, present, options: RowOptions):
         return ids, tf.where(options.do_sample[:, None], warped, scores)
 
     ids, final = tf.cond(tf.reduce_any(options.do_sample), sampled, lambda: (_argmax(scores), scores))
-    logprobs = tf.gather(tf.nn.log_softmax(final, axis=-1), ids[:, None], batch_dims=1)[:, 0]
-    return ids, logprobs
+    distribution = tf.nn.log_softmax(final, axis=-1)
+    logprobs = tf.gather(distribution, ids[:, None], batch_dims=1)[:, 0]
+    if alternatives:
+        top_logprobs, top_ids = tf.math.top_k(distribution, k=alternatives)
+    else:
+        top_logprobs, top_ids = tf.zeros([logits.shape[0], 0]), tf.zeros([logits.shape[0], 0], tf.int32)
+    return ids, logprobs, top_ids, top_logprobs
