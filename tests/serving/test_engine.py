@@ -301,7 +301,7 @@ def test_deadline_ends_a_waiting_request(engine):
 def test_options_object_fields_are_the_stream_options():
     assert set(RequestOptions.field_names()) >= {"max_new_tokens", "stop", "logprobs", "deadline"}
     assert Completion._fields == ("text", "token_ids", "finish_reason", "prompt_tokens", "completion_tokens",
-                                  "logprobs")
+                                  "logprobs", "top_logprobs")
 
 
 @pytest.mark.parametrize("family", ["opt", "mistral", "t5"])

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from conftest import require_extra
-from serving.live_server import running
+from serving.live_server import running, wait_healthy
+from xlagen.serving.text import TokenPieces
 
 require_extra("fastapi", "uvicorn", "prometheus_client", "httpx", "multipart", "jinja2")
 
@@ -113,8 +114,9 @@ def test_n_stop_and_logprobs(text_server, gpt2_model, tokenizer):
     choice = httpx.post(url + "/v1/completions", timeout=60, json={
         "prompt": "Hello world", "max_tokens": 12, "temperature": 0, "logprobs": 0}).json()["choices"][0]
     logprobs = choice["logprobs"]
-    assert logprobs["tokens"] == [tokenizer.convert_ids_to_tokens(i) for i in ids]
+    assert logprobs["tokens"] == [TokenPieces(tokenizer).text_of(i) for i in ids]  # text, not BPE symbols
     assert len(logprobs["token_logprobs"]) == len(ids) and all(lp <= 0 for lp in logprobs["token_logprobs"])
+    assert logprobs["top_logprobs"] is None
     sampled = [httpx.post(url + "/v1/completions", timeout=60, json={
         "prompt": "Hello world", "max_tokens": 8, "temperature": 0.7, "seed": 5}).json() for _ in range(2)]
     assert sampled[0]["choices"][0]["text"] == sampled[1]["choices"][0]["text"]
@@ -164,7 +166,7 @@ def test_beam_search_route(text_server, gpt2_model, tokenizer):
 
 @pytest.mark.parametrize("change, param", [
     ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"n": 0}, "n"), ({"n": 99}, "n"),
-    ({"max_tokens": "8"}, "max_tokens"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": 2}, "logprobs"),
+    ({"max_tokens": "8"}, "max_tokens"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": 21}, "logprobs"),
     ({"presence_penalty": 0.5}, "presence_penalty"), ({"frobnicate": 1}, "frobnicate"), ({"prompt": ""}, "prompt"),
     ({"prompt": [1, 10**6]}, "prompt"), ({"seed": -1}, "seed"), ({"stream_options": {"include_usage": True}},
                                                                 "stream_options"),
@@ -179,7 +181,8 @@ def test_validation_names_the_field(text_server, change, param):
 
 def test_other_errors(text_server):
     url, *_ = text_server
-    bad_json = httpx.post(url + "/v1/completions", content=b"{not json", timeout=30)
+    bad_json = httpx.post(url + "/v1/completions", content=b"{not json", timeout=30,
+                          headers={"Content-Type": "application/json"})
     assert bad_json.status_code == 400 and "JSON" in bad_json.json()["error"]["message"]
     wrong_model = httpx.post(url + "/v1/completions", json={"model": "gpt-4", "prompt": "Hi"}, timeout=30)
     assert wrong_model.status_code == 404 and wrong_model.json()["error"]["param"] == "model"
@@ -247,7 +250,8 @@ def test_api_key_and_body_limit(guarded_server):
         for _ in range(10):
             yield b" " * 500
 
-    assert httpx.post(url + "/v1/completions", content=chunked(), headers=key).status_code == 413
+    assert httpx.post(url + "/v1/completions", content=chunked(),
+                      headers={**key, "Content-Type": "application/json"}).status_code == 413
 
 
 def test_queue_full_deadline_and_disconnect(guarded_server):
@@ -302,16 +306,7 @@ def test_serve_command_drains_on_sigterm(gpt2_checkpoint, tmp_path):
                                 "--compile-cache", str(tmp_path / "cache")], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(process, url, 120)
         result = {}
 
         def long_request():  # the first request compiles (no warm-up), so it is still running at SIGTERM

@@ -75,3 +75,39 @@ def test_a_stop_string_completed_by_the_flushed_bytes_is_a_stop(tokenizer):
     assert "".join(text.add(i)[0] for i in ids) == "o" and text.finish() == ("", True)
     events = token_events(tokenizer, (), ids, None, RequestOptions(stop=("k \ufffd",)), eos_ids=())
     assert events[-1].finish_reason == "stop" and "".join(e.text for e in events) == "o"
+
+
+def _llama2_style_tokenizer(folder):
+    """A SentencePiece-style BPE with byte fallback (Llama 2, Mistral): '▁' for spaces, <0xXX> byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
+                                  show_progress=False)
+    tokenizer.train_from_iterator(["hello world the quick brown fox"] * 10, trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", '
+                                                  '"eos_token": "</s>", "unk_token": "<unk>"}')
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_token_pieces_bytes_join_to_the_text(tokenizer, tmp_path):
+    """Each token's bytes (logprobs' `bytes`) join to the UTF-8 of the text, for byte-level BPE (GPT-2) and
+    SentencePiece with byte fallback; a token holding part of a character is written as its bytes."""
+    from xlagen.serving.text import TokenPieces
+
+    text = "héllo wörld ✓ 日本 the fox"
+    for tok in (tokenizer, _llama2_style_tokenizer(tmp_path / "llama2")):
+        pieces = TokenPieces(tok)
+        ids = tok.encode(text, add_special_tokens=False)
+        joined = b"".join(pieces.bytes_of(i) for i in ids)
+        assert joined.lstrip(b" ") == text.encode("utf-8"), (joined, text)
+        texts = [pieces.text_of(i) for i in ids]
+        assert not any("\u0120" in t or "\u2581" in t for t in texts)  # no BPE symbols ('Ġ', '▁')
+        partial = [t for t, i in zip(texts, ids) if len(pieces.bytes_of(i)) == 1 and pieces.bytes_of(i)[0] >= 0x80]
+        assert partial and all(t.startswith("bytes:\\x") for t in partial)

@@ -41,15 +41,25 @@ def non_negative_int(value: str) -> int:
     return _int_at_least(value, 0)
 
 
-def non_negative_float(value: str) -> float:
-    """argparse type: a finite number >= 0."""
+def _finite_float(value: str, minimum: float, inclusive: bool) -> float:
     try:
         number = float(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
-    if not 0.0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {value}")
+    if not (minimum <= number if inclusive else minimum < number) or not number < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number {'>=' if inclusive else '>'} {minimum:g}, "
+                                         f"got {value}")
     return number
+
+
+def non_negative_float(value: str) -> float:
+    """argparse type: a finite number >= 0."""
+    return _finite_float(value, 0.0, inclusive=True)
+
+
+def positive_float(value: str) -> float:
+    """argparse type: a finite number > 0 (seconds, sizes)."""
+    return _finite_float(value, 0.0, inclusive=False)
 
 
 def random_seed(value: str) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 
 from xlagen.serving.streams import Completion, ContextTooLong, EngineClosed, QueueFull, TokenEvent
 from xlagen.serving.events import completion_of, token_events
-from xlagen.serving.options import RequestOptions
+from xlagen.serving.options import MAX_TOP_LOGPROBS, RequestOptions
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +229,18 @@ class RequestBatcher:
         self._submitted = 0
         self._tokens = 0
 
+    @property
+    def capacity(self) -> int:
+        """Requests it holds at once: one running batch and a full queue."""
+        return self._queue.max_batch + self._queue.max_queue
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt it takes: the model's positions less one new token (decoder-only), else the
+        largest prompt bucket of its generator."""
+        positions = None if self.encoder_decoder else self.model.config.max_positions
+        return positions - 1 if positions else self.generator.buckets.prompt_lengths[-1]
+
     def start(self) -> None:
         """Starts the worker thread."""
         self._queue.start()
@@ -333,12 +345,17 @@ class RequestBatcher:
                                       **_generate_options(options))
         sequences = (out.sequences if options.logprobs else out).numpy()
         new = sequences[:, 1:] if self.encoder_decoder else sequences[:, length:]
-        logprobs = _chosen_logprobs(out.scores, new) if options.logprobs else None
+        logprobs, top = _chosen_logprobs(out.scores, new) if options.logprobs else (None, None)
         results = []
         for row, request in enumerate(requests):
             tokens = new[row, :request.options.max_new_tokens].tolist()
             row_logprobs = None if logprobs is None else logprobs[row, :len(tokens)].tolist()
-            events = token_events(self.tokenizer, request.ids, tokens, row_logprobs, request.options, self.eos_ids)
+            wanted = request.options.top_logprobs
+            row_top = None if not wanted else [
+                [(int(i), float(lp)) for i, lp in zip(*step)] for step in zip(top[1][row, :len(tokens), :wanted],
+                                                                              top[0][row, :len(tokens), :wanted])]
+            events = token_events(self.tokenizer, request.ids, tokens, row_logprobs, request.options, self.eos_ids,
+                                  row_top)
             self._tokens += len(events)
             results.append((events, completion_of(events, len(request.ids), request.options.logprobs)))
         return results
@@ -353,10 +370,13 @@ def _generate_options(options: RequestOptions) -> dict:
     return chosen
 
 
-def _chosen_logprobs(scores, tokens: np.ndarray) -> np.ndarray:
-    """float32 `[B, N]`: the log-softmax of each step's processed scores at the chosen token."""
+def _chosen_logprobs(scores, tokens: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+    """float32 `[B, N]`: the log-softmax of each step's processed scores at the chosen token; and the
+    `MAX_TOP_LOGPROBS` most likely tokens of each step, `(logprobs float32 [B, N, A], ids int32 [B, N, A])`."""
     import tensorflow as tf
 
-    steps = tf.stack(scores, axis=1)[:, :tokens.shape[1]]  # [B, N, V]
-    logprobs = tf.nn.log_softmax(steps, axis=-1).numpy()
-    return np.take_along_axis(logprobs, tokens[:, :logprobs.shape[1], None], axis=-1)[..., 0]
+    steps = tf.nn.log_softmax(tf.stack(scores, axis=1)[:, :tokens.shape[1]], axis=-1)  # [B, N, V]
+    top = tf.math.top_k(steps, k=min(MAX_TOP_LOGPROBS, steps.shape[-1]))
+    logprobs = steps.numpy()
+    chosen = np.take_along_axis(logprobs, tokens[:, :logprobs.shape[1], None], axis=-1)[..., 0]
+    return chosen, (top.values.numpy(), top.indices.numpy())

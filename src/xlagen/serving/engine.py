@@ -23,15 +23,25 @@ from xlagen.generation.row_sampling import RowOptions
 from xlagen.generation.slots import SlotDecoder
 from xlagen.models.base import EncoderDecoderLM
 from xlagen.serving.streams import Completion, ContextTooLong, EngineClosed, EventStream, QueueFull, TokenEvent
-from xlagen.serving.options import RequestOptions
-from xlagen.serving.prompts import Prepared, Prompts
+from xlagen.serving.options import MAX_TOP_LOGPROBS, RequestOptions
+from xlagen.serving.prompts import Prepared, Prompts, bucket_of
 from xlagen.serving.text import TokenText
 
 logger = logging.getLogger(__name__)
 
 FINISH_REASONS = ("stop", "length", "cancelled", "deadline")
-DEFAULT_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)
+ENCODER_PROMPT_BUCKETS = (16, 32, 64, 128, 256, 512)  # an encoder-decoder model's encoder inputs
 DECODER_PROMPT_ROOM = 8  # columns for an encoder-decoder model's decoder prompt (T5: 1, Whisper: up to 4)
+
+
+def default_prompt_buckets(max_length: int, encoder_decoder: bool = False) -> tuple[int, ...]:
+    """Prompt buckets that take every prompt that fits: for a decoder-only model the powers of two from 16 below
+    `max_length`, and `max_length - 1` (a prompt and one new token); for an encoder-decoder model the encoder
+    inputs 16 to 512."""
+    if encoder_decoder:
+        return ENCODER_PROMPT_BUCKETS
+    powers = tuple(2**k for k in range(4, max_length.bit_length()) if 2**k < max_length - 1)
+    return (*powers, max_length - 1) if max_length > 1 else (1,)
 
 
 @dataclass
@@ -50,6 +60,7 @@ class _Request:
     start: int = 0  # first cache column of the request's real tokens
     token_ids: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
     pieces: list = field(default_factory=list)
     completion: Completion | None = None
 
@@ -67,11 +78,13 @@ class Engine:
         tokenizer: Its tokenizer (`encode`, `decode`).
         slots: Requests decoded together (each slot holds one request's KV cache in variables).
         max_length: Columns one request may use: its prompt's real tokens plus its new tokens (default: the
-            model's positions, at most 1024). A request whose prompt and `max_new_tokens` exceed them is refused
-            (`ContextTooLong`); `max_new_tokens=None` asks for as many as fit.
+            model's positions; 1024 for a model without a limit). A request whose prompt and `max_new_tokens`
+            exceed them is refused (`ContextTooLong`); `max_new_tokens=None` asks for as many as fit. Each slot
+            holds a KV cache of `max_length * 1.25` columns (`SlotDecoder`).
         prompt_buckets: Lengths (decoder prompts of decoder-only models, encoder inputs of encoder-decoder
-            models) are padded up to these; each compiles one prefill and one insert program. Default: the
-            powers of two from 16 below `max_length`.
+            models) are padded up to these; each compiles prefill and insert programs when first used (or in
+            `warmup`); a longer prompt is refused (`ContextTooLong`). Default (`default_prompt_buckets`): every
+            prompt that fits `max_length`.
         max_queue: Requests that may wait for a slot; a further one raises `QueueFull`.
         steps_per_call: Tokens every slot advances per compiled step call (1 reacts to new requests fastest).
         step_widths: How many slots a step may advance (each width compiles one step program): a step runs
@@ -99,7 +112,7 @@ class Engine:
                  step_widths: Sequence[int] | None = None, prefill_batch: int = 4, kernels=None):
         positions = getattr(model.config, "max_positions", None)
         if max_length is None:
-            max_length = min(positions or 1024, 1024)
+            max_length = positions or 1024
         if positions is not None and max_length > positions:
             raise ValueError(f"max_length {max_length} exceeds the model's {positions} positions")
         if max_queue < 0:
@@ -112,7 +125,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.encoder_decoder = isinstance(model, EncoderDecoderLM)
         if prompt_buckets is None:
-            prompt_buckets = tuple(b for b in DEFAULT_PROMPT_BUCKETS if b < max_length) or (max_length // 2,)
+            prompt_buckets = default_prompt_buckets(max_length, self.encoder_decoder)
         buckets = tuple(sorted(set(int(b) for b in prompt_buckets)))
         if not buckets or buckets[0] < 1 or (not self.encoder_decoder and buckets[-1] >= max_length):
             raise ValueError(f"prompt_buckets must be >= 1 and (decoder-only models) < max_length {max_length}, "
@@ -147,6 +160,16 @@ class Engine:
 
     # -- public API -----------------------------------------------------------------------------------
 
+    @property
+    def capacity(self) -> int:
+        """Requests it holds at once: one per slot and a full queue."""
+        return self.slots + self.max_queue
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt it takes (an encoder-decoder model's encoder input: its largest bucket)."""
+        return self.prompt_buckets[-1] if self.encoder_decoder else self.max_length - 1
+
     def start(self) -> None:
         """Starts the engine thread (requests submitted before wait in the queue).
 
@@ -174,22 +197,29 @@ class Engine:
         else:
             self._finish_all("cancelled")
 
-    def warmup(self, prompts: Sequence | None = None) -> float:
-        """Compiles the prefill and insert programs of every prompt bucket, the step and the shift, so that
-        no request waits for a compile.
+    def warmup(self, prompts: Sequence | None = None, buckets: Sequence[int] | None = None) -> float:
+        """Compiles the prefill and insert programs of prompt buckets, the steps, the shift and the move, so that
+        no request waits for a compile (a bucket not warmed compiles when its first prompt comes).
 
         Args:
-            prompts: Example prompts whose prefill programs to compile (default: one of each bucket's length;
-                a speech model needs an example of its features).
+            prompts: Example prompts whose prefill programs to compile (a speech model needs an example of its
+                features); default: one of each length in `buckets`.
+            buckets: Prompt lengths whose buckets to compile (default: every bucket).
 
         Returns:
             The seconds it took.
 
         Raises:
             RuntimeError: while requests are running or waiting.
+            ValueError: for a length beyond the largest bucket.
         """
         started = time.perf_counter()
-        examples = prompts if prompts is not None else [[0] * bucket for bucket in self.prompt_buckets]
+        if prompts is not None:
+            examples = prompts
+        else:
+            lengths = self.prompt_buckets if buckets is None else sorted({bucket_of(int(b), self.prompt_buckets)
+                                                                          for b in buckets})
+            examples = [[0] * length for length in lengths]
         with self._device:
             if self._active or self._waiting:
                 raise RuntimeError("Engine.warmup runs before requests arrive (requests are running or waiting)")
@@ -254,8 +284,8 @@ class Engine:
             A dict: `queue_depth`, `active_slots`, `slots`, `tokens_generated`, `requests_submitted`,
             `requests_finished` (a dict by finish reason), `prefills`, `steps`, `shifts`, `moves` (requests packed
             into lower slots for a narrower step), `compiles` (programs
-            traced and compiled so far), `warm` (whether `warmup` ran), `running` (the engine thread is
-            alive).
+            traced and compiled so far), `cache_bytes` (the slots' KV cache, masks and histories), `warm`
+            (whether `warmup` ran), `running` (the engine thread is alive).
         """
         with self._lock:
             counters = dict(self._counters)
@@ -265,7 +295,7 @@ class Engine:
                     "requests_finished": {reason: counters.get(reason, 0) for reason in FINISH_REASONS},
                     "prefills": counters.get("prefills", 0), "steps": counters.get("steps", 0),
                     "shifts": counters.get("shifts", 0), "moves": counters.get("moves", 0),
-                    "compiles": self._decoder.compiles,
+                    "compiles": self._decoder.compiles, "cache_bytes": self._decoder.cache_bytes,
                     "warm": self._warm, "running": self._thread is not None and self._thread.is_alive()}
 
     # -- requests -------------------------------------------------------------------------------------
@@ -278,7 +308,12 @@ class Engine:
         for token_id in options.stop_token_ids:
             if token_id >= vocab:
                 raise ValueError(f"stop_token_ids holds {token_id}, outside the vocabulary [0, {vocab})")
-        prepared = self._prompts.prepare(prompt)
+        try:
+            prepared = self._prompts.prepare(prompt)
+        except ContextTooLong as error:  # past the largest bucket: name max_length when that is what it exceeds
+            if not self.encoder_decoder and error.prompt_tokens >= self.max_length:
+                raise ContextTooLong(error.prompt_tokens, None, self.max_length) from None
+            raise
         if prepared.ids.shape[1] > self._start_column:
             raise ValueError(f"a decoder prompt of {prepared.ids.shape[1]} tokens is longer than the "
                              f"{self._start_column} the slots leave for it")
@@ -395,7 +430,8 @@ class Engine:
         its first token."""
         ids, mask, extra, options = self._batch([r.prepared for r in requests], [r.options for r in requests],
                                                 [r.seed for r in requests])
-        prefilled, (tokens, logprobs) = self._decoder.prefill(ids, mask, extra, options)
+        prefilled, (tokens, logprobs, top_ids, top_logprobs) = self._decoder.prefill(
+            ids, mask, extra, options, self._alternatives(requests))
         for row, (request, slot) in enumerate(zip(requests, slots)):
             self._decoder.insert(prefilled, ids, mask, slot, self._index, row=row)
             request.slot, request.start = slot, self._index - request.prepared.real_length
@@ -403,7 +439,13 @@ class Engine:
             self._set_options(slot, request)
         self._counters["prefills"] += len(requests)
         for row, request in enumerate(requests):
-            self._emit(request, int(tokens[row]), float(logprobs[row]))
+            self._emit(request, int(tokens[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
+
+    @staticmethod
+    def _alternatives(requests) -> int:
+        """How many top tokens a program must report for `requests`: all that any request may ask for, so that
+        one program (per shape) serves every request that asks for some."""
+        return MAX_TOP_LOGPROBS if any(request.options.top_logprobs for request in requests) else 0
 
     def _compact(self) -> None:
         """Moves the requests in the highest slots into free lower ones when that lets a narrower step program
@@ -434,19 +476,26 @@ class Engine:
             self._counters["shifts"] += 1
         self._compact()
         width = next(w for w in self.step_widths if w > max(self._active))
-        tokens, logprobs = decoder.step(self._index, self._width_options(width), width)
+        tokens, logprobs, top_ids, top_logprobs = decoder.step(self._index, self._width_options(width), width,
+                                                               self._alternatives(self._active.values()))
         self._index += steps
         self._counters["steps"] += 1
         for slot, request in list(self._active.items()):
-            for token, logprob in zip(tokens[slot], logprobs[slot]):
-                self._emit(request, int(token), float(logprob))
+            for step, (token, logprob) in enumerate(zip(tokens[slot], logprobs[slot])):
+                self._emit(request, int(token), float(logprob), top_ids[slot, step], top_logprobs[slot, step])
                 if request.finished:
                     break
 
-    def _emit(self, request: _Request, token: int, logprob: float) -> None:
+    def _emit(self, request: _Request, token: int, logprob: float, top_ids: np.ndarray,
+              top_logprobs: np.ndarray) -> None:
         """Hands one new token to the request's consumer; ends the request when it is done."""
         request.token_ids.append(token)
         request.logprobs.append(logprob)
+        top = None
+        if request.options.top_logprobs:
+            wanted = request.options.top_logprobs
+            top = tuple((int(i), float(lp)) for i, lp in zip(top_ids[:wanted], top_logprobs[:wanted]))
+            request.top_logprobs.append(top)
         self._options.step[request.slot] += 1
         with self._lock:
             self._counters["tokens"] += 1
@@ -455,7 +504,7 @@ class Engine:
         if finish == "length":  # the held-back text may complete a stop string
             rest, stopped = request.text.finish()
             text, finish = text + rest, "stop" if stopped else finish
-        self._deliver(request, TokenEvent(token, text, logprob if request.options.logprobs else None, finish))
+        self._deliver(request, TokenEvent(token, text, logprob if request.options.logprobs else None, finish, top))
         if finish is not None:
             self._finish(request, finish, event=False)
 
@@ -464,8 +513,9 @@ class Engine:
             request.pieces.append(event.text)
         if event.finish_reason is not None:
             logprobs = tuple(request.logprobs) if request.options.logprobs else None
+            top = tuple(request.top_logprobs) if request.options.top_logprobs else None
             request.completion = Completion("".join(request.pieces), tuple(request.token_ids), event.finish_reason,
-                                            request.prepared.prompt_tokens, len(request.token_ids), logprobs)
+                                            request.prepared.prompt_tokens, len(request.token_ids), logprobs, top)
         try:
             request.deliver(event)
         except RuntimeError:  # the consumer's event loop is closed

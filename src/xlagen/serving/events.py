@@ -13,7 +13,7 @@ from xlagen.serving.text import TokenText
 
 
 def token_events(tokenizer, prompt: Sequence[int], tokens: Sequence[int], logprobs: Sequence[float] | None,
-                 options: RequestOptions, eos_ids: Sequence[int]) -> list[TokenEvent]:
+                 options: RequestOptions, eos_ids: Sequence[int], top_logprobs=None) -> list[TokenEvent]:
     """The events of a request whose tokens are all known.
 
     Args:
@@ -23,6 +23,7 @@ def token_events(tokenizer, prompt: Sequence[int], tokens: Sequence[int], logpro
         logprobs: One log-probability per token, or None.
         options: The request's options (`stop`, `stop_token_ids`).
         eos_ids: The model's EOS ids.
+        top_logprobs: Per token, `(id, logprob)` pairs of the most likely tokens, or None.
 
     Returns:
         The events; the last has the finish reason ("stop" or "length").
@@ -36,7 +37,8 @@ def token_events(tokenizer, prompt: Sequence[int], tokens: Sequence[int], logpro
         if last and not ended:  # the held-back text may complete a stop string
             rest, ended = text_rules.finish()
             text += rest
-        events.append(TokenEvent(int(token), text, logprob, "stop" if ended else "length" if last else None))
+        top = None if top_logprobs is None else tuple(top_logprobs[index])
+        events.append(TokenEvent(int(token), text, logprob, "stop" if ended else "length" if last else None, top))
         if ended:
             break
     return events
@@ -46,5 +48,6 @@ def completion_of(events: Sequence[TokenEvent], prompt_tokens: int, logprobs: bo
     """The `Completion` made of a request's events."""
     ids = tuple(e.token_id for e in events if e.token_id is not None)
     reason = events[-1].finish_reason if events else "length"
+    top = tuple(e.top_logprobs for e in events) if events and events[0].top_logprobs is not None else None
     return Completion("".join(e.text for e in events), ids, reason, prompt_tokens, len(ids),
-                      tuple(e.logprob for e in events) if logprobs else None)
+                      tuple(e.logprob for e in events) if logprobs else None, top)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from xlagen.generation.config import checked_float, checked_int
 
 _INT64_MAX = 2**63 - 1
+MAX_TOP_LOGPROBS = 20  # as OpenAI's chat completions
 
 
 def _bool(name: str, value) -> bool:
@@ -50,6 +51,8 @@ class RequestOptions:
             the text from the stop string on is left out of the output.
         logprobs: Report the log-probability of each generated token (after temperature, top-k and top-p,
             the distribution it was drawn from; log-softmax of the penalised logits for greedy decoding).
+        top_logprobs: With `logprobs`, also report the `top_logprobs` most likely tokens of each step's
+            distribution with their log-probabilities (0 to 20).
         num_beams: Beam search width; the slot engine decodes 1 beam only and refuses more (beam search
             runs on the request-level path, `CompiledGenerator`).
         deadline: Seconds the request may take from submission (None: no limit); a request still queued
@@ -70,6 +73,7 @@ class RequestOptions:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     logprobs: bool = False
+    top_logprobs: int = 0
     num_beams: int = 1
     deadline: float | None = None
 
@@ -77,7 +81,7 @@ class RequestOptions:
         def set_(name, value):
             object.__setattr__(self, name, value)
 
-        for name in ("max_new_tokens", "top_k", "num_beams"):
+        for name in ("max_new_tokens", "top_k", "top_logprobs", "num_beams"):
             if name != "max_new_tokens" or self.max_new_tokens is not None:
                 set_(name, checked_int(name, getattr(self, name)))
         for name in ("temperature", "top_p", "repetition_penalty"):
@@ -117,6 +121,10 @@ class RequestOptions:
         for text in self.stop:
             if not text:
                 raise ValueError("stop must not hold an empty string")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
         if self.num_beams < 1:
             raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
         if self.deadline is not None and not self.deadline > 0.0:

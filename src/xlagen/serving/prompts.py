@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from xlagen.models.base import EncoderDecoderLM
+from xlagen.serving.streams import ContextTooLong
 
 
 @dataclass
@@ -24,11 +25,12 @@ class Prepared:
 
 
 def bucket_of(length: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket >= `length` (ValueError past the largest)."""
+    """The smallest bucket >= `length` (`ContextTooLong`, a ValueError, past the largest)."""
     index = bisect.bisect_left(buckets, length)
     if index == len(buckets):
-        raise ValueError(f"prompt of {length} tokens is longer than the largest prompt bucket {buckets[-1]} "
-                         f"(prompt_buckets={buckets}); shorten it or build the Engine with larger buckets")
+        raise ContextTooLong(length, None, buckets[-1], message=(
+            f"prompt of {length} tokens is longer than the largest prompt bucket {buckets[-1]} (prompt_buckets="
+            f"{buckets}); shorten it or build the Engine with larger buckets"))
     return buckets[index]
 
 

@@ -15,6 +15,9 @@ import time
 import uuid
 from typing import Any
 
+from xlagen.serving.options import MAX_TOP_LOGPROBS
+from xlagen.serving.text import IncrementalDecoder
+
 _SEED_LIMIT = 2**63 - 1
 
 
@@ -46,6 +49,7 @@ class Sampling:
     repetition_penalty: float
     num_beams: int
     logprobs: bool
+    top_logprobs: int  # alternatives reported per token (0..20), with logprobs
     stream: bool
     include_usage: bool
     max_tokens_name: str = "max_tokens"
@@ -55,8 +59,8 @@ class Sampling:
         sample = self.temperature > 0 and self.num_beams == 1
         options = dict(max_new_tokens=self.max_tokens, do_sample=sample, top_p=self.top_p, top_k=self.top_k,
                        repetition_penalty=self.repetition_penalty, stop=self.stop,
-                       stop_token_ids=self.stop_token_ids, logprobs=self.logprobs, num_beams=self.num_beams,
-                       deadline=deadline)
+                       stop_token_ids=self.stop_token_ids, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
+                       num_beams=self.num_beams, deadline=deadline)
         if sample:
             options["temperature"] = self.temperature
             if self.seed is not None:
@@ -138,10 +142,20 @@ def check_fields(body: Any, allowed: frozenset[str]) -> dict:
     return body
 
 
-def parse_sampling(body: dict, *, max_n: int, vocab_size: int, logprobs: bool, max_tokens_name: str = "max_tokens",
-                   default_max_tokens: int | None = 16) -> Sampling:
+def _beam_conflicts(body: dict) -> None:
+    """Refuses the sampling fields with beam search, which does not sample: never ignored silently."""
+    for name, neutral in (("temperature", (None, 0, 0.0)), ("top_p", (None, 1, 1.0)), ("top_k", (None, 0, -1)),
+                          ("seed", (None,))):
+        if body.get(name) not in neutral:
+            raise RequestError(f"{name} does not apply to beam search (num_beams > 1 does not sample): leave it out"
+                               + (" or set it to 0" if name == "temperature" else ""), name)
+
+
+def parse_sampling(body: dict, *, max_n: int, vocab_size: int, logprobs: bool, top_logprobs: int = 0,
+                   max_tokens_name: str = "max_tokens", default_max_tokens: int | None = 16) -> Sampling:
     """The decoding fields of a completions or chat body, checked (`default_max_tokens` None: as many new
-    tokens as fit the model's context, as OpenAI's chat completions do).
+    tokens as fit the model's context, as OpenAI's chat completions do; `top_logprobs`: alternatives per
+    token, with `logprobs`).
 
     Raises:
         RequestError: naming the first bad field.
@@ -164,6 +178,8 @@ def parse_sampling(body: dict, *, max_n: int, vocab_size: int, logprobs: bool, m
         raise RequestError("n > 1 cannot be combined with num_beams > 1: beam search returns its best beam", "n")
     if num_beams > 1 and logprobs:
         raise RequestError("logprobs cannot be combined with num_beams > 1", "logprobs")
+    if num_beams > 1:
+        _beam_conflicts(body)
     top_k = _integer(body, "top_k", 0, -1, vocab_size)
     return Sampling(
         max_tokens=_integer(body, max_tokens_name, default_max_tokens, 1, 1 << 20),
@@ -172,8 +188,8 @@ def parse_sampling(body: dict, *, max_n: int, vocab_size: int, logprobs: bool, m
         top_k=max(top_k, 0), n=n, seed=_integer(body, "seed", None, 0, _SEED_LIMIT),
         stop=_stop(body), stop_token_ids=_stop_token_ids(body, vocab_size),
         repetition_penalty=_number(body, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True),
-        num_beams=num_beams, logprobs=logprobs, stream=stream, include_usage=include_usage,
-        max_tokens_name=max_tokens_name)
+        num_beams=num_beams, logprobs=logprobs, top_logprobs=top_logprobs, stream=stream,
+        include_usage=include_usage, max_tokens_name=max_tokens_name)
 
 
 def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
@@ -194,6 +210,35 @@ def parse_prompts(body: dict, vocab_size: int) -> list[str | list[int]]:
                        f"[0, {vocab_size}) or a list of such lists", "prompt")
 
 
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_messages(messages) -> list[dict]:
+    """Chat messages as the template expects them: role and text content (text parts joined); OpenAI's
+    `developer` role, which chat templates do not know, as `system`."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    checked = []
+    for number, message in enumerate(messages):
+        where = f"messages[{number}]"
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise RequestError(f"{where} must be an object with a role in {list(_ROLES)}", where)
+        content = message.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise RequestError(f"{where}.content: only text parts are supported", f"{where}.content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+        unknown = set(message) - {"role", "content", "name"}
+        if unknown:
+            raise RequestError(f"{where} has unsupported field(s) {sorted(unknown)}", where)
+        role = "system" if message["role"] == "developer" else message["role"]
+        checked.append({**message, "role": role, "content": content})
+    return checked
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -209,20 +254,44 @@ def envelope(kind: str, response_id: str, model: str, choices: list, created: in
             "choices": choices}
 
 
-def completion_logprobs(tokenizer, token_ids, texts, logprobs) -> dict:
-    """The legacy completions `logprobs` object (no alternatives: `top_logprobs` is null)."""
-    offsets, position = [], 0
+def _top(pieces, alternatives) -> list:
+    return [(pieces.text_of(token_id), logprob, token_id) for token_id, logprob in alternatives]
+
+
+def completion_logprobs(pieces, token_ids, logprobs, alternatives=None, texts=None, offset: int = 0) -> dict:
+    """The legacy completions `logprobs` object: each token's text, log-probability and (with `alternatives`,
+    one list of `(id, logprob)` per token) the most likely tokens at its step.
+
+    Args:
+        pieces: A `TokenPieces` of the tokenizer.
+        token_ids: The generated ids.
+        logprobs: Their log-probabilities.
+        alternatives: Per token, `(id, logprob)` pairs, most likely first; None without.
+        texts: The text each token adds to the completion (for `text_offset`: '' for a token that ends no
+            character); default: decoded here.
+        offset: The character offset of the first token in the completion's text.
+    """
+    if texts is None:
+        decoder = IncrementalDecoder(pieces.tokenizer)
+        texts = [decoder.add(i) for i in token_ids]
+    offsets = []
     for text in texts:
-        offsets.append(position)
-        position += len(text)
-    return {"tokens": [tokenizer.convert_ids_to_tokens(int(i)) for i in token_ids],
-            "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+        offsets.append(offset)
+        offset += len(text)
+    top = None if alternatives is None else [
+        {text: logprob for text, logprob, _ in _top(pieces, step)} for step in alternatives]
+    return {"tokens": [pieces.text_of(i) for i in token_ids], "token_logprobs": [float(lp) for lp in logprobs],
+            "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(tokenizer, token_ids, logprobs) -> dict:
-    """The chat `logprobs` object: one entry per token, without alternatives."""
+def chat_logprobs(pieces, token_ids, logprobs, alternatives=None) -> dict:
+    """The chat `logprobs` object: per token its text, log-probability, UTF-8 bytes and the most likely tokens
+    at its step (`top_logprobs`, empty without `alternatives`)."""
     content = []
-    for token_id, logprob in zip(token_ids, logprobs):
-        text = tokenizer.decode([int(token_id)])
-        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")), "top_logprobs": []})
+    for number, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+        top = [] if alternatives is None else [
+            {"token": text, "logprob": float(lp), "bytes": list(pieces.bytes_of(i))}
+            for text, lp, i in _top(pieces, alternatives[number])]
+        content.append({"token": pieces.text_of(token_id), "logprob": float(logprob),
+                        "bytes": list(pieces.bytes_of(token_id)), "top_logprobs": top})
     return {"content": content}

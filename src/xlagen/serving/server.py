@@ -1,60 +1,48 @@
-"""An OpenAI-compatible HTTP server on xlagen's serving backends (FastAPI; run it with uvicorn).
+"""An OpenAI-compatible HTTP server on xlagen's serving backends (FastAPI; run it with
+`xlagen.serving.http.server_for`, or uvicorn).
 
 `create_app` takes the backends already built: `text` (the slot `Engine`, or a `RequestBatcher`) serves
 completions with one beam, `beams` (a `RequestBatcher`) those with `num_beams > 1`, `speech` (a
-`TranscriptionBatcher`) the audio route. The app starts them and warms them up when it starts (`/health`
+`TranscriptionBatcher`) the audio routes. The app starts them and warms them up when it starts (`/health`
 answers 503 until the warm-up has finished), and closes them when it stops, after the requests in flight
 (uvicorn stops accepting connections on SIGTERM and waits for them: a graceful drain).
 
-Protection: a request body over `max_body_bytes` gets 413; with an API key, `/v1/*` needs
-`Authorization: Bearer KEY` (401 otherwise; compared in constant time); a full queue gives 429 with
-`Retry-After`; a request that outlives `request_timeout` is ended (504, or an error event when streaming);
-a client that disconnects cancels its request, freeing its slot.
+Protection: `xlagen.serving.guard` checks Host, Origin, the API key, Content-Type and the body (size, time)
+before a route runs. A route never does work on the event loop that grows with its input: prompts are
+capped in characters, then tokenized (and chat templates rendered) on a small thread pool. A request that
+can never fit the backend's slots and queue is 400; a full queue gives 429 with `Retry-After`; a request that
+outlives `request_timeout` is ended (504, or an error event when streaming); a client that disconnects
+cancels its request, freeing its slot; a request whose prompts partly fail to enter the queue cancels the
+rest at once. Every error, the framework's own 404, 405 and 422 included, is OpenAI's error JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
-import hmac
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from xlagen.serving import protocol
-from xlagen.serving.streams import ContextTooLong, EngineClosed, QueueFull
+from xlagen.serving.errors import install_error_handlers
+from xlagen.serving.guard import JSON, MULTIPART, Guard
 from xlagen.serving.metrics import CONTENT_TYPE, ServingMetrics
+from xlagen.serving.options import MAX_TOP_LOGPROBS
 from xlagen.serving.protocol import RequestError
+from xlagen.serving.settings import ServerSettings
+from xlagen.serving.streams import ContextTooLong
+from xlagen.serving.text import TokenPieces
 
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerSettings:
-    """How the server behaves.
-
-    Attributes:
-        model_name: The id `/v1/models` lists and requests may name.
-        api_key: Required as `Authorization: Bearer ...` on `/v1/*` when set.
-        max_body_bytes: Larger request bodies get 413.
-        request_timeout: Seconds a request may take (its deadline); None for no limit.
-        max_n: Largest `n` (choices per prompt) accepted.
-        retry_after: Seconds announced in `Retry-After` with a 429.
-    """
-
-    model_name: str
-    api_key: str | None = None
-    max_body_bytes: int = 25 * 1024 * 1024
-    request_timeout: float | None = 600.0
-    max_n: int = 8
-    retry_after: int = 1
 
 
 @dataclasses.dataclass
@@ -74,64 +62,6 @@ class Backends:
             if backend is not None and id(backend) not in unique:
                 unique[id(backend)] = (name, backend)
         return dict(unique.values())
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _Guard:
-    """ASGI middleware: the body size limit (413) and the API key of `/v1/*` (401)."""
-
-    def __init__(self, app, settings: ServerSettings, on_response: Callable[[str, int], None]):
-        self.app, self.settings, self.on_response = app, settings, on_response
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def tracking_send(message):
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                self.on_response(scope["path"], message["status"])
-            await send(message)
-
-        started = False
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.settings.api_key is not None and scope["path"].startswith("/v1"):
-            given = headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                     self.settings.api_key.encode()):
-                return await _error(RequestError("a valid API key is required: Authorization: Bearer KEY",
-                                                 status=401, error_type="authentication_error",
-                                                 code="invalid_api_key"))(scope, receive, tracking_send)
-        limit = self.settings.max_body_bytes
-        too_large = RequestError(f"the request body exceeds {limit} bytes", status=413, code="request_too_large")
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            return await _error(too_large)(scope, receive, tracking_send)
-        received = 0
-
-        async def counting_receive():
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > limit:
-                    raise _BodyTooLarge
-            return message
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
-                await _error(too_large)(scope, receive, tracking_send)
-
-
-def _error(error: RequestError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def _json_body(request: Request) -> Any:
@@ -160,6 +90,22 @@ async def _until_disconnected(request: Request, work: asyncio.Task):
             work.cancel()
 
 
+async def _all_or_none(awaitables: list[Awaitable]) -> list:
+    """The results of `awaitables`, run together; the first to fail cancels the others at once (a request whose
+    third prompt is refused does not go on decoding the first two)."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()
+        return [task.result() for task in tasks]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @dataclasses.dataclass
 class _Job:
     """One choice of a request: which prompt, which backend, which options."""
@@ -179,12 +125,34 @@ class _App:
         self.metrics = ServingMetrics(backends.named)
         self.ready = threading.Event()
         self.draining = False
+        self.drain_event: asyncio.Event | None = None
         self.warmup_error: BaseException | None = None
+        # Tokenizing and rendering chat templates: off the event loop, two at a time at most.
+        self._text_pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="xlagen-tokenize")
+        self._pieces: TokenPieces | None = None
+        self.max_prompt_chars = self._prompt_char_limit()
+
+    def _prompt_char_limit(self) -> int:
+        """Characters a text prompt may have: as many as the longest prompt the text backends take could hold,
+        each token at its longest, so no prompt that fits is refused and a 10 MB one is never tokenized."""
+        limits = [getattr(backend, "max_prompt_tokens", None) for backend in (self.backends.text, self.backends.beams)
+                  if backend is not None]
+        tokens = max([limit for limit in limits if limit] or [0])
+        vocab = self.tokenizer.get_vocab() if tokens and hasattr(self.tokenizer, "get_vocab") else {}
+        longest = max((len(token) for token in vocab), default=16)
+        return max(tokens * longest, 1)
 
     # lifecycle
     def start(self) -> None:
+        self.drain_event = asyncio.Event()
         for backend in self.backends.named().values():
             backend.start()
+
+    def begin_drain(self) -> None:
+        """The server stops taking connections: `/health` says so, and bodies still arriving are refused."""
+        self.draining = True
+        if self.drain_event is not None:
+            self.drain_event.set()
 
     def warm_up(self) -> None:
         started = time.perf_counter()
@@ -200,6 +168,7 @@ class _App:
     def close(self) -> None:
         for backend in self.backends.named().values():
             backend.close(drain=True)
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     # routes
     def health(self) -> Response:
@@ -211,18 +180,53 @@ class _App:
             return JSONResponse({"status": "warming up"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    def _model_card(self) -> dict:
+        return {"id": self.settings.model_name, "object": "model", "created": 0, "owned_by": "xlagen"}
+
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.settings.model_name, "object": "model", "created": 0,
-                                            "owned_by": "xlagen"}]}
+        return {"object": "list", "data": [self._model_card()]}
+
+    def model(self, model_id: str) -> dict:
+        self._check_model({"model": model_id})
+        return self._model_card()
 
     def _check_model(self, body: dict) -> None:
         name = body.get("model")
         if name is not None and name != self.settings.model_name:
             raise RequestError(f"the model '{name}' does not exist; this server serves '{self.settings.model_name}'",
-                               "model", status=404, code="model_not_found")
+                               "model", status=404, error_type="not_found_error", code="model_not_found")
 
     def _vocab_size(self) -> int:
         return len(self.tokenizer)
+
+    @property
+    def pieces(self) -> TokenPieces:
+        if self._pieces is None:
+            self._pieces = TokenPieces(self.tokenizer)
+        return self._pieces
+
+    async def _off_loop(self, function, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, function, *args)
+
+    def _check_chars(self, text: str, param: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise RequestError(f"the {param} has {len(text)} characters, more than the {self.max_prompt_chars} the "
+                               "longest prompt this server takes can hold: shorten it", param,
+                               code="context_length_exceeded")
+
+    async def _tokenized(self, prompts: list) -> list[list[int]]:
+        """Text prompts as ids (capped in characters, encoded off the event loop); id prompts as they are."""
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self._check_chars(prompt, "prompt")
+        texts = [prompt for prompt in prompts if isinstance(prompt, str)]
+        if not texts:
+            return prompts
+        encoded = iter(await self._off_loop(lambda: [self.tokenizer.encode(text) for text in texts]))
+        ids = [list(next(encoded)) if isinstance(prompt, str) else prompt for prompt in prompts]
+        if any(not row for row in ids):
+            raise RequestError("a prompt encodes to no tokens", "prompt")
+        return ids
 
     async def completions(self, request: Request) -> Response:
         body = protocol.check_fields(await _json_body(request), protocol.COMMON_FIELDS | {
@@ -230,15 +234,12 @@ class _App:
         self._check_model(body)
         protocol._neutral(body, "echo", (None, False))
         protocol._neutral(body, "suffix", (None, ""))
-        logprobs = body.get("logprobs")
-        if logprobs is not None and (isinstance(logprobs, bool) or logprobs != 0):
-            raise RequestError("logprobs: only 0 is supported (the chosen tokens' log-probabilities, without "
-                               f"alternatives), got {logprobs!r}", "logprobs")
+        logprobs = protocol._integer(body, "logprobs", None, 0, MAX_TOP_LOGPROBS)
         sampling = protocol.parse_sampling(body, max_n=self.settings.max_n, vocab_size=self._vocab_size(),
-                                           logprobs=logprobs is not None)
+                                           logprobs=logprobs is not None, top_logprobs=logprobs or 0)
         if body.get("best_of") not in (None, sampling.n):
             raise RequestError(f"best_of must equal n ({sampling.n}) when given, got {body['best_of']!r}", "best_of")
-        prompts = protocol.parse_prompts(body, self._vocab_size())
+        prompts = await self._tokenized(protocol.parse_prompts(body, self._vocab_size()))
         return await self._respond(request, "text_completion", prompts, sampling)
 
     @staticmethod
@@ -265,26 +266,43 @@ class _App:
         if body.get("response_format") not in (None, {"type": "text"}):
             raise RequestError("response_format: only {\"type\": \"text\"} is supported", "response_format")
         logprobs = protocol._boolean(body, "logprobs", False)
-        if body.get("top_logprobs") not in (None, 0):
-            raise RequestError("top_logprobs: only 0 is supported (no alternatives are reported)", "top_logprobs")
+        top_logprobs = protocol._integer(body, "top_logprobs", 0, 0, MAX_TOP_LOGPROBS)
+        if top_logprobs and not logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         sampling = protocol.parse_sampling(body, max_n=self.settings.max_n, vocab_size=self._vocab_size(),
-                                           logprobs=logprobs, max_tokens_name=name, default_max_tokens=None)
-        messages = _check_messages(body.get("messages"))
+                                           logprobs=logprobs, top_logprobs=top_logprobs, max_tokens_name=name,
+                                           default_max_tokens=None)
+        messages = protocol.parse_messages(body.get("messages"))
+        self._check_chars("".join(message["content"] for message in messages), "messages")
+
+        def render() -> list[int]:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            ids = await self._off_loop(render)
         except Exception as error:  # noqa: BLE001 - a template error (raise_exception) is the request's fault
             raise RequestError(f"the chat template failed on these messages: {error}", "messages") from None
-        return await self._respond(request, "chat.completion", [list(ids)], sampling)
+        return await self._respond(request, "chat.completion", [ids], sampling)
 
     def _jobs(self, prompts: list, sampling: protocol.Sampling) -> list[_Job]:
-        backend = self.backends.beams if sampling.num_beams > 1 else self.backends.text
+        beams = sampling.num_beams > 1
+        backend = self.backends.beams if beams else self.backends.text
         if backend is None:
-            raise RequestError("num_beams > 1 is not served by this server" if sampling.num_beams > 1
-                               else "this server serves no text model", "num_beams" if sampling.num_beams > 1
-                               else None)
-        return [_Job(p * sampling.n + j, prompt, backend, sampling.options(j, self.settings.request_timeout))
+            raise RequestError("num_beams > 1 is not served by this server" if beams
+                               else "this server serves no text model", "num_beams" if beams else None)
+        if beams and sampling.num_beams not in self.settings.beam_sizes:
+            raise RequestError(f"num_beams must be 1 or one of {list(self.settings.beam_sizes)} on this server (each "
+                               f"beam width compiles programs of its own), got {sampling.num_beams}", "num_beams")
+        jobs = [_Job(p * sampling.n + j, prompt, backend, sampling.options(j, self.settings.request_timeout))
                 for p, prompt in enumerate(prompts) for j in range(sampling.n)]
+        capacity = getattr(backend, "capacity", None)
+        if capacity is not None and len(jobs) > capacity:
+            raise RequestError(f"this request needs {len(jobs)} completions at once ({len(prompts)} prompt(s) x n="
+                               f"{sampling.n}), more than this server holds (decoding and waiting: {capacity}): send "
+                               "fewer prompts or a smaller n", "n" if sampling.n > 1 else "prompt",
+                               code="too_many_completions")
+        return jobs
 
     async def _respond(self, request: Request, kind: str, prompts: list, sampling: protocol.Sampling) -> Response:
         try:
@@ -297,8 +315,7 @@ class _App:
         arrived = time.perf_counter()
         if sampling.stream:
             return await self._stream(request, kind, jobs, sampling, arrived)
-        work = asyncio.ensure_future(asyncio.gather(*(job.backend.generate(job.prompt, **job.options)
-                                                      for job in jobs)))
+        work = asyncio.ensure_future(_all_or_none([job.backend.generate(job.prompt, **job.options) for job in jobs]))
         completions = await _until_disconnected(request, work)
         for completion in completions:
             if completion.finish_reason in ("deadline", "cancelled"):
@@ -319,29 +336,30 @@ class _App:
         return RequestError("the request was cancelled: the server is shutting down", status=503,
                             error_type="server_error", code="shutting_down")
 
+    def _logprobs(self, kind: str, token_ids, logprobs, alternatives, texts=None, offset: int = 0) -> dict | None:
+        if logprobs is None:
+            return None
+        if kind.startswith("chat"):
+            return protocol.chat_logprobs(self.pieces, token_ids, logprobs, alternatives)
+        return protocol.completion_logprobs(self.pieces, token_ids, logprobs, alternatives, texts, offset)
+
     def _choice(self, kind: str, index: int, completion) -> dict:
-        reason = completion.finish_reason
+        logprobs = self._logprobs(kind, completion.token_ids, completion.logprobs, completion.top_logprobs)
         if kind == "chat.completion":
-            logprobs = None if completion.logprobs is None else protocol.chat_logprobs(
-                self.tokenizer, completion.token_ids, completion.logprobs)
             return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                    "logprobs": logprobs, "finish_reason": reason}
-        logprobs = None
-        if completion.logprobs is not None:
-            texts = [self.tokenizer.decode([i], skip_special_tokens=True) for i in completion.token_ids]
-            logprobs = protocol.completion_logprobs(self.tokenizer, completion.token_ids, texts, completion.logprobs)
-        return {"index": index, "text": completion.text, "logprobs": logprobs, "finish_reason": reason}
+                    "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        return {"index": index, "text": completion.text, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason}
 
     async def _stream(self, request: Request, kind: str, jobs: list[_Job], sampling: protocol.Sampling,
                       arrived: float) -> Response:
-        streams = [job.backend.stream(job.prompt, **job.options) for job in jobs]
-        firsts = [asyncio.ensure_future(s.__anext__()) for s in streams]
+        streams = []
         try:
-            first_events = await _until_disconnected(request, asyncio.ensure_future(asyncio.gather(*firsts)))
+            for job in jobs:
+                streams.append(job.backend.stream(job.prompt, **job.options))
+            first = asyncio.ensure_future(_all_or_none([stream.__anext__() for stream in streams]))
+            first_events = await _until_disconnected(request, first)
         except BaseException:
-            for task in firsts:
-                task.cancel()
-            await asyncio.gather(*firsts, return_exceptions=True)
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             raise
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
@@ -370,6 +388,7 @@ class _App:
 
         pumps = [asyncio.ensure_future(pump(i)) for i in range(len(jobs))]
         usage = {"prompt": 0, "completion": 0}
+        offsets = [0] * len(jobs)
         try:
             if kind == "chat.completion.chunk":
                 for job in jobs:
@@ -384,13 +403,17 @@ class _App:
                     yield _sse_data(self._ended(event.finish_reason).body())
                     break
                 if event.text or event.logprob is not None:
-                    yield self._sse(kind, response_id, created, job.index, event.text, event, None)
+                    logprobs = None if event.logprob is None else self._logprobs(
+                        kind, [event.token_id], [event.logprob],
+                        None if event.top_logprobs is None else [event.top_logprobs], [event.text], offsets[number])
+                    offsets[number] += len(event.text)
+                    yield self._sse(kind, response_id, created, job.index, event.text, logprobs, None)
                 if event.finish_reason is not None:
                     finished += 1
                     yield self._sse(kind, response_id, created, job.index, "" if kind == "text_completion" else {},
                                     None, event.finish_reason)
             if sampling.include_usage:
-                prompt_tokens = await self._prompt_tokens(jobs, sampling)
+                prompt_tokens = sum(len(job.prompt) for job in jobs if job.index % sampling.n == 0)
                 chunk = protocol.envelope(kind, response_id, self.settings.model_name, [], created)
                 chunk["usage"] = protocol.usage(prompt_tokens, usage["completion"])
                 yield _sse_data(chunk)
@@ -401,19 +424,11 @@ class _App:
             await asyncio.gather(*pumps, return_exceptions=True)
             await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
 
-    async def _prompt_tokens(self, jobs: list[_Job], sampling: protocol.Sampling) -> int:
-        return sum(len(job.prompt) if not isinstance(job.prompt, str) else len(self.tokenizer.encode(job.prompt))
-                   for job in jobs if job.index % sampling.n == 0)
-
-    def _sse(self, kind: str, response_id: str, created: int, index: int, content, event, reason) -> str:
+    def _sse(self, kind: str, response_id: str, created: int, index: int, content, logprobs, reason) -> str:
         if kind == "chat.completion.chunk":
             delta = content if isinstance(content, dict) else {"content": content}
-            logprobs = None if event is None or event.logprob is None else protocol.chat_logprobs(
-                self.tokenizer, [event.token_id], [event.logprob])
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         else:
-            logprobs = None if event is None or event.logprob is None else protocol.completion_logprobs(
-                self.tokenizer, [event.token_id], [event.text], [event.logprob])
             choice = {"index": index, "text": content, "logprobs": logprobs, "finish_reason": reason}
         return _sse_data(protocol.envelope(kind, response_id, self.settings.model_name, [choice], created))
 
@@ -425,42 +440,16 @@ def _sse_data(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-def _check_messages(messages) -> list[dict]:
-    """Chat messages as the template expects them: role and text content (text parts joined)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
-    checked = []
-    for number, message in enumerate(messages):
-        where = f"messages[{number}]"
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
-            raise RequestError(f"{where} must be an object with a role in {list(_ROLES)}", where)
-        content = message.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise RequestError(f"{where}.content: only text parts are supported", f"{where}.content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise RequestError(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        unknown = set(message) - {"role", "content", "name"}
-        if unknown:
-            raise RequestError(f"{where} has unsupported field(s) {sorted(unknown)}", where)
-        checked.append({**message, "content": content})
-    return checked
-
-
 def create_app(backends: Backends, settings: ServerSettings) -> FastAPI:
-    """The server's ASGI app (run it with uvicorn: one process, the backends' threads do the work).
+    """The server's ASGI app (run it with `xlagen.serving.http.server_for`: one process, the backends' threads
+    do the work).
 
     Args:
         backends: What serves the routes (see `Backends`); started, warmed up and closed by the app.
-        settings: Limits and the API key.
+        settings: Limits, the API key and who may call.
 
     Returns:
-        The FastAPI app; `app.state.server` holds its state (`ready`, `metrics`, `backends`).
+        The FastAPI app; `app.state.server` holds its state (`ready`, `metrics`, `backends`, `begin_drain`).
     """
     state = _App(backends, settings)
 
@@ -471,38 +460,19 @@ def create_app(backends: Backends, settings: ServerSettings) -> FastAPI:
         try:
             yield
         finally:
-            state.draining = True
+            state.begin_drain()
             await asyncio.gather(warmup, return_exceptions=True)
             await asyncio.to_thread(state.close)
 
     app = FastAPI(title="xlagen", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
 
-    @app.exception_handler(RequestError)
-    async def request_error(request: Request, error: RequestError):
-        return _error(error)
-
-    @app.exception_handler(QueueFull)
-    async def queue_full(request: Request, error: QueueFull):
-        return _error(RequestError(f"the server is busy: {error}", status=429, error_type="rate_limit_error",
-                                   code="queue_full"), headers={"Retry-After": str(settings.retry_after)})
-
-    @app.exception_handler(EngineClosed)
-    async def closed(request: Request, error: EngineClosed):
-        return _error(RequestError(f"the server is shutting down: {error}", status=503, error_type="server_error",
-                                   code="shutting_down"))
-
-    @app.exception_handler(ValueError)
-    async def bad_value(request: Request, error: ValueError):  # the engine's checks of a request (prompt too long)
-        return _error(RequestError(str(error)))
-
-    @app.exception_handler(TypeError)
-    async def bad_type(request: Request, error: TypeError):
-        return _error(RequestError(str(error)))
+    install_error_handlers(app, settings.retry_after)
 
     app.add_api_route("/health", state.health, methods=["GET"])
     app.add_api_route("/metrics", state.render_metrics, methods=["GET"])
     app.add_api_route("/v1/models", state.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", state.model, methods=["GET"])
     app.add_api_route("/v1/completions", state.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", state.chat, methods=["POST"])
     if backends.speech is not None:
@@ -510,9 +480,18 @@ def create_app(backends: Backends, settings: ServerSettings) -> FastAPI:
 
         add_transcription_route(app, state, backends.speech)
     routes = {route.path for route in app.routes}
+    post_types = {route.path: MULTIPART if route.path.startswith("/v1/audio/") else JSON
+                  for route in app.routes if "POST" in getattr(route, "methods", ())}
 
     def count(path: str, status: int) -> None:  # unknown paths share one label: no label per probe of a scanner
         state.metrics.requests.labels(path if path in routes else "other", str(status)).inc()
 
-    app.add_middleware(_Guard, settings=settings, on_response=count)
+    if settings.allowed_origins:
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
+                           allow_private_network=True, max_age=600)
+    app.add_middleware(Guard, settings=settings, post_types=post_types, on_response=count,
+                       draining=lambda: state.drain_event)
     return app

@@ -22,15 +22,17 @@ class ContextTooLong(ValueError):
     Attributes:
         prompt_tokens: The prompt's tokens (the decoder prompt's, for an encoder-decoder model).
         max_new_tokens: The new tokens asked for, or None when the prompt alone leaves no room.
-        limit: The tokens one request may use (the engine's `max_length`, the batcher's model positions).
+        limit: The tokens one request may use (the engine's `max_length`, the batcher's model positions), or
+            the longest prompt taken (the engine's largest prompt bucket) when `max_new_tokens` is None.
     """
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int | None, limit: int, what: str = "max_length"):
+    def __init__(self, prompt_tokens: int, max_new_tokens: int | None, limit: int, what: str = "max_length",
+                 message: str | None = None):
         self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
-        if max_new_tokens is None:
+        if message is None and max_new_tokens is None:
             message = (f"the prompt's {prompt_tokens} tokens leave no room for new tokens within {what} {limit}: "
                        "shorten the prompt")
-        else:
+        elif message is None:
             message = (f"the prompt's {prompt_tokens} tokens + max_new_tokens {max_new_tokens} = "
                        f"{prompt_tokens + max_new_tokens} exceed {what} {limit}: shorten the prompt or ask for at "
                        f"most {limit - prompt_tokens} new tokens")
@@ -48,12 +50,15 @@ class TokenEvent(NamedTuple):
         logprob: The token's log-probability when the request asked for `logprobs`, else None.
         finish_reason: None, or on the last event: "stop" (EOS, a stop id or a stop string), "length"
             (`max_new_tokens` or the engine's `max_length`), "cancelled" or "deadline".
+        top_logprobs: With the request's `top_logprobs` > 0, that many `(token id, logprob)` pairs, the most
+            likely tokens of the step's distribution first; else None.
     """
 
     token_id: int | None
     text: str
     logprob: float | None
     finish_reason: str | None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 class Completion(NamedTuple):
@@ -66,6 +71,7 @@ class Completion(NamedTuple):
         prompt_tokens: Tokens of the prompt (of the encoder input for an encoder-decoder model).
         completion_tokens: `len(token_ids)`.
         logprobs: One per token with `logprobs=True`, else None.
+        top_logprobs: One tuple of `(token id, logprob)` pairs per token with `top_logprobs` > 0, else None.
     """
 
     text: str
@@ -74,6 +80,7 @@ class Completion(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     logprobs: tuple[float, ...] | None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
 
 class EventStream:

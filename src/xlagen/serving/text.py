@@ -113,3 +113,65 @@ class TokenText:
         tokens will come): the decoder's held-back bytes may complete a stop string only now."""
         text, found = self.stops.feed(self.decoder.flush())
         return (text, True) if found else (text + self.stops.flush(), False)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character standing for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    characters, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            characters[chr(byte)] = byte
+        else:
+            characters[chr(256 + extra)] = byte
+            extra += 1
+    return characters
+
+
+class TokenPieces:
+    """Each token's own bytes and text, as OpenAI's logprobs report them (the token alone, not the difference
+    it makes to the decoded text): a byte-level BPE token's bytes (possibly part of a character), a
+    SentencePiece byte-fallback token's byte, a SentencePiece word piece with its leading space.
+
+    Args:
+        tokenizer: An xlagen tokenizer (its `tokenizers.Tokenizer` decides how tokens map to bytes).
+    """
+
+    def __init__(self, tokenizer):
+        import json
+
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "_backend", None)
+        decoder = getattr(backend, "decoder", None)
+        state = json.loads(decoder.__getstate__()) if decoder is not None else {}
+        kinds = {part.get("type") for part in state.get("decoders", [state])}
+        self._byte_level = _byte_level_alphabet() if "ByteLevel" in kinds else None
+        self._byte_fallback = "ByteFallback" in kinds
+        self._spaces = bool(kinds & {"Metaspace", "Replace"})
+        self._special = frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+    def bytes_of(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for."""
+        token = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if token is None:
+            return b""
+        if int(token_id) in self._special:
+            return token.encode("utf-8")
+        if self._byte_level is not None and all(c in self._byte_level for c in token):
+            return bytes(self._byte_level[c] for c in token)
+        if self._byte_fallback and len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        if self._spaces:
+            return token.replace("\u2581", " ").encode("utf-8")
+        return self.tokenizer.decode([int(token_id)]).encode("utf-8")
+
+    def text_of(self, token_id: int) -> str:
+        """The token's text; a token holding part of a character is written as its bytes, `bytes:\\xe2\\x80`."""
+        data = self.bytes_of(token_id)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
