@@ -118,6 +118,17 @@ class PreTrainedModel(GenerationMixin):
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[hf_config["model_type"]]
         return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
 
+    @classmethod
+    def config_from_pretrained(cls, folder: str | Path):
+        """The model config of a local checkpoint folder's config.json (nothing else is read).
+
+        Raises:
+            OSError: If config.json is missing or unreadable.
+            ValueError: As `from_pretrained` for config.json.
+        """
+        architecture, hf_config = _read_config(Path(folder), cls.architectures, cls.task)
+        return architecture.config_class.from_hf_config(hf_config)
+
     packed_weights = False  # True after pack_weights
     weight_dtype = "float32"  # what the matrix products read: "float32", or pack_weights' weight_dtype
 

@@ -158,9 +158,12 @@ def _failure_records(item: tuple[Any, Any]):
 
 
 def _jsonable(value: Any) -> Any:
+    from apache_beam.ml.inference.base import PredictionResult
+
     from xlagen.beam import PreparedAudio, PreparedPrompt
 
-    if isinstance(value, (PreparedPrompt, PreparedAudio)):
+    # A dead letter of the postprocessing step holds its PredictionResult (a tuple): its example is the input.
+    if isinstance(value, (PreparedPrompt, PreparedAudio, PredictionResult)):
         return _jsonable(value.example)
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
@@ -193,7 +196,7 @@ def run(args: argparse.Namespace) -> int:
     import apache_beam as beam
     from apache_beam.io import fileio
     from apache_beam.metrics.metric import MetricsFilter
-    from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
+    from apache_beam.ml.inference.base import RunInference
 
     from xlagen.beam import GenerationModelHandler, TranscriptionModelHandler
 
@@ -205,15 +208,14 @@ def run(args: argparse.Namespace) -> int:
         handler = GenerationModelHandler(args.model, **batching, **decoding_options(args), **seed)
         lines, bad_lines = (pipeline | beam.io.ReadFromTextWithFilename(args.input)
                             | "Parse" >> beam.FlatMap(_parse_line).with_exception_handling())
-        results, failed = lines | RunInference(
-            KeyedModelHandler(handler).with_preprocess_fn(handler.prepare_keyed)).with_exception_handling()
+        results, failed = lines | RunInference(handler.with_dead_letters(keyed=True)).with_exception_handling()
         records = results | "Records" >> beam.Map(_generation_record)
         dead = [bad_lines]
     else:
         options = {k: v for k, v in (("num_beams", args.num_beams), ("max_new_tokens", args.max_new_tokens)) if v}
         handler = TranscriptionModelHandler(args.model, language=args.language, task=args.task, **batching, **options)
         paths = pipeline | fileio.MatchFiles(args.input) | "Paths" >> beam.Map(lambda metadata: metadata.path)
-        results, failed = paths | RunInference(handler.with_preprocess_fn(handler.prepare)).with_exception_handling()
+        results, failed = paths | RunInference(handler.with_dead_letters()).with_exception_handling()
         records = results | "Records" >> beam.Map(
             lambda r: json.dumps({"file": r.example, **r.inference}, ensure_ascii=False))
         if args.subtitles:

@@ -219,6 +219,28 @@ class GenerationConfig:
                    bos_token_id=model_config.bos_token_id,
                    decoder_start_token_id=getattr(model_config, "decoder_start_token_id", None))
 
+    def new_tokens(self, prompt_length: int, max_positions: int | None = None) -> int:
+        """The number of new tokens after a (decoder) prompt of `prompt_length` tokens, padding included.
+
+        Args:
+            prompt_length: The prompt's length.
+            max_positions: The model's positions (None: no learned positions, no limit).
+
+        Raises:
+            ValueError: If `max_length` leaves no room after the prompt, or the prompt and the new tokens
+                exceed `max_positions`.
+        """
+        new_tokens = self.max_new_tokens
+        if new_tokens is None:
+            new_tokens = self.max_length - prompt_length
+            if new_tokens < 1:
+                raise ValueError(f"the prompt has {prompt_length} tokens (with padding) but max_length is "
+                                 f"{self.max_length}: raise max_length or set max_new_tokens")
+        if max_positions is not None and prompt_length + new_tokens > max_positions:
+            raise ValueError(f"prompt length {prompt_length} + {new_tokens} new tokens exceeds the model's "
+                             f"{max_positions} positions: shorten the prompt or lower max_new_tokens/max_length")
+        return new_tokens
+
     def update(self, **changes) -> "GenerationConfig":
         """Returns a copy with `changes` applied (validated again)."""
         return dataclasses.replace(self, **changes)
