@@ -4,9 +4,12 @@ dead letters, compiled programs per bucket; and `xlagen pipeline` offline."""
 from __future__ import annotations
 
 import bisect
+import io
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -206,6 +209,33 @@ def test_cli_generate_a_prompt_beyond_the_model_positions_fails_alone(generation
     assert sorted(r["prompt"] for r in _records(prefix)) == ["Hello world", "The quick brown fox"]
     ((failed,),) = [_records(tmp_path / "gen-failed")]
     assert failed["input"][1] == long and "exceeds the model's 64 positions" in failed["error"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_cli_shows_progress_on_a_terminal_without_beam_noise(generation, gpt2_checkpoint, tmp_path, monkeypatch,
+                                                              caplog):
+    LOADED[:] = [generation[2]]
+    monkeypatch.setattr(xlagen.beam, "GenerationModelHandler", ReusingGeneration)
+    (tmp_path / "p.txt").write_text("Hello world\n\nThe quick brown fox\nIn the beginning\n")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    code = main(["pipeline", "generate", "--input", str(tmp_path / "p.txt"), "--output", str(tmp_path / "gen"),
+                 "--model", gpt2_checkpoint[0], "--max-new-tokens", "4", "--greedy"])
+    assert code == 0 and len(_records(tmp_path / "gen")) == 3
+    assert "3/3" in terminal.getvalue().rsplit("\r", 1)[-1]  # the bar's last state: every input done
+    assert not [r.getMessage() for r in caplog.records if r.name == "root"]  # Beam's "Resource module ..."
+
+
+def test_cli_pipeline_errors_are_one_line_without_beam_noise(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "xlagen.cli", "pipeline", "generate", "--input",
+                             str(tmp_path / "*.txt"), "--output", str(tmp_path / "gen")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr == f"xlagen: error: --input {tmp_path / '*.txt'} matches no file\n"  # no "apitools ..."
 
 
 def test_batching_follows_the_buckets_with_lower_inclusive_boundaries(gpt2_checkpoint):

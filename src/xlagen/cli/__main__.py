@@ -11,7 +11,10 @@ Each subcommand is a module of this package listed in `SUBCOMMANDS`. It provides
   starts (environment variables such as TF_XLA_FLAGS). It must not import TensorFlow;
 - optionally `configure_tensorflow=<function>`: `configure_tensorflow(args) -> None` runs right
   after TensorFlow is imported and before its devices start (e.g. thread pools, which cannot be
-  changed afterwards).
+  changed afterwards);
+- optionally `log_noise=<tuple of str>`: log records that contain one of these texts (warnings
+  a library logs on every run, such as Apache Beam's) are dropped while the command runs, unless
+  `--verbose` is given.
 
 Subcommand modules import TensorFlow and the rest of xlagen lazily, so that `main` can run these
 hooks, configure the environment and logging first.
@@ -122,6 +125,18 @@ def _configure_logging(verbose: bool, quiet: bool) -> int:
     return previous
 
 
+class _DropNoise(logging.Filter):
+    """Drops the records whose message contains one of `texts`."""
+
+    def __init__(self, texts: Sequence[str]):
+        super().__init__()
+        self.texts = tuple(texts)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in self.texts)
+
+
 def _silence_stdout() -> None:
     """Points stdout at /dev/null so that flushing it at exit does not raise again (Python's SIGPIPE recipe)."""
     try:
@@ -177,6 +192,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     _configure_environment(args.verbose)
     previous_level = _configure_logging(args.verbose, args.quiet)
+    # On the root logger (records logged to it) and its handlers (records propagated from other loggers,
+    # such as Beam's worker processes' records re-logged by its job service).
+    noise = _DropNoise(() if args.verbose else getattr(args, "log_noise", ()))
+    filtered = [logging.getLogger(), *logging.getLogger().handlers]
+    for target in filtered:
+        target.addFilter(noise)
     try:
         if getattr(args, "prepare", None) is not None:
             args.prepare(args)
@@ -197,6 +218,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     finally:  # `main` may run several times in one process (tests, notebooks).
         logging.getLogger("xlagen").setLevel(previous_level)
+        for target in filtered:
+            target.removeFilter(noise)
 
 
 if __name__ == "__main__":
