@@ -109,6 +109,30 @@ def test_missing_model_is_a_usage_error(capsys, monkeypatch):
     assert (code, out, err) == (2, "", f"xlagen: error: {NO_MODEL}\n")
 
 
+def _leaf_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command words, parser) of every subcommand that takes options, `pipeline generate` included."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        yield path, parser
+    for action in subparsers:
+        for name, child in action.choices.items():
+            yield from _leaf_commands(child, (*path, name))
+
+
+def test_every_value_error_is_one_line_with_exit_code_2(capsys):
+    checked = []
+    for path, parser in _leaf_commands(build_parser()):
+        for action in parser._actions:
+            if action.option_strings and (action.type is not None or action.choices) and action.nargs != 0:
+                option = action.option_strings[-1]
+                code, out, err = run_cli(capsys, *path, option, "not-a-value")
+                assert (code, out) == (2, ""), (path, option)
+                assert err.startswith("xlagen: error: argument ") and option in err and err.count("\n") == 1, err
+                checked.append((path, option))
+    assert len({path for path, _ in checked}) == 9  # every subcommand, pipeline's two kinds
+    assert len(checked) > 50
+
+
 @pytest.mark.parametrize("args, code, message", [
     ([], 2, "no prompts"),
     (["Hello", ""], 2, "prompt 2 is empty"),

@@ -22,6 +22,8 @@ hooks, configure the environment and logging first.
 Errors: every error is reported ONCE, as one line `xlagen: error: <message>` on stderr, with no
 traceback unless `--verbose` is given (then the traceback comes first). The exit code is the
 exception's `exit_code` attribute if it has one (2 for usage errors, as for argparse's), else 1.
+argparse's own errors (an option's bad value, a missing or unknown argument) are one line too, without
+its usage block (`common.ArgumentParser`), with exit code 2.
 The documented error types of the library (`OSError`, `ValueError`, `TypeError`,
 `xlagen.native.NativeUnavailable`) and TensorFlow's `tf.errors.OpError` print their message (only
 its first line for an `OpError`, whose message continues with graph context); any other exception
@@ -38,6 +40,8 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
+
+from xlagen.cli.common import ArgumentParser
 
 PROG = "xlagen"
 SUBCOMMANDS = ("generate", "transcribe", "serve", "pipeline", "hlo", "bench", "export", "aot")
@@ -61,8 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser; `parse_args` gives a namespace with `command`, `verbose`, `quiet` and `run`.
     """
-    parser = argparse.ArgumentParser(prog=PROG, description="XLA-compiled text and speech generation with TensorFlow "
-                                     "on Hugging Face checkpoints.")
+    parser = ArgumentParser(prog=PROG, description="XLA-compiled text and speech generation with TensorFlow on "
+                            "Hugging Face checkpoints.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true",
