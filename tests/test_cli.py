@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -148,6 +149,15 @@ def test_bad_input_exits_with_a_message(gpt2_checkpoint, tmp_path, capsys, args,
     result = run_cli(capsys, "generate", "--model", gpt2_checkpoint[0], "--eager", *args)
     assert result[0] == code
     assert result[2].startswith("xlagen: error: ") and message in result[2], result[2]
+
+
+def test_bad_generation_config_value_is_named(gpt2_checkpoint, tmp_path, capsys):
+    shutil.copytree(gpt2_checkpoint[0], tmp_path / "model")
+    (tmp_path / "model" / "generation_config.json").write_text('{"eos_token_id": "a"}')
+    code, out, err = run_cli(capsys, "generate", "--model", str(tmp_path / "model"), "--eager", "Hello")
+    assert (code, out) == (1, "")
+    assert err == (f"xlagen: error: {tmp_path / 'model' / 'generation_config.json'}: eos_token_id must be a token "
+                   "id (an int) or a list of them, got str 'a'\n")
 
 
 def test_missing_model_folder_exits_without_traceback(tmp_path, capsys):

@@ -67,9 +67,8 @@ def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_confi
                      ignore=weights.ignore(config))
     for path, value in values.items():
         variables[path].assign(value.astype(np.dtype(variables[path].dtype)))
-    generation = read_json(folder, "generation_config.json", required=False)
-    model.generation_config = (GenerationConfig.from_model_config(config) if generation is None
-                               else GenerationConfig.from_dict(generation))
+    model.generation_config = (GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file()
+                               else GenerationConfig.from_model_config(config))
     model.name_or_path = str(folder)
     if weight_dtype not in (None, "float32"):
         model.pack_weights(weight_dtype)
