@@ -108,7 +108,8 @@ class PreTrainedModel(GenerationMixin):
                 (naming the key and the expected type); config sizes that the safetensors headers
                 contradict, or a model too big for the machine's memory (checked before the model is
                 built); a corrupt or truncated weight file, or an index naming a file outside the folder
-                (naming the file); tensors that do not match.
+                (naming the file); weights that are NaN or infinite (naming the tensors); tensors that do
+                not match.
             xlagen.native.NativeUnavailable: a packed `weight_dtype` on a machine that cannot run it.
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
