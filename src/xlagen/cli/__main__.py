@@ -34,10 +34,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 
@@ -53,6 +54,8 @@ _CLI_WORDING = (("local_files_only=True was passed", "--local-files-only was giv
 
 def _version() -> str:
     """The installed distribution's version, read without importing xlagen's TensorFlow modules."""
+    import importlib.metadata  # here: a Ctrl-C during the imports before `main` runs escapes its handling
+
     try:
         return importlib.metadata.version("xlagen")
     except importlib.metadata.PackageNotFoundError:
@@ -180,12 +183,39 @@ def _describe(error: BaseException) -> tuple[str, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the `xlagen` command line.
 
+    A Ctrl-C (SIGINT) ends the command with exit code 130 and the line `xlagen: interrupted`, once what it
+    printed is flushed (an `--output` file keeps its previous content). When `main` runs the process's own
+    command line (`argv` None), further Ctrl-Cs are ignored while the process winds down (TensorFlow's
+    teardown takes a while), so that the exit code stays 130.
+
     Args:
         argv: Arguments without the program name; defaults to `sys.argv[1:]`.
 
     Returns:
         The exit code: 0 on success, 1 when the work failed, 2 for a usage error, 130 when interrupted.
     """
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        return _interrupted(own_process=argv is None)
+
+
+def _interrupted(own_process: bool) -> int:
+    """Reports an interrupt; returns its exit code (130)."""
+    if own_process and threading.current_thread() is threading.main_thread():
+        # Python would exit by the signal itself (status -2) if a second KeyboardInterrupt escaped, and puts
+        # its own handlers back to the default as it finalizes; an ignored signal stays ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # A reader that left, or a closed stdout: nothing to flush to.
+        pass
+    print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+    return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """`main` but for interrupts."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -211,9 +241,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `xlagen generate ... | head`: the reader left; not an error worth a message.
         _silence_stdout()
         return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
     except Exception as error:  # noqa: BLE001 - every error becomes one line (see the module docstring).
         message, code = _describe(error)
         if args.verbose:
