@@ -32,8 +32,9 @@ CHATML = """{%- if messages[0]['role'] == 'system' %}
 {{- eos_token if false else '' }}"""
 
 # Llama 3's template: the role header, the content trimmed, <|eot_id|> closing each turn.
-LLAMA3 = """{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + \
-message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}\
+LLAMA3 = """{% set loop_messages = messages %}{% for message in loop_messages %}\
+{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + \
+'<|eot_id|>' %}{% if loop.index0 == 0 %}\
 {% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}\
 {{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"""
 

@@ -181,7 +181,8 @@ CASES = [
     ("weights_nan", _poison({"transformer.h.1.mlp.c_fc.weight": math.nan}), MODEL, ValueError,
      r"model.safetensors' holds NaN or infinite weights in 1 tensor\(s\): transformer.h.1.mlp.c_fc.weight "
      r"\(1 NaN, 0 infinite of 4096\)"),
-    ("weights_inf", _poison({"transformer.wte.weight": math.inf, "transformer.ln_f.bias": -math.inf}), WEIGHTS, ValueError,
+    ("weights_inf", _poison({"transformer.wte.weight": math.inf, "transformer.ln_f.bias": -math.inf}), WEIGHTS,
+     ValueError,
      r"in 2 tensor\(s\): transformer.ln_f.bias \(0 NaN, 1 infinite of 32\), transformer.wte.weight"),
     # Sharded index: shards stay inside the model folder.
     ("shard_absolute", _absolute_shard, MODEL, ValueError, r"weight_map entry '.*' names the shard '/"),

@@ -20,8 +20,8 @@ one that fails in the model (its batch is then run again element by element) in
 whole batch to `failed.failed_inferences`. Either way every input ends in the results or in a failed output.
 
 Keys: `with_dead_letters(keyed=True)` (or `KeyedModelHandler(handler)`) takes `(key, example)` elements
-and returns `(key, PredictionResult)`. Each worker process loads one model (`large_model=True`: one per machine) and keeps its compiled programs
-for every later batch and bundle.
+and returns `(key, PredictionResult)`. Each worker process loads one model (`large_model=True`: one per
+machine) and keeps its compiled programs for every later batch and bundle.
 """
 
 try:
