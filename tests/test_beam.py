@@ -4,9 +4,12 @@ dead letters, compiled programs per bucket; and `xlagen pipeline` offline."""
 from __future__ import annotations
 
 import bisect
+import io
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -153,6 +156,86 @@ def test_without_preprocessing_a_bad_element_fails_its_batch_naming_it(gpt2_chec
         GenerationModelHandler(gpt2_checkpoint[0], temprature=0.5)
     with pytest.raises(ValueError, match="inference_args"):
         RunInference(handler, inference_args={"max_new_tokens": 3}).expand(None)
+
+
+class _PoisonedBatcher:
+    """Stands in for a loaded `PromptBatcher`: a batch holding a prompt with "poison" raises, as a model would."""
+
+    def generate(self, prompts):
+        if any("poison" in p.example for p in prompts):
+            raise ValueError("the model refuses this batch")
+        return [{"text": p.example.upper()} for p in prompts]
+
+
+class PoisonedGeneration(GenerationModelHandler):
+    def load_model(self):
+        return _PoisonedBatcher()
+
+
+def test_an_element_failing_in_the_model_fails_alone(gpt2_checkpoint):
+    OUTPUTS.clear()
+    handler = PoisonedGeneration(gpt2_checkpoint[0], buckets=BUCKETS, max_batch_size=4, **OPTIONS)
+    prompts = {key: f"prompt {key}" for key in range(7)} | {7: "a poison prompt"}
+    with beam.Pipeline(runner=FnApiRunner()) as pipeline:
+        results, failed = (pipeline | beam.Create(list(prompts.items()))
+                           | RunInference(handler.with_dead_letters(keyed=True)).with_exception_handling())
+        _ = results | "results" >> _collect("results")
+        _ = failed.failed_postprocessing[0] | "failed" >> _collect("failed")
+        _ = failed.failed_inferences | "failed batches" >> _collect("failed_batches")
+    assert sorted(dict(OUTPUTS["results"])) == list(range(7)) and "failed_batches" not in OUTPUTS
+    assert all(result.inference == {"text": prompts[key].upper()} for key, result in OUTPUTS["results"])
+    (((key, result), (error_type, message, _)),) = OUTPUTS["failed"]
+    assert (key, result.example, error_type) == (7, "a poison prompt", ValueError)
+    assert "the model refuses this batch" in message
+
+
+def test_cli_generate_a_prompt_beyond_the_model_positions_fails_alone(generation, gpt2_checkpoint, tmp_path,
+                                                                       monkeypatch, capsys):
+    class WidePrompts(ReusingGeneration):
+        """Prompt buckets up to 128 tokens, beyond the tiny model's 64 positions."""
+
+        def __init__(self, *args, **kwargs):
+            GenerationModelHandler.__init__(self, *args, buckets=Buckets(batch_sizes=(8,), prompt_lengths=(
+                16, 32, 128), new_tokens=(16,)), **kwargs)
+
+    LOADED[:] = [generation[2]]
+    monkeypatch.setattr(xlagen.beam, "GenerationModelHandler", WidePrompts)
+    long = " ".join(CORPUS[:3])  # 60 to 128 tokens
+    (tmp_path / "p.txt").write_text(f"Hello world\n{long}\nThe quick brown fox\n")
+    prefix = tmp_path / "gen"
+    code = main(["pipeline", "generate", "--input", str(tmp_path / "p.txt"), "--output", str(prefix), "--model",
+                 gpt2_checkpoint[0], "--max-new-tokens", "4", "--greedy", "-q"])
+    assert code == 1 and "1 input(s) failed" in capsys.readouterr().err
+    assert sorted(r["prompt"] for r in _records(prefix)) == ["Hello world", "The quick brown fox"]
+    ((failed,),) = [_records(tmp_path / "gen-failed")]
+    assert failed["input"][1] == long and "exceeds the model's 64 positions" in failed["error"]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_cli_shows_progress_on_a_terminal_without_beam_noise(generation, gpt2_checkpoint, tmp_path, monkeypatch,
+                                                              caplog):
+    LOADED[:] = [generation[2]]
+    monkeypatch.setattr(xlagen.beam, "GenerationModelHandler", ReusingGeneration)
+    (tmp_path / "p.txt").write_text("Hello world\n\nThe quick brown fox\nIn the beginning\n")
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    code = main(["pipeline", "generate", "--input", str(tmp_path / "p.txt"), "--output", str(tmp_path / "gen"),
+                 "--model", gpt2_checkpoint[0], "--max-new-tokens", "4", "--greedy"])
+    assert code == 0 and len(_records(tmp_path / "gen")) == 3
+    assert "3/3" in terminal.getvalue().rsplit("\r", 1)[-1]  # the bar's last state: every input done
+    assert not [r.getMessage() for r in caplog.records if r.name == "root"]  # Beam's "Resource module ..."
+
+
+def test_cli_pipeline_errors_are_one_line_without_beam_noise(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "xlagen.cli", "pipeline", "generate", "--input",
+                             str(tmp_path / "*.txt"), "--output", str(tmp_path / "gen")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert result.stderr == f"xlagen: error: --input {tmp_path / '*.txt'} matches no file\n"  # no "apitools ..."
 
 
 def test_batching_follows_the_buckets_with_lower_inclusive_boundaries(gpt2_checkpoint):

@@ -31,6 +31,13 @@ CHATML = """{%- if messages[0]['role'] == 'system' %}
 {%- endif %}
 {{- eos_token if false else '' }}"""
 
+# Llama 3's template: the role header, the content trimmed, <|eot_id|> closing each turn.
+LLAMA3 = """{% set loop_messages = messages %}{% for message in loop_messages %}\
+{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + \
+'<|eot_id|>' %}{% if loop.index0 == 0 %}\
+{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}\
+{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"""
+
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello world"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The quick brown fox"},
@@ -93,3 +100,38 @@ def test_sandboxed(folder):
     escape = "{{ messages.__class__.__mro__ }}"
     with pytest.raises(ValueError, match="refused"):
         AutoTokenizer.from_pretrained(folder).apply_chat_template(CONVERSATIONS[0], chat_template=escape)
+
+
+@pytest.mark.parametrize("template", [CHATML, LLAMA3], ids=["chatml", "llama3"])
+@pytest.mark.parametrize("prefill", ["The answer is", "The answer is ", "t"])
+def test_continue_final_message_matches_transformers(folder, template, prefill):
+    from xlagen import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(folder)
+    reference = transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+    conversation = [*CONVERSATIONS[1], {"role": "assistant", "content": prefill}]
+    expected = reference.apply_chat_template(conversation, continue_final_message=True, tokenize=False,
+                                             chat_template=template)
+    text = ours.apply_chat_template(conversation, continue_final_message=True, tokenize=False, chat_template=template)
+    assert text == expected
+    assert text.endswith(prefill.strip() if template == LLAMA3 else prefill)  # Llama 3 trims the content
+    closed = ours.apply_chat_template(conversation, tokenize=False, chat_template=template)
+    assert closed.startswith(text) and closed != text  # the same text without the turn's end
+    assert ours.apply_chat_template(conversation, continue_final_message=True, chat_template=template) == \
+        ours.encode(text, add_special_tokens=False)
+
+
+def test_continue_final_message_errors(folder):
+    from xlagen import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(folder)
+    answer = [*CONVERSATIONS[0], {"role": "assistant", "content": "Hi"}]
+    with pytest.raises(ValueError, match="not compatible"):
+        ours.apply_chat_template(answer, continue_final_message=True, add_generation_prompt=True)
+    with pytest.raises(ValueError, match="must be an assistant one; got a 'user' message"):
+        ours.apply_chat_template(CONVERSATIONS[0], continue_final_message=True)
+    with pytest.raises(ValueError, match="got no message"):
+        ours.apply_chat_template([], continue_final_message=True)
+    hides = "{% for m in messages %}{{ m['role'] }}: ...\n{% endfor %}"
+    with pytest.raises(ValueError, match="does not render the last message's text"):
+        ours.apply_chat_template(answer, continue_final_message=True, chat_template=hides)

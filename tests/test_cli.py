@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -109,6 +111,30 @@ def test_missing_model_is_a_usage_error(capsys, monkeypatch):
     assert (code, out, err) == (2, "", f"xlagen: error: {NO_MODEL}\n")
 
 
+def _leaf_commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    """(command words, parser) of every subcommand that takes options, `pipeline generate` included."""
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subparsers:
+        yield path, parser
+    for action in subparsers:
+        for name, child in action.choices.items():
+            yield from _leaf_commands(child, (*path, name))
+
+
+def test_every_value_error_is_one_line_with_exit_code_2(capsys):
+    checked = []
+    for path, parser in _leaf_commands(build_parser()):
+        for action in parser._actions:
+            if action.option_strings and (action.type is not None or action.choices) and action.nargs != 0:
+                option = action.option_strings[-1]
+                code, out, err = run_cli(capsys, *path, option, "not-a-value")
+                assert (code, out) == (2, ""), (path, option)
+                assert err.startswith("xlagen: error: argument ") and option in err and err.count("\n") == 1, err
+                checked.append((path, option))
+    assert len({path for path, _ in checked}) == 9  # every subcommand, pipeline's two kinds
+    assert len(checked) > 50
+
+
 @pytest.mark.parametrize("args, code, message", [
     ([], 2, "no prompts"),
     (["Hello", ""], 2, "prompt 2 is empty"),
@@ -124,6 +150,63 @@ def test_bad_input_exits_with_a_message(gpt2_checkpoint, tmp_path, capsys, args,
     result = run_cli(capsys, "generate", "--model", gpt2_checkpoint[0], "--eager", *args)
     assert result[0] == code
     assert result[2].startswith("xlagen: error: ") and message in result[2], result[2]
+
+
+def test_bad_generation_config_value_is_named(gpt2_checkpoint, tmp_path, capsys):
+    shutil.copytree(gpt2_checkpoint[0], tmp_path / "model")
+    (tmp_path / "model" / "generation_config.json").write_text('{"eos_token_id": "a"}')
+    code, out, err = run_cli(capsys, "generate", "--model", str(tmp_path / "model"), "--eager", "Hello")
+    assert (code, out) == (1, "")
+    assert err == (f"xlagen: error: {tmp_path / 'model' / 'generation_config.json'}: eos_token_id must be a token "
+                   "id (an int) or a list of them, got str 'a'\n")
+
+
+def test_an_interrupt_keeps_what_was_printed_and_no_half_written_file(gpt2_checkpoint, tmp_path, capsys, monkeypatch):
+    from xlagen.cli import generate
+
+    real, calls = generate.Generator.__call__, []
+
+    def interrupted_at_the_second_batch(self, texts, index):
+        calls.append(index)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(self, texts, index)
+    monkeypatch.setattr(generate.Generator, "__call__", interrupted_at_the_second_batch)
+    args = ("generate", "--model", gpt2_checkpoint[0], "--eager", "--max-new-tokens", "2", "--batch-size", "1",
+            *PROMPTS)
+    code, out, err = run_cli(capsys, *args)
+    assert (code, err) == (130, "xlagen: interrupted\n")
+    assert out.startswith(PROMPTS[0]) and out.count("\n") == 1  # the first batch, whole
+    output = tmp_path / "out.jsonl"
+    output.write_text("previous\n")
+    calls.clear()
+    assert run_cli(capsys, *args, "--output", str(output)) == (130, "", "xlagen: interrupted\n")
+    assert output.read_text() == "previous\n" and sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
+
+
+def test_an_interrupt_while_starting_exits_130(capsys, monkeypatch):
+    from xlagen.cli import __main__ as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert run_cli(capsys, "generate", "Hello") == (130, "", "xlagen: interrupted\n")
+
+
+def test_a_second_interrupt_while_exiting_keeps_exit_code_130(gpt2_checkpoint):
+    # The first Ctrl-C mid-generation, the second while the process winds down (Python's finalization puts
+    # its handlers back to the default, which would end the process by the signal: status -2).
+    process = subprocess.Popen(
+        [sys.executable, "-m", "xlagen.cli", "generate", "--model", gpt2_checkpoint[0], "--eager", "--batch-size", "1",
+         "--max-new-tokens", "8", *PROMPTS * 50], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"}, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first = process.stdout.readline()
+    process.send_signal(signal.SIGINT)
+    assert process.stderr.readline() == "xlagen: interrupted\n"
+    process.send_signal(signal.SIGINT)
+    rest, err = process.communicate(timeout=300)
+    assert process.returncode == 130 and err == ""
+    assert first.startswith(PROMPTS[0]) and (first + rest).endswith("\n")
 
 
 def test_missing_model_folder_exits_without_traceback(tmp_path, capsys):

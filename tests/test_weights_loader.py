@@ -112,7 +112,7 @@ def test_real_bfloat16_gpt2_checkpoint(tmp_path, tiny_gpt2):
 def test_bfloat16_is_widened_exactly(tmp_path):
     torch.manual_seed(0)
     bf16 = torch.randn(2, 3, dtype=torch.bfloat16)
-    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, 3.0e38], dtype=torch.bfloat16)
+    special = torch.tensor([0.0, -0.0, 1e-40, 3.0e38, -3.0e38], dtype=torch.bfloat16)
     others = {
         "a_f32": torch.randn(5),
         "m_f16": torch.randn(3, dtype=torch.float16),
@@ -126,6 +126,11 @@ def test_bfloat16_is_widened_exactly(tmp_path):
     assert tensors["m_f16"].dtype == np.float16
     for name, value in others.items():
         np.testing.assert_array_equal(tensors[name], value.numpy())
+    # Infinities widen exactly too, and are then refused as weights.
+    infinite = torch.tensor([1.0, float("inf"), -float("inf")], dtype=torch.bfloat16)
+    safetensors.torch.save_file({"w": bf16, "infinite": infinite}, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"weights in 1 tensor\(s\): infinite \(0 NaN, 2 infinite of 3\)"):
+        read_checkpoint(tmp_path)
 
 
 def test_unsupported_numpy_dtype_raises(tmp_path):

@@ -67,9 +67,8 @@ def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_confi
                      ignore=weights.ignore(config))
     for path, value in values.items():
         variables[path].assign(value.astype(np.dtype(variables[path].dtype)))
-    generation = read_json(folder, "generation_config.json", required=False)
-    model.generation_config = (GenerationConfig.from_model_config(config) if generation is None
-                               else GenerationConfig.from_dict(generation))
+    model.generation_config = (GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file()
+                               else GenerationConfig.from_model_config(config))
     model.name_or_path = str(folder)
     if weight_dtype not in (None, "float32"):
         model.pack_weights(weight_dtype)
@@ -109,7 +108,8 @@ class PreTrainedModel(GenerationMixin):
                 (naming the key and the expected type); config sizes that the safetensors headers
                 contradict, or a model too big for the machine's memory (checked before the model is
                 built); a corrupt or truncated weight file, or an index naming a file outside the folder
-                (naming the file); tensors that do not match.
+                (naming the file); weights that are NaN or infinite (naming the tensors); tensors that do
+                not match.
             xlagen.native.NativeUnavailable: a packed `weight_dtype` on a machine that cannot run it.
         """
         folder = resolve_model_dir(name_or_path, revision=revision, cache_dir=cache_dir,
@@ -117,6 +117,17 @@ class PreTrainedModel(GenerationMixin):
         architecture, hf_config = _read_config(folder, cls.architectures, cls.task)
         target = cls if issubclass(cls, architecture.model_class) else _PUBLIC[hf_config["model_type"]]
         return _load(architecture, target, folder, hf_config, dtype, weight_dtype)
+
+    @classmethod
+    def config_from_pretrained(cls, folder: str | Path):
+        """The model config of a local checkpoint folder's config.json (nothing else is read).
+
+        Raises:
+            OSError: If config.json is missing or unreadable.
+            ValueError: As `from_pretrained` for config.json.
+        """
+        architecture, hf_config = _read_config(Path(folder), cls.architectures, cls.task)
+        return architecture.config_class.from_hf_config(hf_config)
 
     packed_weights = False  # True after pack_weights
     weight_dtype = "float32"  # what the matrix products read: "float32", or pack_weights' weight_dtype

@@ -4,6 +4,7 @@ documented error (ValueError / OSError) whose message names the culprit, before 
 from __future__ import annotations
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -12,6 +13,7 @@ import struct
 import time
 
 import pytest
+import safetensors.numpy
 
 from xlagen import AutoTokenizer, TFAutoModelForCausalLM, modeling
 from xlagen.hub import NotCachedError, resolve_model_dir
@@ -70,6 +72,17 @@ def _huge_shape(header):
 def _huge_offsets(header):
     name = next(n for n in header if n != "__metadata__")
     header[name]["data_offsets"] = [0, 10 ** 15]
+
+
+def _poison(values: dict[str, float]):
+    """Sets one value of each named tensor of model.safetensors (e.g. to NaN) and rewrites the file."""
+    def edit(folder):
+        path = folder / "model.safetensors"
+        tensors = safetensors.numpy.load_file(path)
+        for name, value in values.items():
+            tensors[name].flat[3] = value
+        safetensors.numpy.save_file(tensors, path)
+    return edit
 
 
 def _shard(shard_name: str, link_outside: bool = False):
@@ -164,6 +177,13 @@ CASES = [
      r"model.safetensors' .*shape \[1000000000000, 32\]"),
     ("weights_header_huge_offsets", _edit_header(_huge_offsets), WEIGHTS, ValueError,
      r"model.safetensors' .*ends at byte 1000000000000000"),
+    # model.safetensors: NaN or infinite weights name their tensors.
+    ("weights_nan", _poison({"transformer.h.1.mlp.c_fc.weight": math.nan}), MODEL, ValueError,
+     r"model.safetensors' holds NaN or infinite weights in 1 tensor\(s\): transformer.h.1.mlp.c_fc.weight "
+     r"\(1 NaN, 0 infinite of 4096\)"),
+    ("weights_inf", _poison({"transformer.wte.weight": math.inf, "transformer.ln_f.bias": -math.inf}), WEIGHTS,
+     ValueError,
+     r"in 2 tensor\(s\): transformer.ln_f.bias \(0 NaN, 1 infinite of 32\), transformer.wte.weight"),
     # Sharded index: shards stay inside the model folder.
     ("shard_absolute", _absolute_shard, MODEL, ValueError, r"weight_map entry '.*' names the shard '/"),
     ("shard_dotdot", _shard("../outside.safetensors"), MODEL, ValueError, r"names the shard '\.\./outside"),

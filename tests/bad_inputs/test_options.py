@@ -41,6 +41,10 @@ BAD_OPTIONS = [
     (dict(repetition_penalty=math.inf), ValueError, "repetition_penalty must be a finite number"),
     (dict(temperature="hot"), TypeError, "temperature must be a number"),
     (dict(max_memory_gb=0), ValueError, "max_memory_gb must be > 0"),
+    (dict(eos_token_id="a"), TypeError, "eos_token_id must be a token id .an int. or a list of them, got str 'a'"),
+    (dict(eos_token_id=[0, "a"]), TypeError, r"eos_token_id must be a token id .* got list \[0, 'a'\]"),
+    (dict(pad_token_id=1.0), TypeError, "pad_token_id must be an int, got float"),
+    (dict(suppress_tokens=["a"]), TypeError, "suppress_tokens must be a list of token ids"),
     # Sizes that would segfault or exhaust memory: refused from the estimate, naming the options.
     (dict(num_beams=10**6, num_return_sequences=1), ValueError, r"needs about .* GB .*num_beams 1000000"),
     (dict(max_new_tokens=8, max_memory_gb=1e-6), ValueError, r"max_new_tokens 8.* GB limit.*max_memory_gb"),
@@ -201,6 +205,9 @@ def test_whisper_bad_features(whisper, change, error, message):
     ({"num_beams": "2"}, "num_beams must be an int, got str"),
     ({"length_penalty": "NaN"}, "length_penalty must be a number"),
     ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+    ({"eos_token_id": "a"}, "eos_token_id must be a token id .an int. or a list of them, got str 'a'"),
+    ({"eos_token_id": [1, None]}, "eos_token_id must be a token id"),
+    ({"decoder_start_token_id": "0"}, "decoder_start_token_id must be an int, got str"),
 ])
 def test_bad_generation_config_file_names_the_file(tmp_path, values, message):
     (tmp_path / "generation_config.json").write_text(json.dumps(values))

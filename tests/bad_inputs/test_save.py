@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -59,10 +60,13 @@ def _marker(folder: pathlib.Path, pid: int, staging: str = f"{STAGING_PREFIX}1-0
 
 
 def _replace_failing_on(call: int):
-    """os.replace that raises EIO on its `call`-th use, as a crash between two renames would stop the commit."""
+    """os.replace that raises EIO on its `call`-th use (the staging folder's lock file aside), as a crash between
+    two renames would stop the commit."""
     real, calls = os.replace, []
 
     def replace(source, target):
+        if pathlib.Path(target).name == atomic_save.LOCK_NAME:
+            return real(source, target)
         calls.append(target)
         if len(calls) == call:
             raise OSError(errno.EIO, "Input/output error")
@@ -191,6 +195,66 @@ def test_stale_staging_folders_are_removed_by_the_next_save(tmp_path):
     check_save_complete(tmp_path)  # no rename happened before the marker was complete: the files are whole
     write_files(tmp_path, _writers(1))
     assert _leftovers(tmp_path) == sorted([alive.name, recent_old_style.name])
+
+
+_STALLED_SAVER = textwrap.dedent("""
+    import sys, time
+    from xlagen.weights.atomic_save import write_files
+
+    def stall(path):
+        path.write_bytes(b"partial")
+        print("ready", flush=True)
+        time.sleep(600)
+    write_files(sys.argv[1], {"model.safetensors": stall})
+""")
+
+
+def _killed_save(folder: pathlib.Path, reap: bool = True) -> subprocess.Popen:
+    """Kills (SIGKILL) a save into `folder` while it writes; its process is reaped only with `reap`."""
+    process = subprocess.Popen([sys.executable, "-c", _STALLED_SAVER, str(folder)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(SRC)})
+    assert process.stdout.readline().strip() == "ready"
+    process.kill()
+    process.stdout.close()
+    if reap:
+        process.wait(timeout=60)
+    return process
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads a process's state in /proc")
+def test_a_killed_save_is_cleaned_before_its_process_is_reaped(tmp_path):
+    process = _killed_save(tmp_path, reap=False)
+    try:  # A zombie: its process id still answers os.kill(pid, 0), its locks are gone.
+        while pathlib.Path(f"/proc/{process.pid}/stat").read_text().split(") ")[1][0] != "Z":
+            time.sleep(0.01)
+        assert len(_leftovers(tmp_path)) == 1
+        write_files(tmp_path, _writers(1))
+        assert _leftovers(tmp_path) == [] and _versions(tmp_path) == {1}
+    finally:
+        process.wait(timeout=60)
+
+
+def test_a_killed_save_is_cleaned_whatever_its_process_id_and_host(tmp_path):
+    _killed_save(tmp_path)
+    (killed,) = tmp_path.glob(STAGING_PREFIX + "*")
+    # As after a container's restart: the same process id as the next save's, or another host name.
+    ours = killed.rename(tmp_path / f"{STAGING_PREFIX}{os.getpid()}-{atomic_save._host_id()}-0a")
+    shutil.copytree(ours, tmp_path / f"{STAGING_PREFIX}1-00000000-0b")
+    write_files(tmp_path, _writers(1))
+    assert _leftovers(tmp_path) == []
+
+
+def test_the_staging_folder_of_a_running_save_is_kept(tmp_path):
+    running = tmp_path / f"{STAGING_PREFIX}{_dead_pid()}-00000000-0a"  # its name says nothing about its life
+    running.mkdir()
+    lock = atomic_save._lock(running)
+    try:
+        write_files(tmp_path, _writers(1))
+        assert _leftovers(tmp_path) == [running.name]
+    finally:
+        os.close(lock)
+    write_files(tmp_path, _writers(2), overwrite=True)
+    assert _leftovers(tmp_path) == []
 
 
 def test_a_full_disk_during_save_pretrained_keeps_the_previous_model(gpt2_model, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ options) it meets and reuses it for every later batch and bundle.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from apache_beam.ml.inference.base import PredictionResult
@@ -61,6 +61,7 @@ class _Tools:
     def __init__(self, handler: GenerationModelHandler):
         from xlagen import AutoTokenizer
         from xlagen.hub import resolve_model_dir
+        from xlagen.modeling import TFAutoModelForGeneration
 
         hub = handler.hub_options
         self.tokenizer = AutoTokenizer.from_pretrained(handler.local(handler.tokenizer_name), padding_side="left",
@@ -73,6 +74,9 @@ class _Tools:
         folder = resolve_model_dir(handler.local(handler.model_name_or_path), **hub)
         self.config = (GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file()
                        else GenerationConfig())
+        model_config = TFAutoModelForGeneration.config_from_pretrained(folder)
+        self.max_positions = model_config.max_positions
+        self.is_encoder_decoder = getattr(model_config, "is_encoder_decoder", False)
 
 
 class GenerationModelHandler(XlagenModelHandler):
@@ -110,7 +114,8 @@ class GenerationModelHandler(XlagenModelHandler):
                  max_batch_duration_secs: float | None = None, large_model: bool = False,
                  model_copies: int | None = None, **generation_options):
         self.buckets = buckets or Buckets()
-        self.generation_options = self._checked_options(generation_options, GenerationConfig(), "handler")
+        self._checked_options(generation_options, GenerationConfig(), "handler")
+        self.generation_options = dict(generation_options)
         largest = max_batch_size or self.buckets.batch_sizes[-1]
         batching = {"min_batch_size": min_batch_size or largest, "max_batch_size": largest,
                     "max_batch_duration_secs": max_batch_duration_secs}
@@ -122,15 +127,15 @@ class GenerationModelHandler(XlagenModelHandler):
         self.hub_options = dict(hub_options or {})
 
     @staticmethod
-    def _checked_options(options: Mapping[str, Any], base: GenerationConfig, where: str) -> dict[str, Any]:
+    def _checked_options(options: Mapping[str, Any], base: GenerationConfig, where: str) -> GenerationConfig:
+        """`base` updated with `options` (the seed aside), refusing unknown options and invalid values."""
         unknown = sorted(set(options) - _PER_ELEMENT)
         if unknown:
             raise TypeError(f"unknown generation option(s) {unknown} for the {where}: use GenerationConfig "
                             "fields such as max_new_tokens, do_sample, temperature, top_k, top_p, num_beams, or seed")
-        base.update(**{k: v for k, v in options.items() if k != "seed"})  # validates the values
         if "seed" in options and (isinstance(options["seed"], bool) or not isinstance(options["seed"], int)):
             raise TypeError(f"seed must be an int, got {options['seed']!r}")
-        return dict(options)
+        return base.update(**{k: v for k, v in options.items() if k != "seed"})
 
     def _tools(self) -> _Tools:
         if self._loaded_tools is None:
@@ -139,26 +144,29 @@ class GenerationModelHandler(XlagenModelHandler):
 
     def prepare(self, example: Any) -> PreparedPrompt:
         """Checks and tokenizes one element (run it per element before batching to give bad elements
-        their own dead letters: `handler.with_preprocess_fn(handler.prepare)`).
+        their own dead letters: `handler.with_dead_letters()`).
 
         Raises:
             TypeError: For an element that is neither a string nor a (string, options) pair, or unknown options.
-            ValueError: For an empty prompt, invalid options, or a prompt or max_new_tokens beyond the largest
-                bucket; the message quotes the element.
+            ValueError: For an empty prompt, invalid options, a prompt or max_new_tokens beyond the largest
+                bucket, or a prompt and new tokens beyond the model's positions; the message quotes the
+                element.
         """
         prompt, own = _split_example(example)
         tools = self._tools()
         try:
-            options = self._checked_options({**self.generation_options, **own}, tools.config, "element")
+            options = {**self.generation_options, **own}
+            config = self._checked_options(options, tools.config, "element")
             ids = tools.tokenizer.encode(prompt)
             if not ids:
                 raise ValueError("the prompt encodes to no tokens")
             if len(ids) > self.buckets.prompt_lengths[-1]:
                 raise ValueError(f"the prompt has {len(ids)} tokens, more than the largest prompt bucket "
                                  f"{self.buckets.prompt_lengths[-1]}")
-            new = options.get("max_new_tokens", tools.config.max_new_tokens)
-            if new is not None and new > self.buckets.new_tokens[-1]:
-                raise ValueError(f"max_new_tokens {new} exceeds the largest new-token bucket "
+            # An encoder-decoder model's positions are its decoder's, whose prompt is its start token.
+            new = config.new_tokens(1 if tools.is_encoder_decoder else len(ids), tools.max_positions)
+            if new > self.buckets.new_tokens[-1]:
+                raise ValueError(f"{new} new tokens exceed the largest new-token bucket "
                                  f"{self.buckets.new_tokens[-1]}")
         except (TypeError, ValueError) as error:
             raise type(error)(f"element {describe(example)}: {error}") from error
@@ -178,17 +186,9 @@ class GenerationModelHandler(XlagenModelHandler):
                                                          weight_dtype=self.weight_dtype, **self.hub_options)
         return PromptBatcher(model, self._tools().tokenizer, self.buckets)
 
-    def run_inference(self, batch: Sequence[Any], model: PromptBatcher,
-                      inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:
-        """Generates for a batch (elements prepared here unless a preprocessing step did it).
-
-        Raises:
-            TypeError, ValueError: For a bad element (naming it) or options the model refuses; Beam's
-                `with_exception_handling()` puts the batch in its failed output.
-        """
-        prepared = self.prepared(batch)
-        results = model.generate(prepared)
-        return [PredictionResult(p.example, result, self.model_name_or_path) for p, result in zip(prepared, results)]
+    def infer(self, prepared: Sequence[PreparedPrompt], model: PromptBatcher) -> list[dict[str, Any]]:
+        """The inference dict of each prepared prompt, in order (see `XlagenModelHandler.run_inference`)."""
+        return model.generate(prepared)
 
     def validate_inference_args(self, inference_args: dict[str, Any] | None) -> None:
         if inference_args:

@@ -1,5 +1,11 @@
 """What xlagen's two Beam model handlers share: batching arguments for `beam.BatchElements`, per-element
-preparation (the dead-letter step), keyed elements, and pickling without loaded state.
+preparation and checking (the dead-letter steps), keyed elements, and pickling without loaded state.
+
+Beam's `RunInference` gives dead letters per element only to its preprocessing and postprocessing steps; a
+batch whose `run_inference` raises lands whole in `failed_inferences`. So `with_dead_letters` prepares
+each element before batching (what can be checked without the model), and when a batch still fails in the
+model, `run_inference` runs its elements one by one and hands each that fails alone to the postprocessing
+step as an `ElementFailure`, which raises it there: that element alone becomes a dead letter.
 
 Beam pickles a model handler on the machine that builds the pipeline and unpickles it on every worker;
 the handler therefore holds only settings, and loads its tokenizer (for preparation) and its model
@@ -9,15 +15,32 @@ the handler therefore holds only settings, and loads its tokenizer (for preparat
 from __future__ import annotations
 
 import bisect
+import copy
+import dataclasses
+import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from apache_beam.ml.inference.base import ModelHandler
+from apache_beam.ml.inference.base import KeyedModelHandler, ModelHandler, PredictionResult
+
+logger = logging.getLogger(__name__)
 
 _COPY_CHUNK = 16 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementFailure:
+    """The inference of an element that failed alone in `run_inference` (with `with_dead_letters`), until
+    the postprocessing step (`XlagenModelHandler.check`) raises its error.
+
+    Attributes:
+        error: The exception the element raised.
+    """
+
+    error: Exception
 
 
 def local_checkpoint(name_or_path: str) -> str:
@@ -81,7 +104,7 @@ class XlagenModelHandler(ModelHandler):
 
     Subclasses implement `prepare(example)` (per element: read and check, raising for a bad element),
     `prepared_type`, `length(prepared)` (the size that picks a batch bucket), `weight(prepared)` (its
-    share of a batch's work) and Beam's `load_model` / `run_inference`.
+    share of a batch's work), `infer(prepared, model)` and Beam's `load_model`.
 
     Args:
         model_name_or_path: A checkpoint folder, a Hugging Face Hub id, or the URL of a folder that Beam's
@@ -106,6 +129,7 @@ class XlagenModelHandler(ModelHandler):
                          model_copies=model_copies, batch_length_fn=self._element_length if stateful else None,
                          batch_bucket_boundaries=length_buckets if stateful else None)
         self.model_name_or_path = model_name_or_path
+        self._isolate_failures = False
         self._loaded_tools = None
         self._local_folders: dict[str, str] = {}
 
@@ -144,6 +168,81 @@ class XlagenModelHandler(ModelHandler):
             the whole batch.
         """
         return [example if isinstance(example, self.prepared_type) else self.prepare(example) for example in batch]
+
+    def with_dead_letters(self, keyed: bool = False) -> ModelHandler:
+        """This handler with a dead letter for each bad element, for `RunInference(...).with_exception_handling()`.
+
+        Each element is prepared before batching (`prepare`); an element that fails there lands in
+        `failed_preprocessing[0]`. A batch that fails in the model is run again element by element; an
+        element that fails alone lands in `failed_postprocessing[0]` (as its `PredictionResult`, keyed:
+        `(key, PredictionResult)`), and the rest of its batch succeeds. Dead letters are
+        `(element, (exception type, message, traceback))`.
+
+        Args:
+            keyed: Take `(key, example)` elements and return `(key, PredictionResult)` (a `KeyedModelHandler`).
+
+        Returns:
+            The model handler to give `RunInference`.
+        """
+        handler = copy.copy(self)
+        handler._isolate_failures = True
+        if keyed:
+            return (KeyedModelHandler(handler).with_preprocess_fn(handler.prepare_keyed)
+                    .with_postprocess_fn(handler.check_keyed))
+        return handler.with_preprocess_fn(handler.prepare).with_postprocess_fn(handler.check)
+
+    @staticmethod
+    def check(result: PredictionResult) -> PredictionResult:
+        """`result`, after inference (the postprocessing step of `with_dead_letters`).
+
+        Raises:
+            Exception: The error of an element that failed alone in `run_inference`.
+        """
+        if isinstance(result.inference, ElementFailure):
+            raise result.inference.error
+        return result
+
+    def check_keyed(self, element: tuple[Any, PredictionResult]) -> tuple[Any, PredictionResult]:
+        """`check` for a `(key, PredictionResult)` element."""
+        self.check(element[1])
+        return element
+
+    def infer(self, prepared: Sequence[Any], model: Any) -> list[Any]:
+        """The inference of each prepared element, in order (see the subclasses)."""
+        raise NotImplementedError(type(self))
+
+    def run_inference(self, batch: Sequence[Any], model: Any,
+                      inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:
+        """Runs a batch (its elements prepared here unless a preprocessing step did it).
+
+        With `with_dead_letters`, a batch that fails is run again element by element, and an element that
+        fails alone gets an `ElementFailure` as its inference (raised by the postprocessing step).
+
+        Raises:
+            Exception: For a bad element (naming it) or an error of the model; without `with_dead_letters`,
+                Beam's `with_exception_handling()` puts the whole batch in `failed_inferences`.
+        """
+        prepared = self.prepared(batch)
+        try:
+            inferences = self.infer(prepared, model)
+        except Exception as error:  # noqa: BLE001 - any error of the model; each element is run again alone
+            if not self._isolate_failures:
+                raise
+            if len(prepared) == 1:
+                inferences = [ElementFailure(error)]
+            else:
+                logger.warning("a batch of %d elements failed (%s: %s): running them one by one", len(prepared),
+                               type(error).__name__, error)
+                inferences = [self._infer_alone(element, model) for element in prepared]
+        return [PredictionResult(p.example, inference, self.model_name_or_path)
+                for p, inference in zip(prepared, inferences)]
+
+    def _infer_alone(self, prepared: Any, model: Any) -> Any:
+        """The inference of one element, or its `ElementFailure`."""
+        try:
+            return self.infer([prepared], model)[0]
+        except Exception as error:  # noqa: BLE001 - the element's own error, for its dead letter
+            return ElementFailure(error)
 
     def length(self, prepared: Any) -> int:
         raise NotImplementedError(type(self))

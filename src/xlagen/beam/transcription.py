@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from apache_beam.ml.inference.base import PredictionResult
 
 from xlagen.beam.handler import XlagenModelHandler, describe
 from xlagen.generation.compiled import Buckets
@@ -104,7 +103,7 @@ class TranscriptionModelHandler(XlagenModelHandler):
 
     def prepare(self, example: Any) -> PreparedAudio:
         """Reads and decodes one file (run it per element before batching to give unreadable files their own
-        dead letters: `handler.with_preprocess_fn(handler.prepare)`).
+        dead letters: `handler.with_dead_letters()`).
 
         Raises:
             TypeError: If the element is not a path string.
@@ -130,17 +129,9 @@ class TranscriptionModelHandler(XlagenModelHandler):
         processor = WhisperProcessor.from_pretrained(folder, **self.hub_options)
         return ClipTranscriber(Transcriber(model, processor, CompiledGenerator(model, self.buckets)), self.options)
 
-    def run_inference(self, batch: Sequence[Any], model: ClipTranscriber,
-                      inference_args: dict[str, Any] | None = None) -> Iterable[PredictionResult]:
-        """Transcribes a batch (files read here unless a preprocessing step did it).
-
-        Raises:
-            OSError, ValueError, TypeError: For a bad element, naming it; Beam's `with_exception_handling()`
-                puts the batch in its failed output.
-        """
-        prepared = self.prepared(batch)
-        results = model.transcribe([p.samples for p in prepared])
-        return [PredictionResult(p.example, result, self.model_name_or_path) for p, result in zip(prepared, results)]
+    def infer(self, prepared: Sequence[PreparedAudio], model: ClipTranscriber) -> list[dict[str, Any]]:
+        """The transcript dict of each prepared recording, in order (see `XlagenModelHandler.run_inference`)."""
+        return model.transcribe([p.samples for p in prepared])
 
     def validate_inference_args(self, inference_args: dict[str, Any] | None) -> None:
         if inference_args:

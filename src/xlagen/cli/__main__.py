@@ -11,7 +11,10 @@ Each subcommand is a module of this package listed in `SUBCOMMANDS`. It provides
   starts (environment variables such as TF_XLA_FLAGS). It must not import TensorFlow;
 - optionally `configure_tensorflow=<function>`: `configure_tensorflow(args) -> None` runs right
   after TensorFlow is imported and before its devices start (e.g. thread pools, which cannot be
-  changed afterwards).
+  changed afterwards);
+- optionally `log_noise=<tuple of str>`: log records that contain one of these texts (warnings
+  a library logs on every run, such as Apache Beam's) are dropped while the command runs, unless
+  `--verbose` is given.
 
 Subcommand modules import TensorFlow and the rest of xlagen lazily, so that `main` can run these
 hooks, configure the environment and logging first.
@@ -19,6 +22,8 @@ hooks, configure the environment and logging first.
 Errors: every error is reported ONCE, as one line `xlagen: error: <message>` on stderr, with no
 traceback unless `--verbose` is given (then the traceback comes first). The exit code is the
 exception's `exit_code` attribute if it has one (2 for usage errors, as for argparse's), else 1.
+argparse's own errors (an option's bad value, a missing or unknown argument) are one line too, without
+its usage block (`common.ArgumentParser`), with exit code 2.
 The documented error types of the library (`OSError`, `ValueError`, `TypeError`,
 `xlagen.native.NativeUnavailable`) and TensorFlow's `tf.errors.OpError` print their message (only
 its first line for an `OpError`, whose message continues with graph context); any other exception
@@ -29,12 +34,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.metadata
 import logging
 import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
+
+from xlagen.cli.common import ArgumentParser
 
 PROG = "xlagen"
 SUBCOMMANDS = ("generate", "transcribe", "serve", "pipeline", "hlo", "bench", "export", "aot")
@@ -46,6 +54,8 @@ _CLI_WORDING = (("local_files_only=True was passed", "--local-files-only was giv
 
 def _version() -> str:
     """The installed distribution's version, read without importing xlagen's TensorFlow modules."""
+    import importlib.metadata  # here: a Ctrl-C during the imports before `main` runs escapes its handling
+
     try:
         return importlib.metadata.version("xlagen")
     except importlib.metadata.PackageNotFoundError:
@@ -58,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser; `parse_args` gives a namespace with `command`, `verbose`, `quiet` and `run`.
     """
-    parser = argparse.ArgumentParser(prog=PROG, description="XLA-compiled text and speech generation with TensorFlow "
-                                     "on Hugging Face checkpoints.")
+    parser = ArgumentParser(prog=PROG, description="XLA-compiled text and speech generation with TensorFlow on "
+                            "Hugging Face checkpoints.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true",
@@ -122,6 +132,18 @@ def _configure_logging(verbose: bool, quiet: bool) -> int:
     return previous
 
 
+class _DropNoise(logging.Filter):
+    """Drops the records whose message contains one of `texts`."""
+
+    def __init__(self, texts: Sequence[str]):
+        super().__init__()
+        self.texts = tuple(texts)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(text in message for text in self.texts)
+
+
 def _silence_stdout() -> None:
     """Points stdout at /dev/null so that flushing it at exit does not raise again (Python's SIGPIPE recipe)."""
     try:
@@ -161,12 +183,39 @@ def _describe(error: BaseException) -> tuple[str, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the `xlagen` command line.
 
+    A Ctrl-C (SIGINT) ends the command with exit code 130 and the line `xlagen: interrupted`, once what it
+    printed is flushed (an `--output` file keeps its previous content). When `main` runs the process's own
+    command line (`argv` None), further Ctrl-Cs are ignored while the process winds down (TensorFlow's
+    teardown takes a while), so that the exit code stays 130.
+
     Args:
         argv: Arguments without the program name; defaults to `sys.argv[1:]`.
 
     Returns:
         The exit code: 0 on success, 1 when the work failed, 2 for a usage error, 130 when interrupted.
     """
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        return _interrupted(own_process=argv is None)
+
+
+def _interrupted(own_process: bool) -> int:
+    """Reports an interrupt; returns its exit code (130)."""
+    if own_process and threading.current_thread() is threading.main_thread():
+        # Python would exit by the signal itself (status -2) if a second KeyboardInterrupt escaped, and puts
+        # its own handlers back to the default as it finalizes; an ignored signal stays ignored.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):  # A reader that left, or a closed stdout: nothing to flush to.
+        pass
+    print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
+    return 130
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    """`main` but for interrupts."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -177,6 +226,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     _configure_environment(args.verbose)
     previous_level = _configure_logging(args.verbose, args.quiet)
+    # On the root logger (records logged to it) and its handlers (records propagated from other loggers,
+    # such as Beam's worker processes' records re-logged by its job service).
+    noise = _DropNoise(() if args.verbose else getattr(args, "log_noise", ()))
+    filtered = [logging.getLogger(), *logging.getLogger().handlers]
+    for target in filtered:
+        target.addFilter(noise)
     try:
         if getattr(args, "prepare", None) is not None:
             args.prepare(args)
@@ -186,9 +241,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `xlagen generate ... | head`: the reader left; not an error worth a message.
         _silence_stdout()
         return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
     except Exception as error:  # noqa: BLE001 - every error becomes one line (see the module docstring).
         message, code = _describe(error)
         if args.verbose:
@@ -197,6 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return code
     finally:  # `main` may run several times in one process (tests, notebooks).
         logging.getLogger("xlagen").setLevel(previous_level)
+        for target in filtered:
+            target.removeFilter(noise)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""What several subcommands share: the usage error, argparse types for numbers, the Hugging Face Hub
-options, the weight-dtype option and the built-in default model.
+"""What several subcommands share: the usage error, the argument parser, argparse types for numbers, the
+Hugging Face Hub options, the weight-dtype option and the built-in default model.
 
 Only the standard library is imported at module level, so that the `prepare` hooks (see
 xlagen.cli.__main__) can use these before TensorFlow is imported.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 SEED_MAX = 2**31 - 1  # seeds are int32 tensors
 WEIGHT_DTYPE_HELP = ("bfloat16 / int8: the matrix products read their weights rounded to bfloat16 (about twice as "
@@ -24,8 +24,19 @@ class UsageError(ValueError):
     exit_code = 2
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser (its sub-parsers are of its class too) whose errors are one line on stderr, as every
+    other error of the command: `xlagen: error: <message>`, exit code 2, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog.split()[0]}: error: {message} (see {self.prog} --help)\n")
+
+
 def _int_at_least(value: str, minimum: int) -> int:
-    number = int(value)
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
     if number < minimum:
         raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {number}")
     return number

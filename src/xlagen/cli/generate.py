@@ -276,16 +276,19 @@ def _write(chunk: list[Prompt], results: list[list[str]], stream: TextIO, as_jso
     """Writes a batch's results: JSONL records, or each prompt followed by its continuation (the output
     alone when the outputs do not continue the prompts), a `---` line between prompts (before this
     batch's first one unless it is the `first` of the run) and `[i/R] ` before each of R > 1 sequences."""
+    lines = []
     for number, (prompt, generated) in enumerate(zip(chunk, results)):
         if as_jsonl:
-            record = {"prompt": prompt.text, **prompt.extra, "generated": generated}
-            stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+            lines.append(json.dumps({"prompt": prompt.text, **prompt.extra, "generated": generated},
+                                    ensure_ascii=False))
             continue
         if number or not first:
-            stream.write(_SEPARATOR + "\n")
+            lines.append(_SEPARATOR)
         for index, text in enumerate(generated, 1):
             label = f"[{index}/{len(generated)}] " if len(generated) > 1 else ""
-            stream.write(label + (prompt.text if continues_prompt else "") + text + "\n")
+            lines.append(label + (prompt.text if continues_prompt else "") + text)
+    # One write per batch: a Ctrl-C comes between two batches' output, never inside a record.
+    stream.write("".join(line + "\n" for line in lines))
     stream.flush()
 
 

@@ -12,7 +12,8 @@ and other keys carried into the output); transcription reads the audio files the
 Outputs: `PREFIX-SSSSS-of-NNNNN.jsonl` with one record per input, `PREFIX-failed-...jsonl` with one
 record per input that failed (`{"input", "error"}`), and for transcription with `--subtitles` one
 `.srt` / `.vtt` per file beside the prefix. Every input ends in one of the two JSONL outputs; the exit
-code is 1 when some failed.
+code is 1 when some failed. On a terminal, a progress bar counts the inputs done when the pipeline runs in
+this process (`--runner direct` without multi-processing); a cluster's runner shows its own.
 
 `--runner direct` (the default) runs the pipeline in this process with Beam's FnApiRunner, named
 explicitly: Beam's default DirectRunner first tries its Prism runner, a binary it downloads. Options after
@@ -24,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import glob
+import io
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -37,6 +40,12 @@ from xlagen.cli.transcribe import DEFAULT_MODEL as WHISPER_MODEL
 RUNNERS = {"direct": None, "flink": "FlinkRunner", "spark": "SparkRunner", "dataflow": "DataflowRunner"}
 SUBTITLES = ("srt", "vtt")
 _FAILED = "failed"
+# Warnings Beam logs on every run that say nothing about it: the BigQuery client it does not use, and the
+# memory figure of a model manager it does not start.
+BEAM_NOISE = ("apitools not found", "Resource module is not available")
+# Each input's output record is logged here at DEBUG; `run` counts them on its progress bar (the pipeline's
+# steps are unpickled copies, so a logger, found by name, is what reaches the bar in this process).
+_done = logging.getLogger(__name__ + ".done")
 
 
 def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -50,7 +59,7 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     generate.add_argument("--model", "-m", metavar="PATH_OR_ID",
                           help="checkpoint folder or Hub id, readable by every worker (default: the built-in model)")
     add_decoding_arguments(generate)
-    generate.set_defaults(run=run, prepare=prepare)
+    generate.set_defaults(run=run, prepare=prepare, log_noise=BEAM_NOISE)
     transcribe = kinds.add_parser("transcribe", parents=parents, help="transcribe audio files")
     _add_common(transcribe, "audio files (wav, flac, ogg, mp3, ...)")
     transcribe.add_argument("--model", "-m", default=WHISPER_MODEL, metavar="PATH_OR_ID",
@@ -61,7 +70,7 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     transcribe.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="token limit per 30 s window")
     transcribe.add_argument("--subtitles", choices=SUBTITLES, nargs="+", default=[],
                             help="also write one subtitle file per input: PREFIX-<input path>.srt / .vtt")
-    transcribe.set_defaults(run=run, prepare=prepare)
+    transcribe.set_defaults(run=run, prepare=prepare, log_noise=BEAM_NOISE)
     return parser
 
 
@@ -158,9 +167,12 @@ def _failure_records(item: tuple[Any, Any]):
 
 
 def _jsonable(value: Any) -> Any:
+    from apache_beam.ml.inference.base import PredictionResult
+
     from xlagen.beam import PreparedAudio, PreparedPrompt
 
-    if isinstance(value, (PreparedPrompt, PreparedAudio)):
+    # A dead letter of the postprocessing step holds its PredictionResult (a tuple): its example is the input.
+    if isinstance(value, (PreparedPrompt, PreparedAudio, PredictionResult)):
         return _jsonable(value.example)
     if isinstance(value, (list, tuple)):
         return [_jsonable(v) for v in value]
@@ -172,6 +184,62 @@ def _generation_record(item) -> str:
 
     key, result = item
     return json.dumps({**key, **result_record(result)}, ensure_ascii=False)
+
+
+def _report_done(record: str) -> str:
+    """The output record of an input, passed on once the input is counted done."""
+    _done.debug("done")
+    return record
+
+
+class _ProgressBar(logging.Handler):
+    """Advances a tqdm bar by one per record."""
+
+    def __init__(self, bar):
+        super().__init__(logging.DEBUG)
+        self.bar = bar
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.bar.update(1)
+
+
+def _runs_in_process(args: argparse.Namespace, options) -> bool:
+    """Whether the pipeline's steps run in this process (direct runner, without worker processes)."""
+    from apache_beam.options.pipeline_options import DirectOptions
+
+    return (args.runner == "direct" and args.workers == 1
+            and options.view_as(DirectOptions).direct_running_mode != "multi_processing")
+
+
+def _count_inputs(args: argparse.Namespace) -> int:
+    """How many inputs the pipeline reads: the matched audio files, or the prompt files' non-empty lines."""
+    from apache_beam.io.filesystems import FileSystems
+
+    files = FileSystems.match([args.input])[0].metadata_list
+    if args.pipeline == "transcribe":
+        return len(files)
+    count = 0
+    for file in files:  # compressed files too, as Beam reads them
+        with FileSystems.open(file.path) as stream:
+            count += sum(1 for line in io.TextIOWrapper(stream, encoding="utf-8", errors="replace") if line.strip())
+    return count
+
+
+def _run_counting(pipeline, bar):
+    """Runs the pipeline to its end, advancing `bar` (tqdm) by one per input done in this process."""
+    handler = _ProgressBar(bar)
+    level, propagate = _done.level, _done.propagate
+    _done.addHandler(handler)
+    _done.setLevel(logging.DEBUG)
+    _done.propagate = False
+    try:
+        result = pipeline.run()
+        result.wait_until_finish()
+        return result
+    finally:
+        _done.removeHandler(handler)
+        _done.setLevel(level)
+        _done.propagate = propagate
 
 
 def _write_subtitles(result, prefix: str, formats: list[str]) -> None:
@@ -193,38 +261,41 @@ def run(args: argparse.Namespace) -> int:
     import apache_beam as beam
     from apache_beam.io import fileio
     from apache_beam.metrics.metric import MetricsFilter
-    from apache_beam.ml.inference.base import KeyedModelHandler, RunInference
+    from apache_beam.ml.inference.base import RunInference
+    from tqdm import tqdm
 
     from xlagen.beam import GenerationModelHandler, TranscriptionModelHandler
 
-    runner, options = pipeline_options(args)
+    runner, beam_options = pipeline_options(args)
     batching = {"max_batch_size": args.max_batch_size, "weight_dtype": args.weight_dtype, "hub_options": _hub(args)}
-    pipeline = beam.Pipeline(runner=runner, options=options)
+    pipeline = beam.Pipeline(runner=runner, options=beam_options)
     if args.pipeline == "generate":
         seed = {} if args.seed is None else {"seed": args.seed}
         handler = GenerationModelHandler(args.model, **batching, **decoding_options(args), **seed)
         lines, bad_lines = (pipeline | beam.io.ReadFromTextWithFilename(args.input)
                             | "Parse" >> beam.FlatMap(_parse_line).with_exception_handling())
-        results, failed = lines | RunInference(
-            KeyedModelHandler(handler).with_preprocess_fn(handler.prepare_keyed)).with_exception_handling()
+        results, failed = lines | RunInference(handler.with_dead_letters(keyed=True)).with_exception_handling()
         records = results | "Records" >> beam.Map(_generation_record)
         dead = [bad_lines]
     else:
         options = {k: v for k, v in (("num_beams", args.num_beams), ("max_new_tokens", args.max_new_tokens)) if v}
         handler = TranscriptionModelHandler(args.model, language=args.language, task=args.task, **batching, **options)
         paths = pipeline | fileio.MatchFiles(args.input) | "Paths" >> beam.Map(lambda metadata: metadata.path)
-        results, failed = paths | RunInference(handler.with_preprocess_fn(handler.prepare)).with_exception_handling()
+        results, failed = paths | RunInference(handler.with_dead_letters()).with_exception_handling()
         records = results | "Records" >> beam.Map(
             lambda r: json.dumps({"file": r.example, **r.inference}, ensure_ascii=False))
         if args.subtitles:
             _ = results | "Subtitles" >> beam.Map(_write_subtitles, args.output, args.subtitles)
         dead = []
     dead += [failed.failed_inferences, *failed.failed_preprocessing, *failed.failed_postprocessing]
-    _ = records | "Write" >> beam.io.WriteToText(args.output, file_name_suffix=".jsonl")
+    _ = (records | "Done" >> beam.Map(_report_done)
+         | "Write" >> beam.io.WriteToText(args.output, file_name_suffix=".jsonl"))
     _ = (dead | "Failures" >> beam.Flatten() | "FailureRecords" >> beam.FlatMap(_failure_records)
+         | "FailedDone" >> beam.Map(_report_done)
          | "WriteFailed" >> beam.io.WriteToText(f"{args.output}-{_FAILED}", file_name_suffix=".jsonl"))
-    result = pipeline.run()
-    result.wait_until_finish()
+    show = not args.quiet and sys.stderr.isatty() and _runs_in_process(args, beam_options)
+    with tqdm(total=_count_inputs(args) if show else None, unit="input", file=sys.stderr, disable=not show) as bar:
+        result = _run_counting(pipeline, bar)
     counters = result.metrics().query(MetricsFilter().with_name(_FAILED))["counters"]
     failures = sum(counter.result or 0 for counter in counters)
     if failures:

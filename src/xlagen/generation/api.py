@@ -67,21 +67,6 @@ def resolve_config(model, generation_config: GenerationConfig | None, options: d
     return config
 
 
-def _check_lengths(model, prompt_length: int, config: GenerationConfig) -> int:
-    """The number of new tokens; checks that the (decoder) prompt and them fit the model's positions."""
-    new_tokens = config.max_new_tokens
-    if new_tokens is None:
-        new_tokens = config.max_length - prompt_length
-        if new_tokens < 1:
-            raise ValueError(f"the prompt has {prompt_length} tokens (with padding) but max_length is "
-                             f"{config.max_length}: raise max_length or set max_new_tokens")
-    limit = model.config.max_positions  # None: no learned positions (T5), nothing to outgrow
-    if limit is not None and prompt_length + new_tokens > limit:
-        raise ValueError(f"prompt length {prompt_length} + {new_tokens} new tokens exceeds the model's "
-                         f"{limit} positions: shorten the prompt or lower max_new_tokens/max_length")
-    return new_tokens
-
-
 def _decoder_inputs(model, model_inputs: dict, input_ids: tf.Tensor, config: GenerationConfig):
     """`decoder_input_ids` / `decoder_attention_mask` as int32 tensors, checked against the batch."""
     ids, mask = model_inputs.get("decoder_input_ids"), model_inputs.get("decoder_attention_mask")
@@ -154,7 +139,7 @@ def parse_request(model, inputs, generation_config, seed, kwargs) -> Request:
 
 def _request(model, prompt: Prompt, config: GenerationConfig, seed) -> Request:
     """The request, once its lengths fit the model and its estimated memory the limit."""
-    new_tokens = _check_lengths(model, prompt.ids.shape[1], config)
+    new_tokens = config.new_tokens(prompt.ids.shape[1], model.config.max_positions)
     checks.check_sizes(model, prompt.ids.shape[0] or 1, prompt.ids.shape[1], new_tokens, config, prompt.extra)
     return Request(prompt, config, new_tokens, seed)
 

@@ -15,10 +15,13 @@ from pathlib import Path
 from xlagen.weights.checkpoint import read_json
 
 
+_OPTIONAL_INTS = ("pad_token_id", "bos_token_id", "decoder_start_token_id", "no_timestamps_token_id",
+              "max_initial_timestamp_index")
 _INT_FIELDS = ("max_length", "max_new_tokens", "min_length", "min_new_tokens", "top_k", "num_beams",
-               "num_return_sequences", "no_repeat_ngram_size")
+               "num_return_sequences", "no_repeat_ngram_size", *_OPTIONAL_INTS)
 _FLOAT_FIELDS = ("temperature", "top_p", "length_penalty", "repetition_penalty", "max_memory_gb")
-_OPTIONAL = ("max_new_tokens", "min_new_tokens", "max_memory_gb")
+_OPTIONAL = ("max_new_tokens", "min_new_tokens", "max_memory_gb", *_OPTIONAL_INTS)
+_ID_LISTS = ("suppress_tokens", "begin_suppress_tokens")
 
 
 def checked_int(name: str, value) -> int:
@@ -42,6 +45,20 @@ def checked_float(name: str, value) -> float:
     if not math.isfinite(number):
         raise ValueError(f"{name} must be a finite number, got {number}")
     return number
+
+
+def _token_ids(name: str, value, allow_single: bool = False):
+    """`value`, a list or tuple of token ids (or with `allow_single` one id), with Python ints for ids; anything
+    else is a TypeError naming `name`."""
+    many = isinstance(value, (list, tuple))
+    try:
+        if not (many or allow_single):
+            raise TypeError(name)
+        ids = [checked_int(name, i) for i in (value if many else [value])]
+    except TypeError:
+        expected = "a token id (an int) or a list of them" if allow_single else "a list of token ids (ints)"
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__} {value!r}") from None
+    return type(value)(ids) if many else ids[0]
 
 
 @dataclass(frozen=True)
@@ -120,10 +137,10 @@ class GenerationConfig:
 
     def __post_init__(self):
         self._check_types()
-        for name in ("suppress_tokens", "begin_suppress_tokens"):  # lists from JSON -> hashable tuples
+        for name in _ID_LISTS:  # lists from JSON -> hashable tuples
             value = getattr(self, name)
             if value is not None:
-                object.__setattr__(self, name, tuple(int(i) for i in value))
+                object.__setattr__(self, name, tuple(_token_ids(name, value)))
         if isinstance(self.language, list):
             object.__setattr__(self, "language", tuple(self.language))
         if self.forced_decoder_ids is not None:
@@ -140,6 +157,8 @@ class GenerationConfig:
                 if value is None and name in _OPTIONAL:
                     continue
                 object.__setattr__(self, name, convert(name, value))
+        if self.eos_token_id is not None:  # an id, or a list of ids (any of them ends a row)
+            object.__setattr__(self, "eos_token_id", _token_ids("eos_token_id", self.eos_token_id, allow_single=True))
         if self.max_memory_gb is not None and self.max_memory_gb <= 0:
             raise ValueError(f"max_memory_gb must be > 0, got {self.max_memory_gb}")
 
@@ -218,6 +237,28 @@ class GenerationConfig:
         return cls(eos_token_id=model_config.eos_token_id, pad_token_id=model_config.pad_token_id,
                    bos_token_id=model_config.bos_token_id,
                    decoder_start_token_id=getattr(model_config, "decoder_start_token_id", None))
+
+    def new_tokens(self, prompt_length: int, max_positions: int | None = None) -> int:
+        """The number of new tokens after a (decoder) prompt of `prompt_length` tokens, padding included.
+
+        Args:
+            prompt_length: The prompt's length.
+            max_positions: The model's positions (None: no learned positions, no limit).
+
+        Raises:
+            ValueError: If `max_length` leaves no room after the prompt, or the prompt and the new tokens
+                exceed `max_positions`.
+        """
+        new_tokens = self.max_new_tokens
+        if new_tokens is None:
+            new_tokens = self.max_length - prompt_length
+            if new_tokens < 1:
+                raise ValueError(f"the prompt has {prompt_length} tokens (with padding) but max_length is "
+                                 f"{self.max_length}: raise max_length or set max_new_tokens")
+        if max_positions is not None and prompt_length + new_tokens > max_positions:
+            raise ValueError(f"prompt length {prompt_length} + {new_tokens} new tokens exceeds the model's "
+                             f"{max_positions} positions: shorten the prompt or lower max_new_tokens/max_length")
+        return new_tokens
 
     def update(self, **changes) -> "GenerationConfig":
         """Returns a copy with `changes` applied (validated again)."""

@@ -205,13 +205,16 @@ class PreTrainedTokenizerFast:
         return template if isinstance(template, str) and template else None
 
     def apply_chat_template(self, conversation: Sequence[dict], *, add_generation_prompt: bool = False,
-                            tokenize: bool = True, chat_template: str | None = None, **variables: Any):
+                            continue_final_message: bool = False, tokenize: bool = True,
+                            chat_template: str | None = None, **variables: Any):
         """Renders a conversation with the chat template (transformers' `apply_chat_template`, see
         `xlagen.text.chat_template`; needs jinja2).
 
         Args:
             conversation: `{"role": ..., "content": ...}` messages.
             add_generation_prompt: End with the start of an assistant turn.
+            continue_final_message: End inside the last message, an assistant one, without the tokens that
+                close its turn, so that the model continues it (not with `add_generation_prompt`).
             tokenize: Return ids (encoded without adding special tokens) instead of the text.
             chat_template: A template to use instead of the checkpoint's.
             **variables: Further template variables.
@@ -220,7 +223,9 @@ class PreTrainedTokenizerFast:
             The ids (a list of ints), or the text with `tokenize=False`.
 
         Raises:
-            ValueError: If there is no chat template, or it fails on the conversation.
+            ValueError: If there is no chat template, or it fails on the conversation; with
+                `continue_final_message`, if `add_generation_prompt` is set too or the last message is not an
+                assistant one.
         """
         from xlagen.text.chat_template import render
 
@@ -229,7 +234,8 @@ class PreTrainedTokenizerFast:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
                              "chat_template.jinja): pass chat_template=")
         special = {name: getattr(self.config, name) for name in SPECIAL_TOKEN_NAMES}
-        text = render(template, conversation, add_generation_prompt=add_generation_prompt, special_tokens=special,
+        text = render(template, conversation, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=continue_final_message, special_tokens=special,
                       additional_special_tokens=list(self.config.additional_special_tokens), **variables)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 

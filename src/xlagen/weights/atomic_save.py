@@ -6,7 +6,7 @@ swapped by one rename; the files are replaced one by one, and a marker says when
 1. Stage: every file is written into a hidden staging folder inside the target,
    `.xlagen-save-<pid>-<host>-<random>`, and flushed to disk (fsync). A failure here (a full disk, a bad
    value) removes the staging folder and leaves the target's files as they were. After a kill, the next
-   save into the folder removes the staging folder once its process is gone (same host), or after a day.
+   save into the folder removes the staging folder (see "Who is still saving" below).
 2. Mark: `.xlagen-save-incomplete` is created, listing the staging folder and the file names, and
    flushed together with the folder. From here on the staging folder holds a complete set of new files.
 3. Commit: each staged file is renamed over its target (`os.replace`, atomic per file).
@@ -17,6 +17,15 @@ The marker exists exactly while the folder may mix files of two saves. Loaders r
 moves the remaining staged files into place: an interrupted commit is completed, never rolled back,
 as the old files may already be gone. Readers that do not know the marker (transformers) can see a mixed
 folder only after a kill inside step 3, which takes a few renames.
+
+Who is still saving: a save holds an exclusive `flock` on the `.lock` file of its staging folder from the
+moment that file appears (it is locked under another name, then renamed) until the save ends. The kernel
+releases the lock when the process ends however it ends (SIGKILL included, and before a parent reaps it),
+so a free lock means the save is over, and a held one that it is running, whatever its process id
+(reused by another process, as in containers, which also change host names) and on any machine that shares
+the lock (local file systems, NFS). A staging folder without a lock file (its save was killed before it
+made one, or the file system has no locks, or an older xlagen made it) falls back on the process id: over
+when that process is gone (same host), or after a day without change.
 """
 
 from __future__ import annotations
@@ -33,11 +42,17 @@ import socket
 import time
 from collections.abc import Callable
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: process ids and age only
+    fcntl = None
+
 MARKER_NAME = ".xlagen-save-incomplete"
 STAGING_PREFIX = ".xlagen-save-"
-# A staging folder or marker whose process cannot be checked (another host, a reused process id, or an
-# older xlagen) is abandoned once it has not changed for this long.
+# A staging folder or marker without a lock to ask, whose process cannot be checked (another host, a reused
+# process id), is abandoned once it has not changed for this long.
 ABANDONED_AFTER_SECONDS = 24 * 3600
+LOCK_NAME = ".lock"  # inside a staging folder; flock-ed by its save while it runs
 _STAGING_NAME = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-([0-9a-f]{8})-[0-9a-f]+$")
 _RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors and tokenizers report OS errors
 
@@ -92,8 +107,22 @@ def write_files(folder: str | os.PathLike[str], writers: dict[str, Callable[[pat
     staging = folder / f"{STAGING_PREFIX}{os.getpid()}-{_host_id()}-{secrets.token_hex(4)}"
     try:
         staging.mkdir()
+        lock = _lock(staging)
     except OSError as error:
+        shutil.rmtree(staging, ignore_errors=True)
         raise _named(error, f"Cannot write into the folder '{folder}'") from error
+    try:
+        _stage_and_commit(folder, staging, writers)
+    finally:
+        if lock is not None:
+            os.close(lock)  # after the staging folder is gone: until then, it is this save's
+    return tuple(str(folder / name) for name in names)
+
+
+def _stage_and_commit(folder: pathlib.Path, staging: pathlib.Path,
+                      writers: dict[str, Callable[[pathlib.Path], None]]) -> None:
+    """Steps 1 to 4 of the protocol, into the (locked) staging folder."""
+    names = list(writers)
     current = ""
     try:
         for name in names:
@@ -114,7 +143,6 @@ def write_files(folder: str | os.PathLike[str], writers: dict[str, Callable[[pat
         raise _named(os_error, f"Cannot write {current} into '{folder}'",
                      f"{hint}Nothing was saved: the folder keeps its previous files.") from error
     _commit(folder, staging.name, names)
-    return tuple(str(folder / name) for name in names)
 
 
 def check_save_complete(folder: str | os.PathLike[str]) -> None:
@@ -128,7 +156,7 @@ def check_save_complete(folder: str | os.PathLike[str]) -> None:
     if marker is None or marker["staging"] is None:  # No marker, or one cut short before any rename.
         return
     files = ", ".join(marker["files"])
-    if not _is_abandoned(marker["pid"], marker["host"], marker["mtime"]):
+    if not _is_over(pathlib.Path(folder) / marker["staging"], marker["pid"], marker["host"], marker["mtime"]):
         raise OSError(f"'{folder}' is being saved into right now ({_owner(marker)} is replacing {files}); load it "
                       "when that save has finished.")
     raise OSError(f"The last save into '{folder}' was interrupted while it replaced {files}: these files may mix "
@@ -169,7 +197,7 @@ def _finish(folder: pathlib.Path) -> list[str]:
                           "when it has finished.")
         (folder / MARKER_NAME).unlink(missing_ok=True)
         return []
-    if not _is_abandoned(marker["pid"], marker["host"], marker["mtime"]):
+    if not _is_over(folder / marker["staging"], marker["pid"], marker["host"], marker["mtime"]):
         raise OSError(f"Another save into '{folder}' is replacing {', '.join(marker['files'])} right now "
                       f"({_owner(marker)}); save again when it has finished.")
     if not (folder / marker["staging"]).is_dir():
@@ -270,9 +298,12 @@ def _owner(marker: dict) -> str:
 
 
 def _remove_abandoned_staging(folder: pathlib.Path) -> None:
-    """Removes staging folders left by killed saves (their process gone, or untouched for a day)."""
+    """Removes the staging folders of saves that are over (killed: see the module docstring), but not the one
+    an interrupted commit's marker names (`_finish` completes that)."""
+    marker = _read_marker(folder)
+    kept = None if marker is None else marker["staging"]
     for path in folder.glob(STAGING_PREFIX + "*"):
-        if not path.is_dir() or path.name == MARKER_NAME:
+        if not path.is_dir() or path.name in (MARKER_NAME, kept):
             continue
         match = _STAGING_NAME.match(path.name)
         pid, host = (int(match.group(1)), match.group(2)) if match else (-1, "")
@@ -280,8 +311,52 @@ def _remove_abandoned_staging(folder: pathlib.Path) -> None:
             mtime = path.stat().st_mtime
         except FileNotFoundError:
             continue
-        if _is_abandoned(pid, host, mtime):
+        if _is_over(path, pid, host, mtime):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def _lock(staging: pathlib.Path) -> int | None:
+    """Creates the staging folder's lock file, locked until the returned descriptor is closed; None where
+    files cannot be locked (the folder is then judged by its process id)."""
+    if fcntl is None:
+        return None
+    temporary = staging / (LOCK_NAME + ".new")
+    descriptor = os.open(temporary, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # e.g. a file system without locks
+        os.close(descriptor)
+        temporary.unlink(missing_ok=True)
+        return None
+    # Renamed once locked: no other process ever finds the lock file free while this save runs.
+    os.replace(temporary, staging / LOCK_NAME)
+    return descriptor
+
+
+def _lock_is_free(staging: pathlib.Path) -> bool | None:
+    """Whether the lock of a staging folder is free (its save is over); None without a lock file to ask."""
+    if fcntl is None:
+        return None
+    try:
+        descriptor = os.open(staging / LOCK_NAME, os.O_RDONLY)
+    except OSError:  # No lock file: the process id decides.
+        return None
+    try:
+        # A shared lock conflicts with the save's exclusive one, and needs only read access (NFS too).
+        fcntl.flock(descriptor, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    except OSError:  # Locks unsupported here.
+        return None
+    finally:
+        os.close(descriptor)  # also releases the lock just taken
+    return True
+
+
+def _is_over(staging: pathlib.Path, pid: int, host: str, mtime: float) -> bool:
+    """Whether the save that owns `staging` has ended: from its lock, else from its process id and age."""
+    free = _lock_is_free(staging)
+    return _is_abandoned(pid, host, mtime) if free is None else free
 
 
 def _is_abandoned(pid: int, host: str, mtime: float) -> bool:

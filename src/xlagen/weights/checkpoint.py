@@ -57,7 +57,8 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> dict[str, np.ndarray]:
         ValueError: If the index is malformed or names a shard outside the folder (absolute, '..',
             or a symlink leading out), a weight file is truncated or not safetensors (naming the
             file), a tensor listed in the index is not in its shard, two shards hold the same
-            tensor, or a tensor has a dtype numpy cannot represent.
+            tensor, a tensor has a dtype numpy cannot represent, or float tensors hold NaN or infinite
+            values (naming the file and the tensors).
     """
     tensors: dict[str, np.ndarray] = {}
     for path in weight_files(model_dir):
@@ -281,7 +282,33 @@ def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     bf16 = {name: entry for name, entry in header.items() if entry[0] == "BF16"}
     if bf16:
         tensors.update(_read_bfloat16(path, bf16))
+    _check_finite(path, tensors)
     return tensors
+
+
+def _all_finite(array: np.ndarray) -> bool:
+    """Whether a float array holds no NaN or infinity.
+
+    A NaN or an infinity makes the sum non-finite, and a sum allocates nothing (where `np.isfinite` makes a
+    boolean array the size of the tensor); only a sum that overflowed is checked again element by element.
+    """
+    if array.dtype.kind != "f" or array.size == 0:
+        return True
+    total = np.add.reduce(array, axis=None, dtype=np.float64 if array.dtype == np.float64 else np.float32)
+    return bool(np.isfinite(total)) or bool(np.isfinite(array).all())
+
+
+def _check_finite(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+    """Refuses a file whose float tensors hold NaN or infinite values (a model built from them would generate
+    garbage without an error), naming the tensors."""
+    bad = sorted(name for name, array in tensors.items() if not _all_finite(array))
+    if not bad:
+        return
+    counts = [f"{name} ({int(np.isnan(tensors[name]).sum())} NaN, {int(np.isinf(tensors[name]).sum())} infinite of "
+              f"{tensors[name].size})" for name in bad[:10]]
+    raise ValueError(f"'{path}' holds NaN or infinite weights in {len(bad)} tensor(s): {', '.join(counts)}"
+                     + (", ..." if len(bad) > 10 else "") + "; the checkpoint is broken (a training run that "
+                     "diverged, or a bad conversion or quantization): re-download or re-create it.")
 
 
 def _read_bfloat16(path: pathlib.Path, entries: dict) -> dict[str, np.ndarray]:
