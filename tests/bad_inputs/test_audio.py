@@ -147,6 +147,16 @@ def test_pcm_arrays_are_scaled_as_soundfile_scales_them(dtype, samples, expected
         "input_features"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("subtype, dtype", [("PCM_U8", np.uint8), ("PCM_S8", np.int8)])
+def test_8_bit_arrays_match_soundfiles_reading_of_8_bit_files(subtype, dtype, tmp_path):
+    """The bytes of an 8-bit headerless file (offset binary for PCM_U8, two's complement for PCM_S8) as an array
+    give the samples soundfile reads from the file."""
+    path = tmp_path / "tone.raw"
+    soundfile.write(path, _tone(), RATE, subtype=subtype, format="RAW")
+    as_read, _ = soundfile.read(path, dtype="float32", samplerate=RATE, channels=1, subtype=subtype, format="RAW")
+    np.testing.assert_array_equal(load_audio(np.fromfile(path, dtype)), as_read)
+
+
 @pytest.mark.parametrize("subtype, dtype", [("PCM_U8", "int16"), ("PCM_16", "int16"), ("PCM_32", "int32")])
 def test_pcm_arrays_match_soundfiles_own_scaling(subtype, dtype, tmp_path):
     soundfile.write(tmp_path / "tone.wav", _tone(), RATE, subtype=subtype)
