@@ -11,7 +11,8 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from xlagen import native
-from xlagen.generation.loop import Plan, Prompt, batch_size, is_eos, prefill, prompt_buffer, write_column
+from xlagen.generation.loop import (Decoded, Plan, Prompt, batch_size, first_logprobs, is_eos, prefill, prompt_buffer,
+                                    write_column)
 from xlagen.generation.sampling import Context, Runtime, apply_processors
 
 BIG_NEGATIVE = -1.0e9
@@ -44,7 +45,7 @@ def _gather_beams(tensor: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
     return tf.gather(tensor, indices, axis=1, batch_dims=1)
 
 
-def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime: Runtime):
+def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime: Runtime) -> Decoded:
     """Beam search over a left-padded batch.
 
     Args:
@@ -56,8 +57,10 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
         runtime: Tensor options.
 
     Returns:
-        `(sequences int32 [B * R, T_max], sequence scores float32 [B * R], step scores [B * K, N, V] or None)`
-        with R = num_return_sequences.
+        `Decoded`: sequences int32 `[B * R, T_max]` and their scores float32 `[B * R]` (R = num_return_sequences),
+        the step scores `[B * K, N, V]` with `output_scores`, and with `output_logprobs` the log-probabilities
+        after the prompt's first token (`first_logprobs`; there are no per-token ones: a beam's score is their
+        sum, length-normalised).
     """
     num_beams, prompt_length = options.num_beams, prompt.ids.shape[1]
     batch = batch_size(prompt.ids)
@@ -66,6 +69,9 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
     keep = max(2, 1 + options.num_eos) * num_beams
     logits, decoder_state = prefill(model, prompt, total)
     vocab = logits.shape[-1]
+    first = None
+    if plan.output_logprobs:
+        first = tf.repeat(first_logprobs(model, prompt, decoder_state, runtime), options.num_return_sequences, axis=0)
     # Every beam starts from the same prompt (and encoder output): run it once, then repeat rows K times.
     logits = tf.repeat(logits, num_beams, axis=0)
     decoder_state = model.expand_beams(decoder_state, num_beams)
@@ -140,4 +146,4 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
     returned = options.num_return_sequences
     sequences = tf.reshape(state.finished[:, :returned], [batch * returned, total])
     sequence_scores = tf.reshape(state.finished_scores[:, :returned], [-1])
-    return sequences, sequence_scores, (state.scores if plan.output_scores else None)
+    return Decoded(sequences, sequence_scores, state.scores if plan.output_scores else None, first_logprobs=first)
