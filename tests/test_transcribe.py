@@ -76,6 +76,77 @@ def test_long_form_matches_transformers(checkpoint, transcriber):
     assert transcript.language == "<|en|>" and transcript.text
 
 
+def reference_measures(reference, features, monkeypatch, **options) -> list[dict]:
+    """transformers' long-form segments with their window's avg_logprob (`_retrieve_avg_logprobs` of the
+    window's scores, on the tokens its `_need_fallback` sees), generated tokens before EOS and no_speech_prob (`WhisperNoSpeechDetection`,
+    which runs when `no_speech_threshold` is set; thresholds that never act)."""
+    from transformers.models.whisper import generation_whisper
+
+    detector = generation_whisper.WhisperNoSpeechDetection
+    probabilities, original = [], detector.__call__
+
+    def record(self, input_ids, scores):
+        result = original(self, input_ids, scores)
+        if input_ids.shape[1] == self.begin_index:
+            probabilities.append(float(self._no_speech_prob[0]))
+        return result
+
+    monkeypatch.setattr(detector, "__call__", record)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor(features["input_features"]),
+                                 attention_mask=torch.tensor(features["attention_mask"]), return_timestamps=True,
+                                 return_segments=True, return_dict_in_generate=True, output_scores=True,
+                                 temperature=(0.0,), logprob_threshold=-1e9, no_speech_threshold=1.0, **options)
+    monkeypatch.undo()
+    segments, window, previous = [], -1, None
+    for segment in out["segments"][0]:
+        result = segment["result"]
+        window += result is not previous
+        previous = result
+        generated = result["sequences"][-len(result["scores"]):]
+        ends = (generated == EOT).nonzero()
+        if len(ends):  # transformers removes the padding after EOS but keeps the EOS
+            generated = generated[:int(ends[0]) + 1]
+        average = generation_whisper.WhisperGenerationMixin._retrieve_avg_logprobs(result["scores"], generated, 0.0)
+        segments.append({"tokens": segment["tokens"].tolist(), "avg_logprob": float(average),
+                         "no_speech_prob": probabilities[window], "eos": bool(len(ends)),
+                         "generated": generated[:-1 if len(ends) else None].tolist()})
+    assert window + 1 == len(probabilities)
+    return segments
+
+
+@pytest.mark.parametrize("case", ["multilingual", "english_only"])
+def test_segment_measures_match_transformers(case, checkpoint, english_only, transcriber, monkeypatch):
+    """avg_logprob and no_speech_prob of every long-form window as transformers computes them (its logprob
+    threshold and no-speech detection), with and without an EOS in the window; compression_ratio as
+    openai-whisper computes it of the window's text."""
+    import zlib
+
+    folder, reference = checkpoint if case == "multilingual" else english_only
+    if case == "english_only":
+        transcriber = Transcriber(TFWhisperForConditionalGeneration.from_pretrained(folder),
+                                  WhisperProcessor.from_pretrained(folder))
+    options = {"language": "en"} if case == "multilingual" else {}
+    audio = _speechy(70.0, seed=3)
+    transcript = transcriber(audio, max_new_tokens=MAX_NEW, **options)
+    features = transcriber.processor.feature_extractor(audio, sampling_rate=16000, padding="longest",
+                                                        truncation=False, return_attention_mask=True,
+                                                        return_tensors="np")
+    expected = reference_measures(reference, features, monkeypatch, max_new_tokens=MAX_NEW, **options)
+    assert [list(s.tokens) for s in transcript.segments] == [s["tokens"] for s in expected]
+    assert any(s["eos"] for s in expected) == (case == "english_only")
+    np.testing.assert_allclose([s.avg_logprob for s in transcript.segments], [s["avg_logprob"] for s in expected],
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose([s.no_speech_prob for s in transcript.segments],
+                               [s["no_speech_prob"] for s in expected], rtol=1e-3, atol=1e-7)
+    tokenizer = transcriber.processor.tokenizer
+    assert tokenizer.convert_ids_to_tokens(transcriber.no_speech_id) == "<|nospeech|>"
+    for segment, reference_segment in zip(transcript.segments, expected):
+        # The text of all the window's tokens, its last unfinished segment too (decoded again in the next window).
+        text = tokenizer.decode(reference_segment["generated"], skip_special_tokens=True).strip().encode()
+        assert segment.compression_ratio == len(text) / len(zlib.compress(text))
+
+
 def test_short_audio_detects_language_once(transcriber):
     transcript = transcriber(_speechy(8.0, seed=1), max_new_tokens=MAX_NEW)
     assert transcript.language in transcriber.model.generation_config.lang_to_id

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 
 import pytest
 import soundfile
@@ -67,6 +68,11 @@ def test_concurrent_uploads_are_batched_and_match_transcriber(whisper_server):
         assert body["text"] == transcript.text and body["language"] == "english"
         assert [s["tokens"] for s in body["segments"]] == [list(s.tokens) for s in transcript.segments]
         assert body["duration"] == pytest.approx(transcript.duration, abs=1e-3)
+        assert body["usage"] == {"type": "duration", "seconds": math.ceil(transcript.duration)}
+        for got, segment in zip(body["segments"], transcript.segments):  # a batch row's measures are its own
+            assert got["avg_logprob"] == pytest.approx(segment.avg_logprob, rel=1e-4)
+            assert got["no_speech_prob"] == pytest.approx(segment.no_speech_prob, rel=1e-3)
+            assert got["compression_ratio"] == segment.compression_ratio
     assert batcher.stats()["compiles"] == compiles + 1  # one program of batch 2, not two of batch 1
     srt = httpx.post(url + "/v1/audio/transcriptions", files={"file": ("a.wav", files[0])},
                      data={"language": "en", "response_format": "srt"}, timeout=120)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 from typing import Any
 
 import numpy as np
@@ -129,18 +130,25 @@ def _language_name(transcript: Transcript) -> str | None:
 
 
 def format_transcript(transcript: Transcript, response_format: str, task: str) -> tuple[Any, str]:
-    """(body, media type) of a transcript in one of OpenAI's response formats."""
+    """(body, media type) of a transcript in one of OpenAI's response formats.
+
+    A transcription's json and verbose_json carry OpenAI's `usage` of models billed by audio duration:
+    `{"type": "duration", "seconds": N}`, the audio's seconds rounded up. Segments carry their window's
+    `avg_logprob`, `compression_ratio` and `no_speech_prob` (`xlagen.speech.transcribe.Segment`).
+    """
+    usage = {"usage": {"type": "duration", "seconds": math.ceil(transcript.duration)}} if task == "transcribe" else {}
     if response_format == "json":
-        return {"text": transcript.text}, "application/json"
+        return {"text": transcript.text, **usage}, "application/json"
     if response_format == "text":
         return transcript.text + "\n", "text/plain"
     if response_format in ("srt", "vtt"):
         return render(transcript, response_format), "text/plain"
     segments = [{"id": i, "seek": round(s.start * 100), "start": round(s.start, 3), "end": round(s.end, 3),
-                 "text": s.text, "tokens": list(s.tokens), "temperature": 0.0}
+                 "text": s.text, "tokens": list(s.tokens), "temperature": 0.0, "avg_logprob": s.avg_logprob,
+                 "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob}
                 for i, s in enumerate(transcript.segments)]
     return {"task": task, "language": _language_name(transcript), "duration": round(transcript.duration, 3),
-            "text": transcript.text, "segments": segments}, "application/json"
+            "text": transcript.text, "segments": segments, **usage}, "application/json"
 
 
 def _form_field(form, name: str) -> str | None:
