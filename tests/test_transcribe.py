@@ -73,7 +73,7 @@ def test_long_form_matches_transformers(checkpoint, transcriber):
     assert [list(s.tokens) for s in transcript.segments] == [s["tokens"].tolist() for s in expected]
     np.testing.assert_allclose([s.start for s in transcript.segments], [float(s["start"]) for s in expected], atol=1e-6)
     np.testing.assert_allclose([s.end for s in transcript.segments], [float(s["end"]) for s in expected], atol=1e-6)
-    assert transcript.language == "<|en|>" and transcript.text
+    assert transcript.language == "en" and transcript.text
 
 
 def reference_measures(reference, features, monkeypatch, **options) -> list[dict]:
@@ -149,13 +149,16 @@ def test_segment_measures_match_transformers(case, checkpoint, english_only, tra
 
 def test_short_audio_detects_language_once(transcriber):
     transcript = transcriber(_speechy(8.0, seed=1), max_new_tokens=MAX_NEW)
-    assert transcript.language in transcriber.model.generation_config.lang_to_id
+    assert f"<|{transcript.language}|>" in transcriber.model.generation_config.lang_to_id
     assert len(transcript.segments) == 1 and transcript.duration == pytest.approx(8.0)
 
 
 def test_silence_gives_an_empty_transcript(transcriber):
     transcript = transcriber(np.zeros(16000 * 5, np.float32))
-    assert transcript.text == "" and transcript.segments == ()
+    assert transcript.text == "" and transcript.segments == () and transcript.language is None
+    for language in ("fr", "French", "<|fr|>"):  # the language given, as a code
+        assert transcriber(np.zeros(16000, np.float32), language=language).language == "fr"
+        assert transcriber.transcribe_clips([np.zeros(16000, np.float32)], language=language)[0].language == "fr"
 
 
 def test_cli_formats(checkpoint, tmp_path, capsys):
@@ -168,7 +171,7 @@ def test_cli_formats(checkpoint, tmp_path, capsys):
     base = ["transcribe", "--model", str(folder), "--max-new-tokens", str(MAX_NEW), "--language", "en", "-q"]
     assert main(base + [str(wav), "--format", "json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["file"] == str(wav) and record["language"] == "<|en|>" and record["duration"] == 35.0
+    assert record["file"] == str(wav) and record["language"] == "en" and record["duration"] == 35.0
     assert record["segments"] and all(s["start"] <= s["end"] for s in record["segments"])
     out = tmp_path / "out"
     assert main(base + [str(wav), str(flac), "--format", "srt", "--output", str(out)]) == 0
@@ -284,7 +287,7 @@ def test_window_ending_on_a_single_timestamp_matches_transformers(english_only, 
     np.testing.assert_allclose([s.end for s in transcript.segments], [float(s["end"]) for s in expected], atol=1e-6)
     assert [s.text for s in transcript.segments] == [
         transcriber.processor.tokenizer.decode(s["tokens"].tolist(), skip_special_tokens=True) for s in expected]
-    assert transcript.language is None
+    assert transcript.language == "en"  # an English-only model's
     with pytest.raises(ValueError, match="English-only"):  # refused before the (missing) file is read
         transcriber(str(folder / "missing.wav"), language="en")
     with pytest.raises(ValueError, match="English-only"):
@@ -298,7 +301,7 @@ def test_cli_english_only_model(english_only, tmp_path, capsys):
     base = ["transcribe", "--model", str(folder), "--max-new-tokens", str(MAX_NEW), "-q", str(wav)]
     assert main(base + ["--format", "json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["language"] is None and record["segments"]
+    assert record["language"] == "en" and record["segments"]  # an English-only model's language
     for option in (["--task", "translate"], ["--task", "transcribe"], ["--language", "en"]):
         assert main(base + option) == 2
         error = capsys.readouterr().err

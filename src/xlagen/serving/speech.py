@@ -124,9 +124,11 @@ def decode_upload(data: bytes, filename: str) -> np.ndarray:
                            "file") from None
 
 
-def _language_name(transcript: Transcript) -> str | None:
-    code = (transcript.language or "").strip("<|>")
-    return LANGUAGES.get(code, code or None)
+def _language_name(transcript: Transcript, task: str) -> str | None:
+    """The language's name in English, as OpenAI's verbose_json gives it: the audio's, or a translation's
+    (always "english")."""
+    code = "en" if task == "translate" else transcript.language
+    return LANGUAGES.get(code, code)
 
 
 def format_transcript(transcript: Transcript, response_format: str, task: str) -> tuple[Any, str]:
@@ -147,7 +149,7 @@ def format_transcript(transcript: Transcript, response_format: str, task: str) -
                  "text": s.text, "tokens": list(s.tokens), "temperature": 0.0, "avg_logprob": s.avg_logprob,
                  "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob}
                 for i, s in enumerate(transcript.segments)]
-    return {"task": task, "language": _language_name(transcript), "duration": round(transcript.duration, 3),
+    return {"task": task, "language": _language_name(transcript, task), "duration": round(transcript.duration, 3),
             "text": transcript.text, "segments": segments, **usage}, "application/json"
 
 

@@ -34,7 +34,7 @@ import tensorflow as tf
 from xlagen.generation.api import resolve_config
 from xlagen.generation.compiled import CompiledGenerator
 from xlagen.speech.audio import WhisperFeatureExtractor, load_audio
-from xlagen.speech.whisper_decoding import check_options, decoder_prompt
+from xlagen.speech.whisper_decoding import check_options, decoder_prompt, language_id
 
 SAMPLING_RATE = 16000
 TIME_PRECISION = 0.02  # seconds per timestamp token
@@ -90,7 +90,16 @@ def compression_ratio(text: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Transcript:
-    """What `Transcriber` returns: the full text, its segments and the language token used."""
+    """What `Transcriber` returns: the full text, its segments, the language and the audio's duration.
+
+    Attributes:
+        text: The whole transcript.
+        segments: Its segments, in order.
+        language: The language's ISO 639-1 code as Whisper names it ("en", "fr"; "haw" and "yue" have three
+            letters): the one given, else the one detected; "en" for an English-only model (`*.en`), None for
+            a model without language tokens.
+        duration: Seconds of audio.
+    """
 
     text: str
     segments: tuple[Segment, ...]
@@ -233,7 +242,7 @@ class Transcriber:
         if max(samples.max(), -samples.min()) < SILENCE_PEAK:  # no abs(): that would copy a long recording
             if progress:
                 progress(1, 1)
-            return Transcript("", (), language, duration)
+            return Transcript("", (), self._language_code(language), duration)
         features = self._features(samples)
         total = features.num_frames
         window_size = self.model.config.input_frames
@@ -254,7 +263,7 @@ class Transcriber:
             if progress:
                 progress(min(seek, total), total)
         text = "".join(segment.text for segment in segments).strip()
-        return Transcript(text, tuple(segments), self._language_token(prompt[0]), duration)
+        return Transcript(text, tuple(segments), self._prompt_language(prompt[0]), duration)
 
     def transcribe_clips(self, clips: list[np.ndarray], *, language: str | None = None, task: str | None = None,
                          return_timestamps: bool = False, **generate_options) -> list[Transcript]:
@@ -283,7 +292,8 @@ class Transcriber:
                 if features[index].num_frames > window_size:
                     raise ValueError(f"clip {index} lasts {len(clip) / SAMPLING_RATE:.1f} s, more than one window: "
                                      "transcribe it alone")
-        transcripts = [Transcript("", (), language, len(clip) / SAMPLING_RATE) for clip in samples]
+        transcripts = [Transcript("", (), self._language_code(language), len(clip) / SAMPLING_RATE)
+                       for clip in samples]
         if not features:
             return transcripts
         rows = list(features)
@@ -298,7 +308,7 @@ class Transcriber:
             segments, _ = self.window_segments(tokens[row, prompt.shape[1]:], frames, 0, return_timestamps,
                                                self._scores(output, row))
             text = "".join(segment.text for segment in segments).strip()
-            transcripts[index] = Transcript(text, tuple(segments), self._language_token(prompt[row]),
+            transcripts[index] = Transcript(text, tuple(segments), self._prompt_language(prompt[row]),
                                             transcripts[index].duration)
         return transcripts
 
@@ -364,12 +374,22 @@ class Transcriber:
         start = self.model.generation_config.decoder_start_token_id
         return self.model.config.decoder_start_token_id if start is None else start
 
-    def _language_token(self, prompt: np.ndarray) -> str | None:
+    def _prompt_language(self, prompt: np.ndarray) -> str | None:
+        """The code of the language token in a decoder prompt (see `Transcript.language`)."""
         by_id = {i: token for token, i in (self.model.generation_config.lang_to_id or {}).items()}
         for token in prompt.tolist():
             if token in by_id:
-                return by_id[token]
-        return None
+                return by_id[token].strip("<|>")
+        return self._language_code(None)
+
+    def _language_code(self, language: str | None) -> str | None:
+        """The code of a language given as a code, a name or a token (checked by `check_options` before), or
+        of the model's one language when None."""
+        config = self.model.generation_config
+        if language is None:
+            return "en" if config.is_multilingual is False else None
+        token_id = language_id(language, config)
+        return next(token for token, i in config.lang_to_id.items() if i == token_id).strip("<|>")
 
     def _strip(self, tokens: np.ndarray) -> np.ndarray:
         """The generated tokens before the first EOS (transformers removes EOS and padding before splitting)."""
