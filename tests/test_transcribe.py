@@ -199,6 +199,23 @@ def test_cli_bad_files(checkpoint, tmp_path, capsys):
     assert main(["transcribe", "--model", str(folder), "--language", "klingon", str(good)]) == 2
 
 
+def test_cli_refuses_inputs_whose_transcripts_would_overwrite_each_other(tmp_path, capsys):
+    """Checked before the model is loaded (here: a folder that does not exist): one error line naming both inputs."""
+    for name in ("a/x.wav", "b/x.wav", "b/x.flac", "c/y.wav"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        soundfile.write(tmp_path / name, _speechy(1.0), 16000, format="WAV")
+    out = tmp_path / "subs"
+    base = ["transcribe", "--model", str(tmp_path / "no-model"), "--format", "vtt", "-o", str(out)]
+    for clashing in (["a/x.wav", "b/x.wav"], ["c/y.wav", "a/x.wav", "b/x.flac"], ["a/x.wav", "a/x.wav"]):
+        files = [str(tmp_path / name) for name in clashing]
+        assert main(base + files) == 2
+        err = capsys.readouterr().err
+        first, second = (files[0], files[1]) if clashing[0] != "c/y.wav" else (files[1], files[2])
+        assert err == (f"xlagen: error: {first} and {second} would both be written to {out / 'x.vtt'}: give the "
+                       "inputs different names, or transcribe them into different --output folders\n")
+    assert not out.exists()  # nothing was written
+
+
 def test_transformers_tf_whisper_example_runs_with_the_import_changed(checkpoint):
     """transformers 4.x's TFWhisperForConditionalGeneration usage, with `from xlagen import` instead."""
     import tensorflow as tf
