@@ -20,6 +20,7 @@ import httpx  # noqa: E402
 
 from models.test_whisper import save_tiny_whisper  # noqa: E402
 from whisper_fixtures import build_whisper_tokenizer, save_feature_extractor, synthetic_audio  # noqa: E402
+from xlagen.serving.speech import FORMATS  # noqa: E402
 
 MAX_NEW = 12
 MAX_SECONDS = 20.0
@@ -202,3 +203,33 @@ def test_decoding_runs_off_the_event_loop(whisper_server, monkeypatch):
     response, health, answered, _ = asyncio.run(upload_and_probe())
     assert health.status_code == 200 and answered < 1.0
     assert response.status_code == 200
+
+
+def test_warmup_compiles_every_format_and_language_option(tmp_path):
+    """After the warm-up (/health 200), no response format, language or task compiles: near the model's positions
+    the decoder prompt's length (3 tokens detected, 4 given or translating) decides the program, as timestamps do."""
+    from xlagen import TFWhisperForConditionalGeneration, WhisperProcessor
+    from xlagen.serving.server import Backends, ServerSettings, create_app
+    from xlagen.serving.speech import TranscriptionBatcher
+
+    save_tiny_whisper(tmp_path, seed=2)  # no max_new_tokens: each prompt decodes up to the 40 positions
+    build_whisper_tokenizer(tmp_path)
+    save_feature_extractor(tmp_path, 80)
+    batcher = TranscriptionBatcher(TFWhisperForConditionalGeneration.from_pretrained(tmp_path),
+                                   WhisperProcessor.from_pretrained(tmp_path))
+    backends = Backends(batcher.processor.tokenizer, speech=batcher, warmup=batcher.warmup)
+    with running(create_app(backends, ServerSettings("tiny-whisper"))) as (url, _):
+        compiled = batcher.stats()["compiles"]
+        assert compiled == 4  # with and without timestamps, for prompts of 3 and 4 tokens
+        for route, data, formats in [("transcriptions", {}, FORMATS), ("transcriptions", {"language": "en"}, FORMATS),
+                                     ("transcriptions", {"language": "french", "task": "transcribe"}, ("json", "srt")),
+                                     ("transcriptions", {"task": "translate"}, ("text", "vtt")),
+                                     ("translations", {}, ("json", "verbose_json"))]:
+            for response_format in formats:
+                response = httpx.post(f"{url}/v1/audio/{route}", files={"file": ("a.wav", wav(2.0, seed=6))},
+                                      data={**data, "response_format": response_format}, timeout=120)
+                assert response.status_code == 200, response.text
+        long = httpx.post(url + "/v1/audio/transcriptions", files={"file": ("b.wav", wav(35.0, seed=7))},
+                          data={"response_format": "srt"}, timeout=120)
+        assert long.status_code == 200, long.text
+        assert batcher.stats()["compiles"] == compiled

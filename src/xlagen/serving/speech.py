@@ -75,10 +75,29 @@ class TranscriptionBatcher:
                 "compiles": self.transcriber.generator.compile_count}
 
     def warmup(self, batch_sizes=(1,)) -> None:
-        """Compiles the programs of these batch sizes (without timestamps, language detected)."""
+        """Compiles the programs requests can need at these batch sizes: without timestamps (json, text) and with
+        them (srt, vtt, verbose_json; audio over 30 s), each with the language detected, given, and translating
+        (multilingual models).
+
+        The decoder prompt's length decides the program near the model's positions (detected: start, language,
+        <|notimestamps|>; given: start, language, <|transcribe|>, <|notimestamps|>), as timestamps do; option
+        sets that share a program run it once more, without compiling.
+        """
         noise = np.random.default_rng(0).standard_normal(SAMPLING_RATE).astype(np.float32) * 0.1
         for size in batch_sizes:
-            self._run([(noise, None, None, False)] * size)
+            for timestamps in (False, True):
+                for language, task in self._warmup_options():
+                    self._run([(noise, language, task, timestamps)] * size)
+
+    def _warmup_options(self) -> list[tuple[str | None, str | None]]:
+        """(language, task) pairs whose programs may differ: detected, one of the model's languages, translating."""
+        options = [(None, None)]
+        lang_to_id = self.model.generation_config.lang_to_id or {}
+        if lang_to_id and self.model.generation_config.is_multilingual is not False:
+            options.append((next(iter(lang_to_id)), None))
+            if self.cannot_translate() is None:
+                options.append((None, "translate"))
+        return options
 
     def check(self, language: str | None, task: str | None) -> None:
         """Refuses a language or task the model cannot take (ValueError naming it)."""
