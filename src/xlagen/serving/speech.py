@@ -31,9 +31,9 @@ from xlagen.speech.transcribe import SAMPLING_RATE, Transcriber, Transcript, ren
 from xlagen.text.whisper_tokens import LANGUAGES
 
 FORMATS = ("json", "text", "srt", "vtt", "verbose_json")
-# An hour of audio: 230 MB of 16 kHz float32 samples per upload while it waits and runs, and about what a CPU
-# transcribes with whisper-tiny within the default request timeout (600 s); 25 MiB (the default body limit)
-# of 64 kbit/s speech lasts 55 min.
+# An hour of audio: 230 MB of 16 kHz float32 samples per upload while it waits and runs (queued uploads add up),
+# and 120 windows to decode within one request's timeout (600 s by default); 25 MiB (the default body limit)
+# of 64 kbit/s speech lasts 55 min, while a FLAC of silence that size would last days.
 MAX_AUDIO_SECONDS = 3600.0
 
 
