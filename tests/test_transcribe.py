@@ -115,18 +115,20 @@ def reference_measures(reference, features, monkeypatch, **options) -> list[dict
     return segments
 
 
-@pytest.mark.parametrize("case", ["multilingual", "english_only"])
+@pytest.mark.parametrize("case", ["multilingual", "english_only", "beam"])
 def test_segment_measures_match_transformers(case, checkpoint, english_only, transcriber, monkeypatch):
     """avg_logprob and no_speech_prob of every long-form window as transformers computes them (its logprob
-    threshold and no-speech detection), with and without an EOS in the window; compression_ratio as
-    openai-whisper computes it of the window's text."""
+    threshold and no-speech detection), with and without an EOS in the window, and along the beam in beam
+    search; compression_ratio as openai-whisper computes it of the window's text."""
     import zlib
 
-    folder, reference = checkpoint if case == "multilingual" else english_only
+    folder, reference = english_only if case == "english_only" else checkpoint
     if case == "english_only":
         transcriber = Transcriber(TFWhisperForConditionalGeneration.from_pretrained(folder),
                                   WhisperProcessor.from_pretrained(folder))
-    options = {"language": "en"} if case == "multilingual" else {}
+    options = {} if case == "english_only" else {"language": "en"}
+    if case == "beam":
+        options["num_beams"] = 2
     audio = _speechy(70.0, seed=3)
     transcript = transcriber(audio, max_new_tokens=MAX_NEW, **options)
     features = transcriber.processor.feature_extractor(audio, sampling_rate=16000, padding="longest",
@@ -134,7 +136,7 @@ def test_segment_measures_match_transformers(case, checkpoint, english_only, tra
                                                         return_tensors="np")
     expected = reference_measures(reference, features, monkeypatch, max_new_tokens=MAX_NEW, **options)
     assert [list(s.tokens) for s in transcript.segments] == [s["tokens"] for s in expected]
-    assert any(s["eos"] for s in expected) == (case == "english_only")
+    assert case == "beam" or any(s["eos"] for s in expected) == (case == "english_only")
     np.testing.assert_allclose([s.avg_logprob for s in transcript.segments], [s["avg_logprob"] for s in expected],
                                rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose([s.no_speech_prob for s in transcript.segments],

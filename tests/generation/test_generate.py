@@ -145,13 +145,22 @@ def test_logprobs_are_the_chosen_tokens_share_of_the_scores(gpt2_model, prompts,
     assert without.logprobs is None and without.first_logprobs is None
 
 
-def test_beam_logprobs_give_the_sequence_scores_and_first_logprobs(gpt2_model, prompts, eos):
-    options = dict(max_new_tokens=8, eos_token_id=eos, pad_token_id=PAD, num_beams=3, num_return_sequences=2,
-                   return_dict_in_generate=True)
-    with_scores = gpt2_model.generate(prompts, output_scores=True, **options)
-    ours = gpt2_model.generate(prompts, output_logprobs=True, **options)
-    assert ours.scores is None and ours.logprobs is None
-    np.testing.assert_allclose(ours.sequences_scores.numpy(), with_scores.sequences_scores.numpy(), atol=1e-6)
+def test_beam_logprobs_follow_the_returned_beams(gpt2_model, prompts):
+    """Without processors that mask tokens, the processed scores are log-probabilities: a returned beam's token
+    log-probabilities sum to its score times its length (length_penalty 1), eagerly and under XLA."""
+    options = dict(max_new_tokens=8, pad_token_id=PAD, num_beams=3, num_return_sequences=2,
+                   return_dict_in_generate=True, output_scores=True, output_logprobs=True)
+    eos = int(gpt2_model.generate(prompts, eos_token_id=None, **options).sequences[2, prompts.shape[1] + 1])
+    ours = gpt2_model.generate(prompts, eos_token_id=eos, **options)
+    compiled = tf.function(gpt2_model.generate, jit_compile=True)(tf.constant(prompts), eos_token_id=eos, **options)
+    new = ours.sequences.numpy()[:, prompts.shape[1]:]
+    ended = np.cumsum(new == eos, axis=1) - (new == eos) > 0
+    assert ended.any() and (~ended).all(axis=1).any(), "the test should exercise EOS and the length limit"
+    lengths = (~ended).sum(axis=1)
+    logprobs = ours.logprobs.numpy()
+    assert (logprobs[ended] == 0).all() and (logprobs[~ended] < 0).all()
+    np.testing.assert_allclose(logprobs.sum(axis=1) / lengths, ours.sequences_scores.numpy(), atol=1e-5)
+    np.testing.assert_allclose(compiled.logprobs.numpy(), logprobs, atol=1e-5)
     full = tf.nn.log_softmax(gpt2_model(prompts).logits[:, 0]).numpy()
     np.testing.assert_allclose(ours.first_logprobs.numpy(), np.repeat(full, 2, axis=0), atol=1e-5)
 

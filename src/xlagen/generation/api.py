@@ -31,11 +31,10 @@ class GenerateOutput(NamedTuple):
         sequences: int32 `[B * R, T_max]`, prompt + new tokens, pad after EOS.
         scores: With `output_scores`, a tuple of N processed score tensors `[B * R, V]` (beam search:
             `[B * K, V]` log-probabilities), one per step; otherwise None.
-        sequences_scores: Beam search with `output_scores` or `output_logprobs`: float32 `[B * R]` final beam
-            scores.
-        logprobs: xlagen's own, with `output_logprobs` (greedy and sampling): float32 `[B * R, N]`, the
-            log-probability of each new token under the processed scores it was chosen from (after the
-            sampling warpers when sampling); 0 after EOS.
+        sequences_scores: Beam search with `output_scores`: float32 `[B * R]` final beam scores.
+        logprobs: xlagen's own, with `output_logprobs`: float32 `[B * R, N]`, the log-probability of each new
+            token under the processed scores it was chosen from (after the sampling warpers when sampling; in
+            beam search, their log-softmax along the returned beam); 0 after EOS.
         first_logprobs: xlagen's own, with `output_logprobs`: float32 `[B * R, V]`, the log-softmax of the
             logits after the prompt's first token (an encoder-decoder model's decoder start token; a row whose
             first column is left padding gets nothing meaningful), before any processor: Whisper's no-speech
@@ -228,9 +227,8 @@ def format_output(decoded: Decoded, config: GenerationConfig):
     if not config.return_dict_in_generate:
         return decoded.sequences
     scores = None if decoded.scores is None else tuple(tf.unstack(decoded.scores, axis=1))
-    kept = config.output_scores or config.output_logprobs
-    return GenerateOutput(decoded.sequences, scores, decoded.sequence_scores if kept else None, decoded.logprobs,
-                          decoded.first_logprobs)
+    return GenerateOutput(decoded.sequences, scores, decoded.sequence_scores if config.output_scores else None,
+                          decoded.logprobs, decoded.first_logprobs)
 
 
 class GenerationMixin:

@@ -40,8 +40,8 @@ class Decoded(NamedTuple):
         sequences: int32 `[B * R, T_max]`, the prompt and the new tokens, pad after EOS.
         sequence_scores: Beam search: float32 `[B * R]`, the returned beams' scores.
         scores: With `output_scores`, float32 `[rows, N, V]` processed scores (beam search: a row per beam).
-        logprobs: With `output_logprobs` (greedy and sampling), float32 `[B * R, N]`: the log-probability of
-            each new token under the processed scores it was chosen from; 0 after EOS.
+        logprobs: With `output_logprobs`, float32 `[B * R, N]`: the log-probability of each new token under the
+            processed scores it was chosen from (beam search: their log-softmax); 0 after EOS.
         first_logprobs: With `output_logprobs`, float32 `[B * R, V]`: see `first_logprobs`.
     """
 

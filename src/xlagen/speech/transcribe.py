@@ -9,8 +9,8 @@ The language is detected once, on the first window. Every window reuses one comp
 
 Each segment carries its window's decoding measures, as openai-whisper's segments do (the same values for every
 segment of a window): `avg_logprob` (transformers' `_retrieve_avg_logprobs`: the mean log-probability of the
-window's tokens up to and including EOS, under the processed scores they were chosen from; beam search: the
-beam's score, as transformers takes it), `no_speech_prob` (the probability of <|nospeech|> after the start
+window's tokens up to and including EOS, under the processed scores they were chosen from, along the returned
+beam in beam search), `no_speech_prob` (the probability of <|nospeech|> after the start
 token, before any processor: transformers' `WhisperNoSpeechDetection`, openai-whisper's `no_speech_probs`) and
 `compression_ratio` (openai-whisper's `get_compression_ratio` of the window's text: its UTF-8 bytes over their
 zlib-compressed bytes). They come out of the compiled program with the tokens (`output_logprobs`).
@@ -71,15 +71,12 @@ class WindowScores:
     """What the compiled program measured of one window's decoding, shared by the window's segments.
 
     Attributes:
-        logprobs: float32 `[n]`, the log-probability of each generated token (0 after EOS); None in beam
-            search, where `beam_score` is given.
+        logprobs: float32 `[n]`, the log-probability of each generated token (0 after EOS).
         first_logprobs: float32 `[V]`, the log-probabilities after the start token, before any processor.
-        beam_score: Beam search: the returned beam's score.
     """
 
-    logprobs: np.ndarray | None
+    logprobs: np.ndarray
     first_logprobs: np.ndarray
-    beam_score: float | None = None
 
 
 def compression_ratio(text: str) -> float:
@@ -339,12 +336,9 @@ class Transcriber:
 
     def _measures(self, tokens: np.ndarray, new: np.ndarray, scores: WindowScores) -> dict:
         """A window's avg_logprob, compression_ratio and no_speech_prob (see the module docstring)."""
-        if scores.logprobs is None:
-            average = scores.beam_score
-        else:
-            # transformers' `_retrieve_avg_logprobs`: the EOS counts, padding after it does not.
-            counted = min(len(new) + 1, len(tokens))
-            average = float(scores.logprobs[:counted].sum(dtype=np.float64) / counted)
+        # transformers' `_retrieve_avg_logprobs`: the EOS counts, padding after it does not.
+        counted = min(len(new) + 1, len(tokens))
+        average = float(scores.logprobs[:counted].sum(dtype=np.float64) / counted)
         text = self.processor.tokenizer.decode(new.tolist(), skip_special_tokens=True).strip()
         return {"avg_logprob": average, "compression_ratio": compression_ratio(text),
                 "no_speech_prob": float(np.exp(scores.first_logprobs[self.no_speech_id]))}
@@ -357,9 +351,7 @@ class Transcriber:
     @staticmethod
     def _scores(output, row: int) -> WindowScores:
         """Row `row`'s `WindowScores` of a `GenerateOutput`."""
-        beam = output.logprobs is None
-        return WindowScores(None if beam else output.logprobs.numpy()[row], output.first_logprobs.numpy()[row],
-                            float(output.sequences_scores.numpy()[row]) if beam else None)
+        return WindowScores(output.logprobs.numpy()[row], output.first_logprobs.numpy()[row])
 
     def _window(self, features: LongFormFeatures, seek: int) -> np.ndarray:
         """The 30 s window `[1, M, frames]` of features starting at frame `seek`, padded with zeros."""
