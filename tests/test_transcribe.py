@@ -78,8 +78,8 @@ def test_long_form_matches_transformers(checkpoint, transcriber):
 
 def reference_measures(reference, features, monkeypatch, **options) -> list[dict]:
     """transformers' long-form segments with their window's avg_logprob (`_retrieve_avg_logprobs` of the
-    window's scores, on the tokens its `_need_fallback` sees), generated tokens before EOS and no_speech_prob (`WhisperNoSpeechDetection`,
-    which runs when `no_speech_threshold` is set; thresholds that never act)."""
+    window's scores, on the tokens its `_need_fallback` sees), generated tokens before EOS and no_speech_prob
+    (`WhisperNoSpeechDetection`, which runs when `no_speech_threshold` is set; thresholds that never act)."""
     from transformers.models.whisper import generation_whisper
 
     detector = generation_whisper.WhisperNoSpeechDetection

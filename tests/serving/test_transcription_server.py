@@ -140,7 +140,8 @@ def test_an_english_only_model_does_not_translate(tmp_path):
     save_feature_extractor(tmp_path, 80)
     batcher = TranscriptionBatcher(TFWhisperForConditionalGeneration.from_pretrained(tmp_path),
                                    WhisperProcessor.from_pretrained(tmp_path))
-    with running(create_app(Backends(batcher.processor.tokenizer, speech=batcher), ServerSettings("tiny.en"))) as (url, _):
+    app = create_app(Backends(batcher.processor.tokenizer, speech=batcher), ServerSettings("tiny.en"))
+    with running(app) as (url, _):
         response = httpx.post(url + "/v1/audio/translations", files={"file": ("a.wav", wav(1.0, seed=3))})
     error = response.json()["error"]
     assert response.status_code == 400 and (error["param"], error["code"]) == ("model", "translation_not_supported")
@@ -192,7 +193,8 @@ def test_decoding_runs_off_the_event_loop(whisper_server, monkeypatch):
 
     async def upload_and_probe():
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            upload = asyncio.ensure_future(client.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav(1.0, 3))}))
+            upload = asyncio.ensure_future(client.post("/v1/audio/transcriptions",
+                                                       files={"file": ("a.wav", wav(1.0, 3))}))
             while not decoding:
                 await asyncio.sleep(0.02)
             started = time.monotonic()
