@@ -16,6 +16,7 @@ from whisper_fixtures import (NUM_TIMESTAMPS, build_whisper_tokenizer, reference
                               synthetic_audio, whisper_languages)
 from xlagen import (AutoFeatureExtractor, AutoProcessor, AutoTokenizer, WhisperFeatureExtractor, WhisperProcessor,
                     WhisperTokenizerFast, load_audio)
+from xlagen.speech.audio import decoding, read_audio
 from xlagen.speech.transcribe import LongFormFeatures
 
 RATE = 16000
@@ -236,6 +237,23 @@ def test_stereo_file_and_array_are_mixed(tmp_path):
     np.testing.assert_allclose(load_audio(stereo), (left + right) / 2, atol=1e-7)
     soundfile.write(tmp_path / "s48.flac", np.stack([tone(1.0, 48000)] * 2, axis=1), 48000)
     assert abs(len(load_audio(tmp_path / "s48.flac")) - RATE) <= 1
+
+
+@pytest.mark.parametrize("extension", ["wav", "flac", "ogg", "mp3"])
+def test_files_decoded_in_blocks_equal_the_whole_file_decoded(tmp_path, extension):
+    """Blocks mixed to mono and resampled one at a time (soxr's stream) give the samples of the whole file
+    read, mixed and resampled at once; from a path and from a file object."""
+    import io
+
+    import soxr
+
+    path = tmp_path / f"stereo.{extension}"
+    soundfile.write(path, np.stack([tone(3.5, 44100, 300.0), synthetic_audio(3.5, 44100)], axis=1), 44100)
+    whole, rate = soundfile.read(path, dtype="float32", always_2d=True)
+    expected = soxr.resample(whole.mean(axis=1, dtype=np.float64).astype(np.float32), rate, RATE, quality="VHQ")
+    assert len(whole) > 2 * decoding._BLOCK_FRAMES
+    np.testing.assert_array_equal(load_audio(path), expected)
+    np.testing.assert_array_equal(read_audio(io.BytesIO(path.read_bytes())), expected)
 
 
 def test_arrays(tmp_path):

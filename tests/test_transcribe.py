@@ -73,18 +73,94 @@ def test_long_form_matches_transformers(checkpoint, transcriber):
     assert [list(s.tokens) for s in transcript.segments] == [s["tokens"].tolist() for s in expected]
     np.testing.assert_allclose([s.start for s in transcript.segments], [float(s["start"]) for s in expected], atol=1e-6)
     np.testing.assert_allclose([s.end for s in transcript.segments], [float(s["end"]) for s in expected], atol=1e-6)
-    assert transcript.language == "<|en|>" and transcript.text
+    assert transcript.language == "en" and transcript.text
+
+
+def reference_measures(reference, features, monkeypatch, **options) -> list[dict]:
+    """transformers' long-form segments with their window's avg_logprob (`_retrieve_avg_logprobs` of the
+    window's scores, on the tokens its `_need_fallback` sees), generated tokens before EOS and no_speech_prob
+    (`WhisperNoSpeechDetection`, which runs when `no_speech_threshold` is set; thresholds that never act)."""
+    from transformers.models.whisper import generation_whisper
+
+    detector = generation_whisper.WhisperNoSpeechDetection
+    probabilities, original = [], detector.__call__
+
+    def record(self, input_ids, scores):
+        result = original(self, input_ids, scores)
+        if input_ids.shape[1] == self.begin_index:
+            probabilities.append(float(self._no_speech_prob[0]))
+        return result
+
+    monkeypatch.setattr(detector, "__call__", record)
+    with torch.no_grad():
+        out = reference.generate(torch.tensor(features["input_features"]),
+                                 attention_mask=torch.tensor(features["attention_mask"]), return_timestamps=True,
+                                 return_segments=True, return_dict_in_generate=True, output_scores=True,
+                                 temperature=(0.0,), logprob_threshold=-1e9, no_speech_threshold=1.0, **options)
+    monkeypatch.undo()
+    segments, window, previous = [], -1, None
+    for segment in out["segments"][0]:
+        result = segment["result"]
+        window += result is not previous
+        previous = result
+        generated = result["sequences"][-len(result["scores"]):]
+        ends = (generated == EOT).nonzero()
+        if len(ends):  # transformers removes the padding after EOS but keeps the EOS
+            generated = generated[:int(ends[0]) + 1]
+        average = generation_whisper.WhisperGenerationMixin._retrieve_avg_logprobs(result["scores"], generated, 0.0)
+        segments.append({"tokens": segment["tokens"].tolist(), "avg_logprob": float(average),
+                         "no_speech_prob": probabilities[window], "eos": bool(len(ends)),
+                         "generated": generated[:-1 if len(ends) else None].tolist()})
+    assert window + 1 == len(probabilities)
+    return segments
+
+
+@pytest.mark.parametrize("case", ["multilingual", "english_only", "beam"])
+def test_segment_measures_match_transformers(case, checkpoint, english_only, transcriber, monkeypatch):
+    """avg_logprob and no_speech_prob of every long-form window as transformers computes them (its logprob
+    threshold and no-speech detection), with and without an EOS in the window, and along the beam in beam
+    search; compression_ratio as openai-whisper computes it of the window's text."""
+    import zlib
+
+    folder, reference = english_only if case == "english_only" else checkpoint
+    if case == "english_only":
+        transcriber = Transcriber(TFWhisperForConditionalGeneration.from_pretrained(folder),
+                                  WhisperProcessor.from_pretrained(folder))
+    options = {} if case == "english_only" else {"language": "en"}
+    if case == "beam":
+        options["num_beams"] = 2
+    audio = _speechy(70.0, seed=3)
+    transcript = transcriber(audio, max_new_tokens=MAX_NEW, **options)
+    features = transcriber.processor.feature_extractor(audio, sampling_rate=16000, padding="longest",
+                                                        truncation=False, return_attention_mask=True,
+                                                        return_tensors="np")
+    expected = reference_measures(reference, features, monkeypatch, max_new_tokens=MAX_NEW, **options)
+    assert [list(s.tokens) for s in transcript.segments] == [s["tokens"] for s in expected]
+    assert case == "beam" or any(s["eos"] for s in expected) == (case == "english_only")
+    np.testing.assert_allclose([s.avg_logprob for s in transcript.segments], [s["avg_logprob"] for s in expected],
+                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose([s.no_speech_prob for s in transcript.segments],
+                               [s["no_speech_prob"] for s in expected], rtol=1e-3, atol=1e-7)
+    tokenizer = transcriber.processor.tokenizer
+    assert tokenizer.convert_ids_to_tokens(transcriber.no_speech_id) == "<|nospeech|>"
+    for segment, reference_segment in zip(transcript.segments, expected):
+        # The text of all the window's tokens, its last unfinished segment too (decoded again in the next window).
+        text = tokenizer.decode(reference_segment["generated"], skip_special_tokens=True).strip().encode()
+        assert segment.compression_ratio == len(text) / len(zlib.compress(text))
 
 
 def test_short_audio_detects_language_once(transcriber):
     transcript = transcriber(_speechy(8.0, seed=1), max_new_tokens=MAX_NEW)
-    assert transcript.language in transcriber.model.generation_config.lang_to_id
+    assert f"<|{transcript.language}|>" in transcriber.model.generation_config.lang_to_id
     assert len(transcript.segments) == 1 and transcript.duration == pytest.approx(8.0)
 
 
 def test_silence_gives_an_empty_transcript(transcriber):
     transcript = transcriber(np.zeros(16000 * 5, np.float32))
-    assert transcript.text == "" and transcript.segments == ()
+    assert transcript.text == "" and transcript.segments == () and transcript.language is None
+    for language in ("fr", "French", "<|fr|>"):  # the language given, as a code
+        assert transcriber(np.zeros(16000, np.float32), language=language).language == "fr"
+        assert transcriber.transcribe_clips([np.zeros(16000, np.float32)], language=language)[0].language == "fr"
 
 
 def test_cli_formats(checkpoint, tmp_path, capsys):
@@ -97,7 +173,7 @@ def test_cli_formats(checkpoint, tmp_path, capsys):
     base = ["transcribe", "--model", str(folder), "--max-new-tokens", str(MAX_NEW), "--language", "en", "-q"]
     assert main(base + [str(wav), "--format", "json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["file"] == str(wav) and record["language"] == "<|en|>" and record["duration"] == 35.0
+    assert record["file"] == str(wav) and record["language"] == "en" and record["duration"] == 35.0
     assert record["segments"] and all(s["start"] <= s["end"] for s in record["segments"])
     out = tmp_path / "out"
     assert main(base + [str(wav), str(flac), "--format", "srt", "--output", str(out)]) == 0
@@ -123,6 +199,23 @@ def test_cli_bad_files(checkpoint, tmp_path, capsys):
     assert main(["transcribe", "--model", str(folder), str(good), str(tmp_path / "missing.flac")]) == 1
     assert capsys.readouterr() == ("", f"xlagen: error: audio file(s) not found: {tmp_path / 'missing.flac'}\n")
     assert main(["transcribe", "--model", str(folder), "--language", "klingon", str(good)]) == 2
+
+
+def test_cli_refuses_inputs_whose_transcripts_would_overwrite_each_other(tmp_path, capsys):
+    """Checked before the model is loaded (here: a folder that does not exist): one error line naming both inputs."""
+    for name in ("a/x.wav", "b/x.wav", "b/x.flac", "c/y.wav"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        soundfile.write(tmp_path / name, _speechy(1.0), 16000, format="WAV")
+    out = tmp_path / "subs"
+    base = ["transcribe", "--model", str(tmp_path / "no-model"), "--format", "vtt", "-o", str(out)]
+    for clashing in (["a/x.wav", "b/x.wav"], ["c/y.wav", "a/x.wav", "b/x.flac"], ["a/x.wav", "a/x.wav"]):
+        files = [str(tmp_path / name) for name in clashing]
+        assert main(base + files) == 2
+        err = capsys.readouterr().err
+        first, second = (files[0], files[1]) if clashing[0] != "c/y.wav" else (files[1], files[2])
+        assert err == (f"xlagen: error: {first} and {second} would both be written to {out / 'x.vtt'}: give the "
+                       "inputs different names, or transcribe them into different --output folders\n")
+    assert not out.exists()  # nothing was written
 
 
 def test_transformers_tf_whisper_example_runs_with_the_import_changed(checkpoint):
@@ -213,7 +306,7 @@ def test_window_ending_on_a_single_timestamp_matches_transformers(english_only, 
     np.testing.assert_allclose([s.end for s in transcript.segments], [float(s["end"]) for s in expected], atol=1e-6)
     assert [s.text for s in transcript.segments] == [
         transcriber.processor.tokenizer.decode(s["tokens"].tolist(), skip_special_tokens=True) for s in expected]
-    assert transcript.language is None
+    assert transcript.language == "en"  # an English-only model's
     with pytest.raises(ValueError, match="English-only"):  # refused before the (missing) file is read
         transcriber(str(folder / "missing.wav"), language="en")
     with pytest.raises(ValueError, match="English-only"):
@@ -227,7 +320,7 @@ def test_cli_english_only_model(english_only, tmp_path, capsys):
     base = ["transcribe", "--model", str(folder), "--max-new-tokens", str(MAX_NEW), "-q", str(wav)]
     assert main(base + ["--format", "json"]) == 0
     record = json.loads(capsys.readouterr().out)
-    assert record["language"] is None and record["segments"]
+    assert record["language"] == "en" and record["segments"]  # an English-only model's language
     for option in (["--task", "translate"], ["--task", "transcribe"], ["--language", "en"]):
         assert main(base + option) == 2
         error = capsys.readouterr().err

@@ -1,10 +1,12 @@
-"""Audio inputs that must be refused with an error naming the file or the array's dtype, and PCM integer arrays
-that must be scaled to [-1, 1] as soundfile scales them."""
+"""Audio inputs that must be refused with an error naming the file or the array's dtype, audio longer than a limit
+(refused before it costs memory), and PCM integer arrays that must be scaled to [-1, 1] as soundfile scales them."""
 
 from __future__ import annotations
 
+import io
 import os
 import threading
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import soundfile
 
 import xlagen.speech.audio.decoding as audio_module
 from xlagen import WhisperFeatureExtractor, load_audio
+from xlagen.speech.audio import AudioTooLong, read_audio
 
 RATE = 16000
 
@@ -147,8 +150,82 @@ def test_pcm_arrays_are_scaled_as_soundfile_scales_them(dtype, samples, expected
         "input_features"], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("subtype, dtype", [("PCM_U8", np.uint8), ("PCM_S8", np.int8)])
+def test_8_bit_arrays_match_soundfiles_reading_of_8_bit_files(subtype, dtype, tmp_path):
+    """The bytes of an 8-bit headerless file (offset binary for PCM_U8, two's complement for PCM_S8) as an array
+    give the samples soundfile reads from the file."""
+    path = tmp_path / "tone.raw"
+    soundfile.write(path, _tone(), RATE, subtype=subtype, format="RAW")
+    as_read, _ = soundfile.read(path, dtype="float32", samplerate=RATE, channels=1, subtype=subtype, format="RAW")
+    np.testing.assert_array_equal(load_audio(np.fromfile(path, dtype)), as_read)
+
+
 @pytest.mark.parametrize("subtype, dtype", [("PCM_U8", "int16"), ("PCM_16", "int16"), ("PCM_32", "int32")])
 def test_pcm_arrays_match_soundfiles_own_scaling(subtype, dtype, tmp_path):
     soundfile.write(tmp_path / "tone.wav", _tone(), RATE, subtype=subtype)
     as_integers, _ = soundfile.read(tmp_path / "tone.wav", dtype=dtype)
     np.testing.assert_array_equal(load_audio(as_integers), load_audio(tmp_path / "tone.wav"))
+
+
+def _flac(samples: np.ndarray, rate: int = RATE, state_length: bool = True) -> bytes:
+    """A FLAC file's bytes; without `state_length`, its STREAMINFO counts 0 samples (a stream of unknown length,
+    which libsndfile reports as SF_COUNT_MAX frames)."""
+    data = io.BytesIO()
+    soundfile.write(data, samples, rate, format="FLAC")
+    data = bytearray(data.getvalue())
+    if not state_length:  # the 36-bit total sample count: the low 4 bits of STREAMINFO's byte 13, bytes 14-17
+        data[8 + 13] &= 0xF0
+        data[8 + 14:8 + 18] = bytes(4)
+    return bytes(data)
+
+
+def test_audio_longer_than_the_limit_is_refused_from_its_header_before_decoding(tmp_path, monkeypatch):
+    path = tmp_path / "long.flac"
+    path.write_bytes(_flac(np.zeros(RATE * 120, np.float32)))
+    monkeypatch.setattr(audio_module, "_read_frames", lambda *_: pytest.fail("decoded before the header's check"))
+    with pytest.raises(AudioTooLong, match=r"'.*long.flac' lasts 120.0 s; the limit is 60 s") as refused:
+        load_audio(path, max_seconds=60)
+    assert (refused.value.seconds, refused.value.max_seconds) == (120.0, 60)
+    with pytest.raises(AudioTooLong, match="'upload.flac' lasts 120.0 s"):
+        read_audio(io.BytesIO(path.read_bytes()), max_seconds=60, name="upload.flac")
+    with pytest.raises(AudioTooLong, match="array of shape"):  # an array: from its length
+        load_audio(np.zeros(RATE * 61, np.float32), max_seconds=60)
+    monkeypatch.undo()
+    assert len(load_audio(path, max_seconds=120)) == RATE * 120  # the limit itself is allowed
+
+
+def test_a_stream_without_its_length_is_decoded_and_stops_past_the_limit(monkeypatch):
+    audio = _tone(RATE * 12)
+    unknown = _flac(audio, state_length=False)
+    assert soundfile.info(io.BytesIO(unknown)).frames == 2 ** 63 - 1
+    np.testing.assert_array_equal(read_audio(io.BytesIO(unknown)), read_audio(io.BytesIO(_flac(audio))))
+    reads = []
+    original = audio_module._read_frames
+    monkeypatch.setattr(audio_module, "_read_frames", lambda *args: reads.append(1) or original(*args))
+    with pytest.raises(AudioTooLong, match="lasts longer \\(decoding stopped there\\); the limit is 5 s") as refused:
+        read_audio(io.BytesIO(unknown), max_seconds=5)
+    assert refused.value.seconds is None
+    assert len(reads) == 5 * RATE // audio_module._BLOCK_FRAMES + 1  # not a block past the limit
+
+
+def test_decoding_holds_the_result_not_the_file(tmp_path):
+    """Ten minutes of 48 kHz stereo silence (a small FLAC): decoding allocates about the 16 kHz mono result, not the
+    file's 230 MB of float32 frames; with a limit of one minute, about nothing."""
+    path = tmp_path / "silence.flac"
+    with soundfile.SoundFile(path, "w", 48000, 2, format="FLAC") as sink:
+        for _ in range(10):
+            sink.write(np.zeros((48000 * 60, 2), np.float32))
+    tracemalloc.start()
+    try:
+        samples = load_audio(path)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.reset_peak()
+        held, _ = tracemalloc.get_traced_memory()
+        with pytest.raises(AudioTooLong):
+            load_audio(path, max_seconds=60)
+        refused_peak = tracemalloc.get_traced_memory()[1] - held
+    finally:
+        tracemalloc.stop()
+    assert samples.shape == (RATE * 600,) and not samples.any()
+    assert peak < 2.5 * samples.nbytes  # the pieces and their concatenation
+    assert refused_peak < 2 * 1024 * 1024

@@ -59,7 +59,8 @@ def test_varied_workload_compiles_once_per_bucket(long_model):
          output_scores=True, return_dict_in_generate=True),
     dict(max_new_tokens=6, do_sample=True, top_k=5, seed=[3, 3], num_return_sequences=2,
          output_scores=True, return_dict_in_generate=True),
-], ids=["greedy", "processors", "beam-scores", "sample-scores"])
+    dict(max_new_tokens=7, output_scores=True, output_logprobs=True, return_dict_in_generate=True),
+], ids=["greedy", "processors", "beam-scores", "sample-scores", "logprobs"])
 def test_compiled_equals_uncompiled(gpt2_model, options):
     generator = CompiledGenerator(gpt2_model)
     ids = random_ids((3, 5), 64, seed=71)
@@ -78,6 +79,11 @@ def test_compiled_equals_uncompiled(gpt2_model, options):
         np.testing.assert_allclose(ours.numpy(), theirs.numpy(), atol=1e-5)
     if expected.sequences_scores is not None:
         np.testing.assert_allclose(got.sequences_scores.numpy(), expected.sequences_scores.numpy(), atol=1e-5)
+    if expected.logprobs is not None:
+        np.testing.assert_allclose(got.logprobs.numpy(), expected.logprobs.numpy(), atol=1e-5)
+        unpadded = [0, 2]  # row 1's first column is padding: what follows it means nothing
+        np.testing.assert_allclose(got.first_logprobs.numpy()[unpadded], expected.first_logprobs.numpy()[unpadded],
+                                   atol=1e-5)
 
 
 def test_numeric_options_do_not_recompile_and_reasons_are_logged(gpt2_model, caplog):

@@ -120,6 +120,51 @@ def test_scores_under_xla_match_eager_and_transformers(gpt2_checkpoint, gpt2_mod
     assert_same_tokens(compiled.sequences, theirs.sequences.numpy(), PAD)
 
 
+@pytest.mark.parametrize("options", [{}, dict(do_sample=True, temperature=0.7, top_k=8, seed=[1, 2])],
+                         ids=["greedy", "sample"])
+def test_logprobs_are_the_chosen_tokens_share_of_the_scores(gpt2_model, prompts, eos, options):
+    """`output_logprobs` keeps what `output_scores` would give of the chosen tokens (0 after EOS), eagerly and
+    under XLA, and the log-softmax of the full forward's logits after the first prompt token."""
+    options = {**dict(max_new_tokens=10, eos_token_id=eos, pad_token_id=PAD, output_scores=True, output_logprobs=True,
+                      return_dict_in_generate=True, do_sample=False), **options}
+    eager = gpt2_model.generate(prompts, **options)
+    compiled = tf.function(gpt2_model.generate, jit_compile=True)(tf.constant(prompts), **options)
+    new = eager.sequences.numpy()[:, prompts.shape[1]:]
+    scores = tf.nn.log_softmax(tf.stack(eager.scores, axis=1)).numpy()  # [B, N, V]
+    chosen = np.take_along_axis(scores, new[..., None], axis=2)[..., 0]
+    ended = np.cumsum(new == eos, axis=1) - (new == eos) > 0
+    assert options["do_sample"] or ended.any(), "the greedy case should exercise EOS"
+    np.testing.assert_allclose(eager.logprobs.numpy(), np.where(ended, 0.0, chosen), atol=1e-5)
+    np.testing.assert_allclose(compiled.logprobs.numpy(), eager.logprobs.numpy(), atol=1e-5)
+    full = tf.nn.log_softmax(gpt2_model(prompts).logits[:, 0]).numpy()
+    np.testing.assert_allclose(eager.first_logprobs.numpy(), full, atol=1e-5)
+    np.testing.assert_allclose(compiled.first_logprobs.numpy(), full, atol=1e-5)
+    np.testing.assert_array_equal(compiled.sequences.numpy(), eager.sequences.numpy())
+    without = gpt2_model.generate(prompts, **{**options, "output_logprobs": False})
+    np.testing.assert_array_equal(without.sequences.numpy(), eager.sequences.numpy())
+    assert without.logprobs is None and without.first_logprobs is None
+
+
+def test_beam_logprobs_follow_the_returned_beams(gpt2_model, prompts):
+    """Without processors that mask tokens, the processed scores are log-probabilities: a returned beam's token
+    log-probabilities sum to its score times its length (length_penalty 1), eagerly and under XLA."""
+    options = dict(max_new_tokens=8, pad_token_id=PAD, num_beams=3, num_return_sequences=2,
+                   return_dict_in_generate=True, output_scores=True, output_logprobs=True)
+    eos = int(gpt2_model.generate(prompts, eos_token_id=None, **options).sequences[2, prompts.shape[1] + 1])
+    ours = gpt2_model.generate(prompts, eos_token_id=eos, **options)
+    compiled = tf.function(gpt2_model.generate, jit_compile=True)(tf.constant(prompts), eos_token_id=eos, **options)
+    new = ours.sequences.numpy()[:, prompts.shape[1]:]
+    ended = np.cumsum(new == eos, axis=1) - (new == eos) > 0
+    assert ended.any() and (~ended).all(axis=1).any(), "the test should exercise EOS and the length limit"
+    lengths = (~ended).sum(axis=1)
+    logprobs = ours.logprobs.numpy()
+    assert (logprobs[ended] == 0).all() and (logprobs[~ended] < 0).all()
+    np.testing.assert_allclose(logprobs.sum(axis=1) / lengths, ours.sequences_scores.numpy(), atol=1e-5)
+    np.testing.assert_allclose(compiled.logprobs.numpy(), logprobs, atol=1e-5)
+    full = tf.nn.log_softmax(gpt2_model(prompts).logits[:, 0]).numpy()
+    np.testing.assert_allclose(ours.first_logprobs.numpy(), np.repeat(full, 2, axis=0), atol=1e-5)
+
+
 def test_beam_sequence_scores_match_transformers(gpt2_checkpoint, gpt2_model, prompts, eos):
     _, reference = gpt2_checkpoint
     options = dict(max_new_tokens=8, eos_token_id=eos, pad_token_id=PAD, num_beams=3, num_return_sequences=2,

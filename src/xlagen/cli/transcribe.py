@@ -1,9 +1,9 @@
 """`xlagen transcribe`: audio files -> transcripts (txt, json, srt or vtt) with a Whisper checkpoint.
 
 Each file is decoded as a whole (audio longer than 30 s in sequential windows, see `xlagen.speech.transcribe`),
-with one compiled program reused for every window and file. Every FILE must exist and be a regular file
-(checked by `prepare` before TensorFlow is imported); a file that cannot be decoded is reported, naming it,
-and the others are still transcribed (exit code 1 at the end).
+with one compiled program reused for every window and file. Every FILE must exist and be a regular file, and
+no two transcripts may go to the same output file (checked by `prepare` before TensorFlow is imported); a file
+that cannot be decoded is reported, naming it, and the others are still transcribed (exit code 1 at the end).
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                         help="segment timestamps in txt output (json/srt/vtt always have them)")
     parser.add_argument("--format", "-f", choices=FORMATS, default="txt", help="output format (default: txt)")
     parser.add_argument("--output", "-o", metavar="PATH",
-                        help="output file (one input) or folder (one FILE.<format> per input); default: stdout")
+                        help="output file (one input) or folder (one FILE.<format> per input, named after the "
+                        "input without its folder and extension: inputs with the same name are refused); "
+                        "default: stdout")
     parser.add_argument("--num-beams", type=positive_int, metavar="K", help="beam search with K beams")
     parser.add_argument("--max-new-tokens", type=positive_int, metavar="N", help="token limit per 30 s window")
     add_weight_dtype_argument(parser)
@@ -49,10 +51,12 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
 
 
 def prepare(args: argparse.Namespace) -> None:
-    """Checks, before TensorFlow is imported, that every audio file exists and is a readable regular file.
+    """Checks, before TensorFlow is imported, that every audio file exists and is a readable regular file, and
+    that no two transcripts would be written to the same file.
 
     Raises:
         FileNotFoundError, IsADirectoryError, PermissionError: naming the file(s).
+        UsageError: naming two inputs whose transcripts would overwrite each other, and the output file.
     """
     missing = [f for f in args.files if not os.path.exists(f)]
     if missing:
@@ -62,15 +66,25 @@ def prepare(args: argparse.Namespace) -> None:
             raise IsADirectoryError(f"{source} is a folder, not an audio file")
         if not os.path.isfile(source) or not os.access(source, os.R_OK):
             raise PermissionError(f"{source} is not a readable regular file")
+    written: dict[str, str] = {}
+    for source in args.files:
+        target = _destination(args, source)
+        if target is None:
+            continue
+        key = os.path.normcase(os.path.abspath(target))
+        if key in written:
+            raise UsageError(f"{written[key]} and {source} would both be written to {target}: give the inputs "
+                             "different names, or transcribe them into different --output folders")
+        written[key] = source
 
 
 def _destination(args: argparse.Namespace, source: str) -> Path | None:
-    """Where the transcript of `source` goes: None for stdout."""
+    """Where the transcript of `source` goes: None for stdout; in a folder (several inputs, or an existing
+    folder), the input's name without its folder and extension."""
     if args.output is None or args.output == "-":
         return None
     target = Path(args.output)
     if len(args.files) > 1 or target.is_dir():
-        target.mkdir(parents=True, exist_ok=True)
         return target / f"{Path(source).stem}.{args.format}"
     return target
 
@@ -127,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
         if target is None:
             sys.stdout.write(text)
         else:
+            target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(text, encoding="utf-8")
             logger.info("%s -> %s", source, target)
     return 1 if failures else 0

@@ -205,7 +205,8 @@ class _Strategy:
 
     def _core(self, prompt: Prompt, runtime) -> dict:
         """The XLA program: the sequences, and per-beam scores (beam) or per-token scores (output_scores)."""
-        sequences, sequence_scores, step_scores = run(self.model, prompt, self.plan, runtime, self.config)
+        decoded = run(self.model, prompt, self.plan, runtime, self.config)
+        sequences, sequence_scores, step_scores = decoded.sequences, decoded.sequence_scores, decoded.scores
         if sequence_scores is not None:
             return {"sequences": sequences, "sequences_scores": sequence_scores}
         if step_scores is None:

@@ -15,7 +15,7 @@ from xlagen import native
 from xlagen.generation import checks
 from xlagen.generation.beam_search import BeamOptions, beam_search
 from xlagen.generation.config import GenerationConfig
-from xlagen.generation.loop import Plan, Prompt, decode, repeat_rows
+from xlagen.generation.loop import Decoded, Plan, Prompt, decode, repeat_rows
 from xlagen.generation.sampling import Runtime, build_processors, select_greedy, select_sample
 
 logger = logging.getLogger(__name__)
@@ -32,11 +32,20 @@ class GenerateOutput(NamedTuple):
         scores: With `output_scores`, a tuple of N processed score tensors `[B * R, V]` (beam search:
             `[B * K, V]` log-probabilities), one per step; otherwise None.
         sequences_scores: Beam search with `output_scores`: float32 `[B * R]` final beam scores.
+        logprobs: xlagen's own, with `output_logprobs`: float32 `[B * R, N]`, the log-probability of each new
+            token under the processed scores it was chosen from (after the sampling warpers when sampling; in
+            beam search, their log-softmax along the returned beam); 0 after EOS.
+        first_logprobs: xlagen's own, with `output_logprobs`: float32 `[B * R, V]`, the log-softmax of the
+            logits after the prompt's first token (an encoder-decoder model's decoder start token; a row whose
+            first column is left padding gets nothing meaningful), before any processor: Whisper's no-speech
+            probability is its <|nospeech|> entry.
     """
 
     sequences: tf.Tensor
     scores: tuple | None = None
     sequences_scores: tf.Tensor | None = None
+    logprobs: tf.Tensor | None = None
+    first_logprobs: tf.Tensor | None = None
 
 
 def _default_attention_mask(input_ids: tf.Tensor, config: GenerationConfig) -> tf.Tensor:
@@ -165,7 +174,7 @@ def make_plan(model, config: GenerationConfig, capacity: int, always: bool = Fal
     """The static part of a run; `always` keeps runtime-only options in the program (see build_processors)."""
     vocab_size = model.config.vocab_size
     return Plan(capacity, build_processors(config, vocab_size, always, model.generation_processors(config)),
-                select_sample if config.do_sample else select_greedy, config.output_scores)
+                select_sample if config.do_sample else select_greedy, config.output_scores, config.output_logprobs)
 
 
 def make_runtime(config: GenerationConfig, max_new_tokens: int, prompt_length: int, seed,
@@ -183,11 +192,11 @@ def make_runtime(config: GenerationConfig, max_new_tokens: int, prompt_length: i
         prompt_start=tf.cast(prompt_start, tf.int32))
 
 
-def run(model, prompt: Prompt, plan: Plan, runtime: Runtime, config: GenerationConfig):
+def run(model, prompt: Prompt, plan: Plan, runtime: Runtime, config: GenerationConfig) -> Decoded:
     """Dispatches to greedy/sampling or beam search.
 
     Returns:
-        `(sequences [B * R, P + N], sequence scores [B * R] or None, step scores [rows, N, V] or None)`.
+        `Decoded`: sequences `[B * R, P + N]`, and the scores and log-probabilities the plan keeps.
     """
     if config.num_beams > 1:
         options = BeamOptions(config.num_beams, config.early_stopping, config.num_return_sequences,
@@ -195,17 +204,16 @@ def run(model, prompt: Prompt, plan: Plan, runtime: Runtime, config: GenerationC
         return beam_search(model, prompt, plan, options, runtime)
     if config.num_return_sequences > 1:
         prompt = repeat_rows(prompt, config.num_return_sequences)
-    sequences, scores = decode(model, prompt, plan, runtime)
-    return sequences, None, scores
+    return decode(model, prompt, plan, runtime)
 
 
-def format_output(sequences, sequence_scores, scores, config: GenerationConfig):
+def format_output(decoded: Decoded, config: GenerationConfig):
     """The token tensor, or a `GenerateOutput` with `return_dict_in_generate`."""
     if not config.return_dict_in_generate:
-        return sequences
-    if scores is not None:
-        scores = tuple(tf.unstack(scores, axis=1))
-    return GenerateOutput(sequences, scores, sequence_scores if config.output_scores else None)
+        return decoded.sequences
+    scores = None if decoded.scores is None else tuple(tf.unstack(decoded.scores, axis=1))
+    return GenerateOutput(decoded.sequences, scores, decoded.sequence_scores if config.output_scores else None,
+                          decoded.logprobs, decoded.first_logprobs)
 
 
 class GenerationMixin:
@@ -279,7 +287,7 @@ class GenerationMixin:
         plan = make_plan(self, config, request.max_new_tokens)
         runtime = make_runtime(config, request.max_new_tokens, prompt_length, seed)
         with native.tracing(kernels):
-            return format_output(*run(self, request.prompt, plan, runtime, config), config)
+            return format_output(run(self, request.prompt, plan, runtime, config), config)
 
 
 def seed_tensor(seed, needed: bool) -> tf.Tensor:

@@ -11,7 +11,8 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from xlagen import native
-from xlagen.generation.loop import Plan, Prompt, batch_size, is_eos, prefill, prompt_buffer, write_column
+from xlagen.generation.loop import (Decoded, Plan, Prompt, batch_size, first_logprobs, is_eos, prefill, prompt_buffer,
+                                    write_column)
 from xlagen.generation.sampling import Context, Runtime, apply_processors
 
 BIG_NEGATIVE = -1.0e9
@@ -38,13 +39,15 @@ class BeamState(NamedTuple):
     index: tf.Tensor  # int32 scalar: where the next token is written
     decoder_state: object
     scores: tf.Tensor  # float32 [B * K, N, V] or [B * K, 0, V]
+    running_logprobs: tf.Tensor  # float32 [B, K, N] (output_logprobs) or [B, K, 0]: each token's log-probability
+    finished_logprobs: tf.Tensor  # float32 [B, K, N] or [B, K, 0], those of the finished hypotheses
 
 
 def _gather_beams(tensor: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
     return tf.gather(tensor, indices, axis=1, batch_dims=1)
 
 
-def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime: Runtime):
+def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime: Runtime) -> Decoded:
     """Beam search over a left-padded batch.
 
     Args:
@@ -56,8 +59,11 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
         runtime: Tensor options.
 
     Returns:
-        `(sequences int32 [B * R, T_max], sequence scores float32 [B * R], step scores [B * K, N, V] or None)`
-        with R = num_return_sequences.
+        `Decoded`: sequences int32 `[B * R, T_max]` and their scores float32 `[B * R]` (R = num_return_sequences),
+        the step scores `[B * K, N, V]` with `output_scores`, and with `output_logprobs` each returned token's
+        log-probability `[B * R, N]` (the log-softmax of the step's processed scores, as transformers' Whisper
+        takes them along the beam; a beam's score sums the processed scores without renormalising them) and
+        the log-probabilities after the prompt's first token (`first_logprobs`).
     """
     num_beams, prompt_length = options.num_beams, prompt.ids.shape[1]
     batch = batch_size(prompt.ids)
@@ -66,16 +72,20 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
     keep = max(2, 1 + options.num_eos) * num_beams
     logits, decoder_state = prefill(model, prompt, total)
     vocab = logits.shape[-1]
+    first = None
+    if plan.output_logprobs:
+        first = tf.repeat(first_logprobs(model, prompt, decoder_state, runtime), options.num_return_sequences, axis=0)
     # Every beam starts from the same prompt (and encoder output): run it once, then repeat rows K times.
     logits = tf.repeat(logits, num_beams, axis=0)
     decoder_state = model.expand_beams(decoder_state, num_beams)
     running = tf.repeat(prompt_buffer(prompt.ids, plan.max_new_tokens, runtime.pad_id)[:, None, :], num_beams, axis=1)
     first_only = tf.concat([tf.zeros([batch, 1]), tf.fill([batch, num_beams - 1], BIG_NEGATIVE)], axis=1)
     score_steps = plan.max_new_tokens if plan.output_scores else 0
+    no_logprobs = tf.zeros([batch, num_beams, plan.max_new_tokens if plan.output_logprobs else 0])
     state = BeamState(running, first_only, running, tf.fill([batch, num_beams], BIG_NEGATIVE),
                       tf.zeros([batch, num_beams], tf.bool), tf.ones([batch, 1], tf.bool), tf.constant(False),
                       tf.range(batch * num_beams), tf.constant(prompt_length, tf.int32), decoder_state,
-                      tf.zeros([batch * num_beams, score_steps, vocab]))
+                      tf.zeros([batch * num_beams, score_steps, vocab]), no_logprobs, no_logprobs)
     is_top_beam = tf.range(keep) < num_beams  # only the first K candidates may become finished hypotheses
     early_stopping, length_penalty = options.early_stopping, runtime.length_penalty
 
@@ -90,6 +100,13 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
         source_beams, ids = top_indices // vocab, top_indices % vocab  # [B, C]
         candidates = _gather_beams(state.running, source_beams)
         candidates = tf.transpose(write_column(tf.transpose(candidates, [0, 2, 1]), ids, cur), [0, 2, 1])
+        histories = _gather_beams(state.running_logprobs, source_beams)  # [B, C, N]
+        if plan.output_logprobs:
+            renormalised = log_probs - tf.reduce_logsumexp(log_probs, axis=-1, keepdims=True)
+            chosen_logprobs = tf.gather(tf.reshape(renormalised, [batch, num_beams * vocab]), top_indices,
+                                        batch_dims=1)  # [B, C]
+            histories = tf.transpose(write_column(tf.transpose(histories, [0, 2, 1]), chosen_logprobs,
+                                                  cur - prompt_length), [0, 2, 1])
         hit_stop = is_eos(ids, runtime.eos_ids) | (cur + 1 >= end)  # [B, C]
 
         # Continue with the best K candidates that did not stop.
@@ -109,6 +126,7 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
         merged_scores = tf.concat([state.finished_scores, finished_scores], axis=1)
         best_scores, best = tf.math.top_k(merged_scores, k=num_beams)
         finished = _gather_beams(tf.concat([state.finished, candidates], axis=1), best)
+        finished_logprobs = _gather_beams(tf.concat([state.finished_logprobs, histories], axis=1), best)
         is_finished = _gather_beams(tf.concat([state.is_finished, just_finished], axis=1), best)
 
         # transformers' early-stop heuristic: can a running beam still beat the worst finished one?
@@ -122,7 +140,8 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
         return state._replace(running=_gather_beams(candidates, chosen), running_scores=next_running_scores,
                               finished=finished, finished_scores=best_scores, is_finished=is_finished,
                               improvable=improvable, all_hit_stop=tf.reduce_all(hit_stop), parents=parents,
-                              index=cur, scores=kept_scores)
+                              index=cur, scores=kept_scores, running_logprobs=_gather_beams(histories, chosen),
+                              finished_logprobs=finished_logprobs)
 
     def running_cond(state: BeamState):
         open_beams = tf.logical_not(tf.reduce_all(state.is_finished) & (early_stopping is True))
@@ -140,4 +159,7 @@ def beam_search(model, prompt: Prompt, plan: Plan, options: BeamOptions, runtime
     returned = options.num_return_sequences
     sequences = tf.reshape(state.finished[:, :returned], [batch * returned, total])
     sequence_scores = tf.reshape(state.finished_scores[:, :returned], [-1])
-    return sequences, sequence_scores, (state.scores if plan.output_scores else None)
+    logprobs = None
+    if plan.output_logprobs:
+        logprobs = tf.reshape(state.finished_logprobs[:, :returned], [batch * returned, plan.max_new_tokens])
+    return Decoded(sequences, sequence_scores, state.scores if plan.output_scores else None, logprobs, first)

@@ -9,7 +9,7 @@ token), and the encoder input is padded on the right up to a bucket of the same 
 
 What still compiles a new program: a new batch / prompt / new-token bucket, and a change of
 do_sample, num_beams, num_return_sequences, early_stopping, no_repeat_ngram_size, output_scores,
-the number of EOS ids, or top_k moving past its capacity (64, 128, 256, ...) or to / from 0.
+output_logprobs, the number of EOS ids, or top_k moving past its capacity (64, 128, 256, ...) or to / from 0.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from xlagen import native
 from xlagen.generation import checks
 from xlagen.generation.api import format_output, make_plan, make_runtime, parse_request, run
 from xlagen.generation.config import GenerationConfig
-from xlagen.generation.loop import Prompt
+from xlagen.generation.loop import Decoded, Prompt
 from xlagen.generation.sampling import top_k_capacity
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,7 @@ class ProgramKey(NamedTuple):
     num_eos: int
     top_k_capacity: int
     output_scores: bool
+    output_logprobs: bool = False
     suppressed: tuple = ()  # (suppress_tokens, begin_suppress_tokens)
     model_options: tuple = ()  # what the model's own processors and prompt read (`model.program_options`)
     kernels: native.Kernels = native.Kernels.DEFAULT  # the policy the program is traced under
@@ -155,8 +156,9 @@ class CompiledGenerator:
         prompt, encoder, new = buckets
         return ProgramKey(batch, prompt, encoder, new, config.do_sample, config.num_beams, config.num_return_sequences,
                           config.early_stopping, config.no_repeat_ngram_size, len(config.eos_token_ids), capacity,
-                          config.output_scores, (config.suppress_tokens, config.begin_suppress_tokens),
-                          self.model.program_options(config), self.kernels)
+                          config.output_scores, config.output_logprobs,
+                          (config.suppress_tokens, config.begin_suppress_tokens), self.model.program_options(config),
+                          self.kernels)
 
     def _buckets_for(self, prompt_length: int, new_tokens: int) -> tuple[int, int]:
         prompt_bucket = _bucket(prompt_length, self.buckets.prompt_lengths, "prompt length")
@@ -189,10 +191,8 @@ class CompiledGenerator:
         checks.check_sizes(self.model, batch_bucket, prompt_bucket, new_bucket, config, request.prompt.extra)
         chunks = [self._generate_chunk(request, start, min(start + largest, batch), buckets)
                   for start in range(0, batch, largest)]
-        sequences = tf.concat([c[0] for c in chunks], 0)
-        sequence_scores = None if chunks[0][1] is None else tf.concat([c[1] for c in chunks], 0)
-        scores = None if chunks[0][2] is None else tf.concat([c[2] for c in chunks], 0)
-        return format_output(sequences, sequence_scores, scores, config)
+        joined = Decoded(*(None if parts[0] is None else tf.concat(parts, 0) for parts in zip(*chunks)))
+        return format_output(joined, config)
 
     def _encoder_bucket(self, extra: dict) -> int:
         """The length bucket of the model's extra inputs (an encoder's `[B, L]` ids and mask); 0 without, or
@@ -225,24 +225,23 @@ class CompiledGenerator:
         key = self._key(config, batch_bucket, buckets)
         program = self._program(key, config, new_bucket)
         if key in self._compiled:
-            sequences, sequence_scores, scores = program(prompt, runtime)
+            decoded = program(prompt, runtime)
         else:
             with self._first_call:
                 traces = program.experimental_get_tracing_count()
                 started = time.perf_counter()
-                sequences, sequence_scores, scores = program(prompt, runtime)
+                decoded = program(prompt, runtime)
                 if program.experimental_get_tracing_count() > traces:
                     self._log_trace(key, time.perf_counter() - started)
                 self._compiled.add(key)
-        kept = rows * config.num_return_sequences
-        end = prompt_bucket + request.max_new_tokens
-        sequences = sequences[:kept, shift:end]
-        if sequence_scores is not None:
-            sequence_scores = sequence_scores[:kept]
-        if scores is not None:  # one row per beam in beam search, per returned sequence otherwise
-            score_rows = rows * (config.num_beams if config.num_beams > 1 else config.num_return_sequences)
-            scores = scores[:score_rows, :request.max_new_tokens]
-        return sequences, sequence_scores, scores
+        kept, new = rows * config.num_return_sequences, request.max_new_tokens
+        # Step scores have a row per beam in beam search, per returned sequence otherwise.
+        score_rows = rows * (config.num_beams if config.num_beams > 1 else config.num_return_sequences)
+        return Decoded(decoded.sequences[:kept, shift:prompt_bucket + new],
+                       None if decoded.sequence_scores is None else decoded.sequence_scores[:kept],
+                       None if decoded.scores is None else decoded.scores[:score_rows, :new],
+                       None if decoded.logprobs is None else decoded.logprobs[:kept, :new],
+                       None if decoded.first_logprobs is None else decoded.first_logprobs[:kept])
 
     def _log_trace(self, key: ProgramKey, seconds: float) -> None:
         with self._lock:

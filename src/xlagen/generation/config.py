@@ -83,6 +83,9 @@ class GenerationConfig:
         repetition_penalty: CTRL-style penalty of already present tokens (1.0 = off).
         no_repeat_ngram_size: Forbid repeating any n-gram of this size (0 = off).
         output_scores: Return the processed scores of every step.
+        output_logprobs: xlagen's own: return each new token's log-probability and the log-probabilities after
+            the prompt's first token (`GenerateOutput.logprobs`, `first_logprobs`), without keeping the
+            `[B, N, V]` scores.
         return_dict_in_generate: Return a `GenerateOutput` rather than the token tensor.
         suppress_tokens: Ids that are never generated.
         begin_suppress_tokens: Ids that are not generated as the first new token.
@@ -121,6 +124,7 @@ class GenerationConfig:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     output_scores: bool = False
+    output_logprobs: bool = False
     return_dict_in_generate: bool = False
     suppress_tokens: tuple[int, ...] | None = None
     begin_suppress_tokens: tuple[int, ...] | None = None

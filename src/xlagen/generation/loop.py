@@ -22,12 +22,34 @@ class Plan(NamedTuple):
         processors: Logits processors, in order.
         select: `(scores [B, V], seed [2]) -> ids [B]`.
         output_scores: Keep the processed scores of every step.
+        output_logprobs: Keep each chosen token's log-probability (`[B, N]`, not the `[B, N, V]` scores) and
+            the log-probabilities after the prompt's first token (`first_logprobs`).
     """
 
     max_new_tokens: int
     processors: tuple
     select: Callable
     output_scores: bool
+    output_logprobs: bool = False
+
+
+class Decoded(NamedTuple):
+    """What a decoding loop returns; None for what its plan does not keep.
+
+    Attributes:
+        sequences: int32 `[B * R, T_max]`, the prompt and the new tokens, pad after EOS.
+        sequence_scores: Beam search: float32 `[B * R]`, the returned beams' scores.
+        scores: With `output_scores`, float32 `[rows, N, V]` processed scores (beam search: a row per beam).
+        logprobs: With `output_logprobs`, float32 `[B * R, N]`: the log-probability of each new token under the
+            processed scores it was chosen from (beam search: their log-softmax); 0 after EOS.
+        first_logprobs: With `output_logprobs`, float32 `[B * R, V]`: see `first_logprobs`.
+    """
+
+    sequences: tf.Tensor
+    sequence_scores: tf.Tensor | None = None
+    scores: tf.Tensor | None = None
+    logprobs: tf.Tensor | None = None
+    first_logprobs: tf.Tensor | None = None
 
 
 class Prompt(NamedTuple):
@@ -63,6 +85,7 @@ class LoopState(NamedTuple):
     done: tf.Tensor  # bool [B]
     decoder_state: object  # the model's nest (cache, masks, encoder outputs), batch on axis 0
     scores: tf.Tensor  # float32 [B, N, V] when output_scores, else [B, 0, V]
+    logprobs: tf.Tensor  # float32 [B, N] when output_logprobs, else [B, 0]
 
 
 def batch_size(tensor: tf.Tensor):
@@ -96,7 +119,29 @@ def prompt_buffer(input_ids: tf.Tensor, capacity: int, pad_id: tf.Tensor) -> tf.
     return tf.concat([input_ids, filler], axis=1)
 
 
-def decode(model, prompt: Prompt, plan: Plan, runtime: Runtime):
+def first_logprobs(model, prompt: Prompt, decoder_state, runtime: Runtime) -> tf.Tensor:
+    """float32 `[B, V]`: the log-softmax of the model's logits after the prompt's first column (its first token
+    where rows are not left-padded: an encoder-decoder model's decoder start token), before any processor.
+
+    A row whose first column is left padding gets what follows a pad, which means nothing.
+    One decoding step at that column over the prefilled state; the state it returns is dropped, so the cache
+    the loop continues from is the prompt pass's. Whisper's no-speech probability is read here (transformers'
+    `WhisperNoSpeechDetection` takes the logits at the start token's position).
+    """
+    start = runtime.prompt_start
+    token = model_ids(tf.gather(prompt.ids, [start], axis=1), tf.gather(prompt.mask, [start], axis=1))  # [B, 1]
+    with native.decoding_step():
+        logits, _ = model.decode_step(token, start, decoder_state)
+    return tf.nn.log_softmax(tf.cast(logits, tf.float32), axis=-1)
+
+
+def chosen_logprobs(scores: tf.Tensor, ids: tf.Tensor) -> tf.Tensor:
+    """float32 `[B]`: the log-probability of `ids` `[B]` under the softmax of `scores` `[B, V]`."""
+    scores = tf.cast(scores, tf.float32)
+    return tf.gather(scores, ids, axis=1, batch_dims=1) - tf.reduce_logsumexp(scores, axis=-1)
+
+
+def decode(model, prompt: Prompt, plan: Plan, runtime: Runtime) -> Decoded:
     """Greedy or sampled decoding of a left-padded batch.
 
     Args:
@@ -107,28 +152,33 @@ def decode(model, prompt: Prompt, plan: Plan, runtime: Runtime):
         runtime: Tensor options.
 
     Returns:
-        `(tokens int32 [B, T_max], scores float32 [B, N, V] or None)`.
+        `Decoded`: the tokens `[B, T_max]`, and the scores and log-probabilities the plan keeps.
     """
     batch, prompt_length = batch_size(prompt.ids), prompt.ids.shape[1]
     total = prompt_length + plan.max_new_tokens
     end = prompt_length + tf.minimum(runtime.max_new_tokens, plan.max_new_tokens)
     logits, decoder_state = prefill(model, prompt, total)
     vocab = logits.shape[-1]
+    first = first_logprobs(model, prompt, decoder_state, runtime) if plan.output_logprobs else None
     score_steps = plan.max_new_tokens if plan.output_scores else 0
     state = LoopState(prompt_buffer(prompt.ids, plan.max_new_tokens, runtime.pad_id),
                       tf.constant(prompt_length, tf.int32), tf.zeros([batch], tf.bool), decoder_state,
-                      tf.zeros([batch, score_steps, vocab], tf.float32))
+                      tf.zeros([batch, score_steps, vocab], tf.float32),
+                      tf.zeros([batch, plan.max_new_tokens if plan.output_logprobs else 0], tf.float32))
 
     def choose(state: LoopState, logits) -> LoopState:
         ctx = Context(state.tokens, state.index, prompt_length, runtime)
         scores = apply_processors(plan.processors, logits, ctx)
         ids = plan.select(scores, fold_seed(runtime.seed, state.index - prompt_length))  # per step, not column
         ids = tf.where(state.done, runtime.pad_id, ids)
-        kept = state.scores
+        kept, logprobs = state.scores, state.logprobs
         if plan.output_scores:
             kept = write_column(kept, scores, state.index - prompt_length)
+        if plan.output_logprobs:
+            chosen = tf.where(state.done, 0.0, chosen_logprobs(scores, ids))
+            logprobs = write_column(logprobs, chosen, state.index - prompt_length)
         return state._replace(tokens=write_column(state.tokens, ids, state.index), index=state.index + 1,
-                              done=state.done | is_eos(ids, runtime.eos_ids), scores=kept)
+                              done=state.done | is_eos(ids, runtime.eos_ids), scores=kept, logprobs=logprobs)
 
     def running(state: LoopState):
         return (state.index < end) & tf.logical_not(tf.reduce_all(state.done))
@@ -141,4 +191,5 @@ def decode(model, prompt: Prompt, plan: Plan, runtime: Runtime):
 
     state = choose(state, logits)
     (state,) = tf.while_loop(running, body, (state,), maximum_iterations=plan.max_new_tokens - 1)
-    return state.tokens, (state.scores if plan.output_scores else None)
+    return Decoded(state.tokens, scores=state.scores if plan.output_scores else None,
+                   logprobs=state.logprobs if plan.output_logprobs else None, first_logprobs=first)

@@ -6,16 +6,25 @@ time, with the values of the whole recording's features: `LongFormFeatures`); ea
 decoded with timestamps, its EOS removed, split into segments at consecutive timestamp tokens, and the next
 window starts at the last complete segment's end (or after the window when it ended on a single timestamp).
 The language is detected once, on the first window. Every window reuses one compiled program (`CompiledGenerator`).
-Known divergences: no temperature fallback, no conditioning on the previous window's text and no
-no-speech detection (transformers' options `temperature=(0.0, 0.2, ...)`, `condition_on_prev_tokens`,
-`no_speech_threshold`); digital silence (peak below `SILENCE_PEAK`) gives an empty transcript without
-running the model.
+
+Each segment carries its window's decoding measures, as openai-whisper's segments do (the same values for every
+segment of a window): `avg_logprob` (transformers' `_retrieve_avg_logprobs`: the mean log-probability of the
+window's tokens up to and including EOS, under the processed scores they were chosen from, along the returned
+beam in beam search), `no_speech_prob` (the probability of <|nospeech|> after the start
+token, before any processor: transformers' `WhisperNoSpeechDetection`, openai-whisper's `no_speech_probs`) and
+`compression_ratio` (openai-whisper's `get_compression_ratio` of the window's text: its UTF-8 bytes over their
+zlib-compressed bytes). They come out of the compiled program with the tokens (`output_logprobs`).
+Known divergences: no temperature fallback, no conditioning on the previous window's text, and the measures
+are reported rather than acted on (transformers' options `temperature=(0.0, 0.2, ...)`,
+`condition_on_prev_tokens`, `logprob_threshold`, `no_speech_threshold`); digital silence (peak below
+`SILENCE_PEAK`) gives an empty transcript without running the model.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +34,7 @@ import tensorflow as tf
 from xlagen.generation.api import resolve_config
 from xlagen.generation.compiled import CompiledGenerator
 from xlagen.speech.audio import WhisperFeatureExtractor, load_audio
-from xlagen.speech.whisper_decoding import check_options, decoder_prompt
+from xlagen.speech.whisper_decoding import check_options, decoder_prompt, language_id
 
 SAMPLING_RATE = 16000
 TIME_PRECISION = 0.02  # seconds per timestamp token
@@ -35,17 +44,59 @@ SILENCE_PEAK = 1e-4  # about -80 dBFS
 
 @dataclasses.dataclass(frozen=True)
 class Segment:
-    """A stretch of the transcript with its time span in seconds."""
+    """A stretch of the transcript with its time span in seconds, and its window's decoding measures.
+
+    Attributes:
+        start, end: Seconds from the start of the recording.
+        text: The segment's text.
+        tokens: Its token ids (timestamps included).
+        avg_logprob: The mean log-probability of its window's tokens (see the module docstring); None when
+            not measured.
+        compression_ratio: Its window's text's UTF-8 bytes over their zlib-compressed bytes (repetitive text
+            compresses well: openai-whisper falls back to sampling above 2.4).
+        no_speech_prob: The probability of <|nospeech|> at its window's first decoder position.
+    """
 
     start: float
     end: float
     text: str
     tokens: tuple[int, ...]
+    avg_logprob: float | None = None
+    compression_ratio: float | None = None
+    no_speech_prob: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowScores:
+    """What the compiled program measured of one window's decoding, shared by the window's segments.
+
+    Attributes:
+        logprobs: float32 `[n]`, the log-probability of each generated token (0 after EOS).
+        first_logprobs: float32 `[V]`, the log-probabilities after the start token, before any processor.
+    """
+
+    logprobs: np.ndarray
+    first_logprobs: np.ndarray
+
+
+def compression_ratio(text: str) -> float:
+    """openai-whisper's `get_compression_ratio`: UTF-8 bytes of `text` over those of its zlib compression."""
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data))
 
 
 @dataclasses.dataclass(frozen=True)
 class Transcript:
-    """What `Transcriber` returns: the full text, its segments and the language token used."""
+    """What `Transcriber` returns: the full text, its segments, the language and the audio's duration.
+
+    Attributes:
+        text: The whole transcript.
+        segments: Its segments, in order.
+        language: The language's ISO 639-1 code as Whisper names it ("en", "fr"; "haw" and "yue" have three
+            letters): the one given, else the one detected; "en" for an English-only model (`*.en`), None for
+            a model without language tokens.
+        duration: Seconds of audio.
+    """
 
     text: str
     segments: tuple[Segment, ...]
@@ -54,8 +105,9 @@ class Transcript:
 
     def to_dict(self) -> dict:
         return {"text": self.text, "language": self.language, "duration": round(self.duration, 3),
-                "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text}
-                             for s in self.segments]}
+                "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text,
+                              "avg_logprob": s.avg_logprob, "compression_ratio": s.compression_ratio,
+                              "no_speech_prob": s.no_speech_prob} for s in self.segments]}
 
 
 def split_segments(tokens: np.ndarray, timestamp_begin: int, window_frames: int):
@@ -144,6 +196,9 @@ class Transcriber:
             raise ValueError("the model's generation_config.json has no no_timestamps_token_id: it is not a "
                              "Whisper checkpoint xlagen can transcribe with")
         self.timestamp_begin = config.no_timestamps_token_id + 1
+        # <|nospeech|> (<|nocaptions|> in English-only vocabularies) comes just before <|notimestamps|>, where
+        # transformers' no-speech detection takes it.
+        self.no_speech_id = config.no_timestamps_token_id - 1
         self.eos_ids = set(config.eos_token_ids) | ({config.pad_token_id} if config.pad_token_id is not None else set())
 
     def _features(self, audio: np.ndarray) -> LongFormFeatures:
@@ -184,7 +239,7 @@ class Transcriber:
         if max(samples.max(), -samples.min()) < SILENCE_PEAK:  # no abs(): that would copy a long recording
             if progress:
                 progress(1, 1)
-            return Transcript("", (), language, duration)
+            return Transcript("", (), self._language_code(language), duration)
         features = self._features(samples)
         total = features.num_frames
         window_size = self.model.config.input_frames
@@ -197,15 +252,15 @@ class Transcriber:
         seek = 0
         while seek < total:
             frames = min(total - seek, window_size)
-            tokens = self.generator.generate(self._window(features, seek), decoder_input_ids=prompt,
-                                             **options).numpy()[0]
-            pieces, advance = self.window_segments(tokens[prompt.shape[1]:], frames, seek, timestamps)
+            output = self._generate(self._window(features, seek), prompt, options)
+            pieces, advance = self.window_segments(output.sequences.numpy()[0, prompt.shape[1]:], frames, seek,
+                                                   timestamps, self._scores(output, 0))
             segments.extend(pieces)
             seek += max(advance, 1)
             if progress:
                 progress(min(seek, total), total)
         text = "".join(segment.text for segment in segments).strip()
-        return Transcript(text, tuple(segments), self._language_token(prompt[0]), duration)
+        return Transcript(text, tuple(segments), self._prompt_language(prompt[0]), duration)
 
     def transcribe_clips(self, clips: list[np.ndarray], *, language: str | None = None, task: str | None = None,
                          return_timestamps: bool = False, **generate_options) -> list[Transcript]:
@@ -234,7 +289,8 @@ class Transcriber:
                 if features[index].num_frames > window_size:
                     raise ValueError(f"clip {index} lasts {len(clip) / SAMPLING_RATE:.1f} s, more than one window: "
                                      "transcribe it alone")
-        transcripts = [Transcript("", (), language, len(clip) / SAMPLING_RATE) for clip in samples]
+        transcripts = [Transcript("", (), self._language_code(language), len(clip) / SAMPLING_RATE)
+                       for clip in samples]
         if not features:
             return transcripts
         rows = list(features)
@@ -242,17 +298,19 @@ class Transcriber:
         options = dict(generate_options, task=task, return_timestamps=return_timestamps)
         config = resolve_config(self.model, None, dict(options, language=language))
         prompt = decoder_prompt(self.model, tf.constant(windows), config).numpy()
-        tokens = self.generator.generate(windows, decoder_input_ids=prompt, **options).numpy()
+        output = self._generate(windows, prompt, options)
+        tokens = output.sequences.numpy()
         for row, index in enumerate(rows):
             frames = min(features[index].num_frames, window_size)
-            segments, _ = self.window_segments(tokens[row, prompt.shape[1]:], frames, 0, return_timestamps)
+            segments, _ = self.window_segments(tokens[row, prompt.shape[1]:], frames, 0, return_timestamps,
+                                               self._scores(output, row))
             text = "".join(segment.text for segment in segments).strip()
-            transcripts[index] = Transcript(text, tuple(segments), self._language_token(prompt[row]),
+            transcripts[index] = Transcript(text, tuple(segments), self._prompt_language(prompt[row]),
                                             transcripts[index].duration)
         return transcripts
 
-    def window_segments(self, tokens: np.ndarray, frames: int, seek: int,
-                        timestamps: bool) -> tuple[list[Segment], int]:
+    def window_segments(self, tokens: np.ndarray, frames: int, seek: int, timestamps: bool,
+                        scores: WindowScores | None = None) -> tuple[list[Segment], int]:
         """The segments of one window's generated tokens (EOS and what follows removed here), and how many
         frames the next window starts after this one's start.
 
@@ -261,17 +319,39 @@ class Transcriber:
             frames: Log-mel frames of audio in the window.
             seek: The window's first frame in the recording.
             timestamps: Whether the tokens hold timestamps (else one segment spans the window).
+            scores: What the program measured of the window; None leaves the segments' measures None.
         """
         new = self._strip(tokens)
         if timestamps:
             pieces, advance = split_segments(new, self.timestamp_begin, frames)
         else:
             pieces, advance = [(0.0, frames * FRAME_SECONDS, new)], frames
+        measures = {} if scores is None else self._measures(tokens, new, scores)
         offset, segments = seek * FRAME_SECONDS, []
         for start, end, piece in pieces:
             text = self.processor.tokenizer.decode(piece.tolist(), skip_special_tokens=True)
-            segments.append(Segment(offset + float(start), offset + float(end), text, tuple(int(t) for t in piece)))
+            segments.append(Segment(offset + float(start), offset + float(end), text, tuple(int(t) for t in piece),
+                                    **measures))
         return segments, advance
+
+    def _measures(self, tokens: np.ndarray, new: np.ndarray, scores: WindowScores) -> dict:
+        """A window's avg_logprob, compression_ratio and no_speech_prob (see the module docstring)."""
+        # transformers' `_retrieve_avg_logprobs`: the EOS counts, padding after it does not.
+        counted = min(len(new) + 1, len(tokens))
+        average = float(scores.logprobs[:counted].sum(dtype=np.float64) / counted)
+        text = self.processor.tokenizer.decode(new.tolist(), skip_special_tokens=True).strip()
+        return {"avg_logprob": average, "compression_ratio": compression_ratio(text),
+                "no_speech_prob": float(np.exp(scores.first_logprobs[self.no_speech_id]))}
+
+    def _generate(self, windows: np.ndarray, prompt: np.ndarray, options: dict):
+        """`generate` on the compiled program, with the tokens' log-probabilities (`GenerateOutput`)."""
+        return self.generator.generate(windows, decoder_input_ids=prompt,
+                                       **dict(options, output_logprobs=True, return_dict_in_generate=True))
+
+    @staticmethod
+    def _scores(output, row: int) -> WindowScores:
+        """Row `row`'s `WindowScores` of a `GenerateOutput`."""
+        return WindowScores(output.logprobs.numpy()[row], output.first_logprobs.numpy()[row])
 
     def _window(self, features: LongFormFeatures, seek: int) -> np.ndarray:
         """The 30 s window `[1, M, frames]` of features starting at frame `seek`, padded with zeros."""
@@ -286,12 +366,22 @@ class Transcriber:
         start = self.model.generation_config.decoder_start_token_id
         return self.model.config.decoder_start_token_id if start is None else start
 
-    def _language_token(self, prompt: np.ndarray) -> str | None:
+    def _prompt_language(self, prompt: np.ndarray) -> str | None:
+        """The code of the language token in a decoder prompt (see `Transcript.language`)."""
         by_id = {i: token for token, i in (self.model.generation_config.lang_to_id or {}).items()}
         for token in prompt.tolist():
             if token in by_id:
-                return by_id[token]
-        return None
+                return by_id[token].strip("<|>")
+        return self._language_code(None)
+
+    def _language_code(self, language: str | None) -> str | None:
+        """The code of a language given as a code, a name or a token (checked by `check_options` before), or
+        of the model's one language when None."""
+        config = self.model.generation_config
+        if language is None:
+            return "en" if config.is_multilingual is False else None
+        token_id = language_id(language, config)
+        return next(token for token, i in config.lang_to_id.items() if i == token_id).strip("<|>")
 
     def _strip(self, tokens: np.ndarray) -> np.ndarray:
         """The generated tokens before the first EOS (transformers removes EOS and padding before splitting)."""
