@@ -327,3 +327,24 @@ def test_serve_command_drains_on_sigterm(gpt2_checkpoint, tmp_path):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_request_whose_prompts_partly_fail_cancels_the_others(gpt2_model, tokenizer):
+    """A queue of two, and an engine thread held up (its device lock taken here): a request of three prompts gets two
+    into the queue and a 429 for the third; the two queued ones are cancelled at once and never decoded."""
+    from xlagen.serving import Engine
+    from xlagen.serving.server import Backends, ServerSettings, create_app
+
+    engine = Engine(gpt2_model, tokenizer, slots=1, max_length=64, prompt_buckets=(16,), max_queue=2)
+    with running(create_app(Backends(tokenizer, text=engine, warmup=engine.warmup), ServerSettings("tiny"))) as (
+            url, _):
+        with engine._device:  # the engine thread cannot take requests meanwhile
+            refused = httpx.post(url + "/v1/completions", timeout=60,
+                                 json={"prompt": ["a b", "c d", "e f"], "max_tokens": 30, "temperature": 0})
+        deadline = time.monotonic() + 30
+        while engine.stats()["requests_finished"]["cancelled"] < 2:
+            assert time.monotonic() < deadline, engine.stats()
+            time.sleep(0.01)
+        stats = engine.stats()
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    assert stats["requests_submitted"] == 2 and stats["prefills"] == 0 and stats["tokens_generated"] == 0

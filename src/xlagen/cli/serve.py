@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import time
 
@@ -34,11 +35,20 @@ _EXTRA = ("fastapi", "uvicorn", "prometheus_client", "multipart", "jinja2")
 
 
 def _names(value: str) -> tuple[str, ...]:
-    """argparse type: comma-separated names."""
+    """argparse type: comma-separated host names (`*`, `.example.com`, `api.example.com`, `10.0.0.5`)."""
     names = tuple(part.strip() for part in value.split(",") if part.strip())
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {value!r}")
+    if not names or not all(re.fullmatch(r"\*|\.?[A-Za-z0-9_.:\[\]-]+", name) for name in names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated host names, got {value!r}")
     return names
+
+
+def _origins(value: str) -> tuple[str, ...]:
+    """argparse type: comma-separated web origins (`https://app.example.com`, `http://localhost:3000`, `*`)."""
+    origins = tuple(part.strip() for part in value.split(",") if part.strip())
+    if not origins or not all(re.fullmatch(r"\*|[a-z][a-z0-9+.-]*://[^/\s]+/?", origin) for origin in origins):
+        raise argparse.ArgumentTypeError(f"expected comma-separated origins such as https://app.example.com, "
+                                         f"got {value!r}")
+    return origins
 
 
 def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.ArgumentParser:
@@ -63,7 +73,7 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     net.add_argument("--allowed-hosts", type=_names, default=(), metavar="NAMES",
                      help="host names (Host header) to answer to besides the listening address and, on loopback, "
                           "localhost: comma-separated, '.example.com' for a domain and its subdomains, '*' for any")
-    net.add_argument("--allowed-origins", type=_names, default=(), metavar="ORIGINS",
+    net.add_argument("--allowed-origins", type=_origins, default=(), metavar="ORIGINS",
                      help="web origins (https://app.example.com) whose pages may call the API, with CORS; requests "
                           "from other origins get 403 (default: none; '*' for any)")
     net.add_argument("--max-body-size", type=positive_int, default=25 * 1024 * 1024, metavar="BYTES",
@@ -77,6 +87,9 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
     net.add_argument("--max-connections", type=positive_int, default=512,
                      help="open connections at most; more are closed at once (default: 512)")
     net.add_argument("--max-n", type=positive_int, default=8, help="largest n accepted (default: 8)")
+    net.add_argument("--max-audio-seconds", type=positive_float, default=3600.0, metavar="SECONDS",
+                     help="audio uploads that last longer get 400, checked before their samples are held "
+                          "(default: 3600)")
     engine = parser.add_argument_group("decoding")
     engine.add_argument("--backend", choices=("slots", "batcher"),
                         help="slots: the continuous-batching engine (default when installed); batcher: "
@@ -207,7 +220,7 @@ def build_backends(args: argparse.Namespace, tokenizer, model, speech: bool):
         from xlagen.serving.speech import TranscriptionBatcher
 
         batcher = TranscriptionBatcher(model, tokenizer, generator=generator, max_batch=args.max_batch,
-                                       max_queue=args.max_queue)
+                                       max_queue=args.max_queue, max_audio_seconds=args.max_audio_seconds)
         return Backends(tokenizer.tokenizer, speech=batcher, warmup=None if args.no_warmup else batcher.warmup)
     beams = RequestBatcher(model, tokenizer, generator=generator, max_batch=args.max_batch, max_queue=args.max_queue)
     if args.backend == "slots":

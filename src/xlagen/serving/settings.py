@@ -54,5 +54,6 @@ class ServerSettings:
                 raise ValueError(f"{name} must be > 0, got {value}")
         if any(size < 2 for size in self.beam_sizes):
             raise ValueError(f"beam_sizes are num_beams values >= 2, got {self.beam_sizes}")
-        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().rstrip(".") for h in self.allowed_hosts))
+        object.__setattr__(self, "allowed_hosts", tuple(h.strip().lower().strip("[]").rstrip(".")
+                                                        for h in self.allowed_hosts))
         object.__setattr__(self, "allowed_origins", tuple(o.strip().rstrip("/") for o in self.allowed_origins))
