@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import math
+import warnings
 
 import pytest
 import soundfile
@@ -235,3 +236,32 @@ def test_warmup_compiles_every_format_and_language_option(tmp_path):
                           data={"response_format": "srt"}, timeout=120)
         assert long.status_code == 200, long.text
         assert batcher.stats()["compiles"] == compiled
+
+
+def test_openai_client_transcribes_and_translates(whisper_server):
+    """The audio routes through the `openai` package, as users call them: its multipart uploads, its response
+    types, and its errors."""
+    require_extra("openai")
+    import openai
+
+    url, batcher, _ = whisper_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    text = client.audio.transcriptions.create(model="tiny-whisper", file=("a.wav", wav(3.0, seed=1)))
+    assert text.text == batcher.transcriber(synthetic_audio(3.0, seed=1)).text
+    expected = batcher.transcriber(synthetic_audio(3.0, seed=1), return_timestamps=True)
+    verbose = client.audio.transcriptions.create(model="tiny-whisper", file=("a.wav", wav(3.0, seed=1)),
+                                                 response_format="verbose_json", timestamp_granularities=["segment"])
+    assert verbose.text == expected.text and len(verbose.segments) == len(expected.segments)
+    assert all(s.avg_logprob <= 0 and s.compression_ratio > 0 and 0 <= s.no_speech_prob <= 1 for s in verbose.segments)
+    srt = client.audio.transcriptions.create(model="tiny-whisper", file=("a.wav", wav(3.0, seed=1)),
+                                             response_format="srt")
+    assert "-->" in srt or not expected.segments
+    with warnings.catch_warnings():  # the openai package marks its translations method deprecated; it still works
+        warnings.simplefilter("ignore", DeprecationWarning)
+        translated = client.audio.translations.create(model="tiny-whisper", file=("a.wav", wav(4.0, seed=5)))
+    assert translated.text == batcher.transcriber(synthetic_audio(4.0, seed=5), task="translate").text
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.audio.transcriptions.create(model="tiny-whisper", file=("a.wav", b"not audio"))
+    assert refused.value.param == "file"
+    with pytest.raises(openai.NotFoundError):
+        client.audio.transcriptions.create(model="whisper-1", file=("a.wav", wav(1.0, seed=3)))
