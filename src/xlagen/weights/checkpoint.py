@@ -294,7 +294,8 @@ def _all_finite(array: np.ndarray) -> bool:
     """
     if array.dtype.kind != "f" or array.size == 0:
         return True
-    total = np.add.reduce(array, axis=None, dtype=np.float64 if array.dtype == np.float64 else np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf or an overflow: what this looks for
+        total = np.add.reduce(array, axis=None, dtype=np.float64 if array.dtype == np.float64 else np.float32)
     return bool(np.isfinite(total)) or bool(np.isfinite(array).all())
 
 
