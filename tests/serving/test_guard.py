@@ -87,3 +87,12 @@ def test_query_strings_are_not_logged():
                                ("127.0.0.1:5", "GET", "/v1/models?api_key=sesame", "1.1", 200), None)
     assert RedactQueries().filter(record)
     assert "sesame" not in record.getMessage() and "/v1/models?[redacted]" in record.getMessage()
+
+
+@pytest.mark.parametrize("address, loopback", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True),
+                                               ("localhost", True), ("0.0.0.0", False), ("::", False),
+                                               ("10.0.0.5", False), ("example.com", False)])
+def test_is_loopback(address, loopback):
+    from xlagen.serving.guard import is_loopback
+
+    assert is_loopback(address) is loopback

@@ -177,10 +177,10 @@ def prepare(args: argparse.Namespace) -> None:
     if args.backend is None:
         args.backend = "slots" if importlib.util.find_spec("xlagen.serving.engine") is not None else "batcher"
     args.api_key = _api_key(args)
-    from xlagen.serving.guard import host_allowed
+    from xlagen.serving.guard import is_loopback
     from xlagen.serving.http import bind, raise_file_limit
 
-    if args.api_key is None and not host_allowed("127.0.0.1", args.host, ()) and args.host not in ("localhost",):
+    if args.api_key is None and not is_loopback(args.host):
         logger.warning("serving on %s without an API key: anyone who can reach this address can use the model",
                        args.host)
     raise_file_limit(args.max_connections + 256)

@@ -53,6 +53,12 @@ def host_name(header: str) -> str:
     return header.rstrip(".")
 
 
+def is_loopback(address: str) -> bool:
+    """Whether a listening address is reachable from this machine only (`localhost`, 127.0.0.0/8, ::1)."""
+    ip = _ip(address)
+    return address == "localhost" or (ip is not None and ip.is_loopback)
+
+
 def host_allowed(name: str, bound: str, allowed: tuple[str, ...]) -> bool:
     """Whether a request whose `Host` is `name` (see `host_name`) is answered by a server bound to `bound`.
 
@@ -67,7 +73,7 @@ def host_allowed(name: str, bound: str, allowed: tuple[str, ...]) -> bool:
             return True
     wildcard = bound in ("", "0.0.0.0", "::")
     bound_ip = _ip(bound)
-    loopback = bound in ("localhost",) or (bound_ip is not None and bound_ip.is_loopback)
+    loopback = is_loopback(bound)
     ip = _ip(name)
     if ip is not None:
         return wildcard or (loopback and ip.is_loopback) or (bound_ip is not None and ip == bound_ip)

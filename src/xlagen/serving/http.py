@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import resource
 import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -98,6 +99,9 @@ class _LimitedProtocol(H11Protocol):
                 _LimitedProtocol._last_refusal_log = now
                 logger.warning("%d connections are open (max_connections=%d): closing new ones",
                                len(self.connections), self.limits.max_connections)
+            sock = transport.get_extra_info("socket")
+            if sock is not None:  # a reset: the client learns at once, and no TIME_WAIT is left here
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             transport.abort()
             return
         self._arm_header_deadline()
