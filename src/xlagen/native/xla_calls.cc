@@ -4,10 +4,13 @@
 // Each wrapper has XLA's status-returning custom-call signature: it parses the call's backend config (the
 // opaque string xlagen/native/ops.py writes), calls the kernel's plain entry point, and reports a config it
 // cannot parse, or sizes the kernel refuses, as a failed status, which XLA raises as an error of the program.
+// XLA calls each through `Registered` (see ResultBuffer), which finds the result buffer first.
 
 #include <dlfcn.h>
+#include <pthread.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <algorithm>
@@ -95,6 +98,46 @@ std::string Quoted(const char* opaque, size_t length) { return "'" + std::string
 // Reports the entry point's refusal, if any.
 void Check(XlaCustomCallStatus_* status, const char* target, const char* error) {
   if (error != nullptr) Fail(status, target, error);
+}
+
+// Whether `address` lies in the stack of the calling thread (its bounds read once per thread).
+bool OnThisStack(const void* address) {
+  thread_local uintptr_t low = 0, high = 0;  // [low, high); both 1 where the bounds cannot be read
+  if (high == 0) {
+    low = high = 1;
+    pthread_attr_t attributes;
+    if (pthread_getattr_np(pthread_self(), &attributes) == 0) {
+      void* stack = nullptr;
+      size_t size = 0;
+      if (pthread_attr_getstack(&attributes, &stack, &size) == 0 && stack != nullptr) {
+        low = reinterpret_cast<uintptr_t>(stack);
+        high = low + size;
+      }
+      pthread_attr_destroy(&attributes);
+    }
+  }
+  const uintptr_t at = reinterpret_cast<uintptr_t>(address);
+  return at >= low && at < high;
+}
+
+// The buffer a custom call writes its result to, given XLA's `out`. XLA passes the buffer itself for a result
+// that is one array (every xlagen target's), and the address of its array of result pointers for a tuple. But
+// TensorFlow 2.21's XLA:CPU does not save which of the two a custom call has in its persistent compilation
+// cache (`--tf_xla_persistent_cache_directory`, xlagen's `--compile-cache`: CustomCallThunkProto has no
+// is_tuple_result) and leaves the flag uninitialized when it loads a program from there. Where the leftover
+// byte reads as true, CustomCallThunk::CallUntypedAPI passes the address of that array, which is on its own
+// stack; a kernel writing its result there would overwrite XLA's frame, the call's status among it, and the
+// process would die with SIGSEGV in XLA's error path. XLA never places a result buffer on the calling
+// thread's stack, so an `out` there is that array, and its first element is the buffer.
+void* ResultBuffer(void* out) { return OnThisStack(out) ? *static_cast<void**>(out) : out; }
+
+using Target = void (*)(void* out, const void** in, const char* opaque, size_t opaque_len,
+                        XlaCustomCallStatus_* status);
+
+// `target` as XLA calls it: on the result buffer `ResultBuffer` finds.
+template <Target target>
+void Registered(void* out, const void** in, const char* opaque, size_t opaque_len, XlaCustomCallStatus_* status) {
+  target(ResultBuffer(out), in, opaque, opaque_len, status);
 }
 
 // A product's custom call: the backend config is "M,K,N", x is the first operand and the weights (stored as
@@ -463,36 +506,38 @@ extern "C" int xlagen_register(const char* tensorflow_library) {
     const std::optional<std::string_view> none = get_message(&ok), some = get_message(&failed);
     g_status_checked = !none.has_value() && some.has_value() && *some == "xlagen status probe";
   }
+  struct Entry {
+    const char* name;
+    Target target;
+  };
+  static const Entry kTargets[] = {
+      {"xlagen_bf16_matmul", &Registered<xlagen_bf16_matmul>},
+      {"xlagen_f32_matmul", &Registered<xlagen_f32_matmul>},
+      {"xlagen_int8_matmul", &Registered<xlagen_int8_matmul>},
+      {"xlagen_int8_imatmul", &Registered<xlagen_int8_imatmul>},
+      {"xlagen_int8_many_imatmul", &Registered<xlagen_int8_many_imatmul>},
+      {"xlagen_f32_gemm", &Registered<xlagen_f32_gemm>},
+      {"xlagen_bf16_gemm", &Registered<xlagen_bf16_gemm>},
+      {"xlagen_bf16_tile_gemm", &Registered<xlagen_bf16_tile_gemm>},
+      {"xlagen_bf16_tile_gemm_epilogue", &Registered<xlagen_bf16_tile_gemm_epilogue>},
+      {"xlagen_f32_gemm_epilogue", &Registered<xlagen_f32_gemm_epilogue>},
+      {"xlagen_int8_many_imatmul_epilogue", &Registered<xlagen_int8_many_imatmul_epilogue>},
+      {"xlagen_int8_gemm", &Registered<xlagen_int8_gemm>},
+      {"xlagen_f32_attention", &Registered<xlagen_f32_attention>},
+      {"xlagen_f32_masked_attention", &Registered<xlagen_f32_masked_attention>},
+      {"xlagen_f32_biased_attention", &Registered<xlagen_f32_biased_attention>},
+      {"xlagen_f32_relative_attention", &Registered<xlagen_f32_relative_attention>},
+      {"xlagen_f32_step_attention", &Registered<xlagen_f32_step_attention>},
+      {"xlagen_f32_argmax", &Registered<xlagen_f32_argmax>},
+      {"xlagen_f32_split_heads", &Registered<xlagen_f32_split_heads>},
+      {"xlagen_f32_layer_norm", &Registered<xlagen_f32_layer_norm>},
+      {"xlagen_f32_rms_norm", &Registered<xlagen_f32_rms_norm>},
+      {"xlagen_f32_lookup_columns", &Registered<xlagen_f32_lookup_columns>},
+      {"xlagen_f32_memory_attention", &Registered<xlagen_f32_memory_attention>},
+  };
   const std::string host("Host");
-  add(global(), std::string("xlagen_bf16_matmul"), reinterpret_cast<void*>(&xlagen_bf16_matmul), host);
-  add(global(), std::string("xlagen_f32_matmul"), reinterpret_cast<void*>(&xlagen_f32_matmul), host);
-  add(global(), std::string("xlagen_int8_matmul"), reinterpret_cast<void*>(&xlagen_int8_matmul), host);
-  add(global(), std::string("xlagen_int8_imatmul"), reinterpret_cast<void*>(&xlagen_int8_imatmul), host);
-  add(global(), std::string("xlagen_int8_many_imatmul"), reinterpret_cast<void*>(&xlagen_int8_many_imatmul), host);
-  add(global(), std::string("xlagen_f32_gemm"), reinterpret_cast<void*>(&xlagen_f32_gemm), host);
-  add(global(), std::string("xlagen_bf16_gemm"), reinterpret_cast<void*>(&xlagen_bf16_gemm), host);
-  add(global(), std::string("xlagen_bf16_tile_gemm"), reinterpret_cast<void*>(&xlagen_bf16_tile_gemm), host);
-  add(global(), std::string("xlagen_bf16_tile_gemm_epilogue"),
-      reinterpret_cast<void*>(&xlagen_bf16_tile_gemm_epilogue), host);
-  add(global(), std::string("xlagen_f32_gemm_epilogue"), reinterpret_cast<void*>(&xlagen_f32_gemm_epilogue), host);
-  add(global(), std::string("xlagen_int8_many_imatmul_epilogue"),
-      reinterpret_cast<void*>(&xlagen_int8_many_imatmul_epilogue), host);
-  add(global(), std::string("xlagen_int8_gemm"), reinterpret_cast<void*>(&xlagen_int8_gemm), host);
-  add(global(), std::string("xlagen_f32_attention"), reinterpret_cast<void*>(&xlagen_f32_attention), host);
-  add(global(), std::string("xlagen_f32_masked_attention"), reinterpret_cast<void*>(&xlagen_f32_masked_attention),
-      host);
-  add(global(), std::string("xlagen_f32_biased_attention"), reinterpret_cast<void*>(&xlagen_f32_biased_attention),
-      host);
-  add(global(), std::string("xlagen_f32_relative_attention"),
-      reinterpret_cast<void*>(&xlagen_f32_relative_attention), host);
-  add(global(), std::string("xlagen_f32_step_attention"), reinterpret_cast<void*>(&xlagen_f32_step_attention), host);
-  add(global(), std::string("xlagen_f32_argmax"), reinterpret_cast<void*>(&xlagen_f32_argmax), host);
-  add(global(), std::string("xlagen_f32_split_heads"), reinterpret_cast<void*>(&xlagen_f32_split_heads), host);
-  add(global(), std::string("xlagen_f32_layer_norm"), reinterpret_cast<void*>(&xlagen_f32_layer_norm), host);
-  add(global(), std::string("xlagen_f32_rms_norm"), reinterpret_cast<void*>(&xlagen_f32_rms_norm), host);
-  add(global(), std::string("xlagen_f32_lookup_columns"), reinterpret_cast<void*>(&xlagen_f32_lookup_columns),
-      host);
-  add(global(), std::string("xlagen_f32_memory_attention"), reinterpret_cast<void*>(&xlagen_f32_memory_attention),
-      host);
+  for (const Entry& entry : kTargets) {
+    add(global(), std::string(entry.name), reinterpret_cast<void*>(entry.target), host);
+  }
   return 0;
 }
