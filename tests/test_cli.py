@@ -434,3 +434,31 @@ def test_chat_needs_a_template_and_system_needs_chat(gpt2_checkpoint, capsys):
     assert code == 2 and "has no chat template" in err, err
     code, _, err = run_cli(capsys, "generate", "--model", gpt2_checkpoint[0], "--system", "Be brief.", "Hello")
     assert code == 2 and "add --chat" in err, err
+
+
+def test_stderr_filter_drops_the_cache_loads_benign_errors_only():
+    """What TensorFlow logs (from C++, on file descriptor 2) for each program it loads from --compile-cache is
+    dropped; every other line, a progress bar's partial line and what is written at exit pass through."""
+    script = textwrap.dedent(r"""
+        import os, sys
+        from xlagen.cli.common import BENIGN_CACHE_LOG, drop_stderr_lines
+        drop_stderr_lines(BENIGN_CACHE_LOG)
+        os.write(2, b"E0000 00:00:1.2 7682 text_format.cc:378] Error parsing text-format "
+                    b"tensorflow.XlaSerializedCacheEntry: 2:1: Expected identifier, got: 5\n"
+                    b"E0000 00:00:1.3 7682 cpu_aot_loader.cc:220] Loading XLA:CPU AOT result. Target machine "
+                    b"feature +prefer-no-scatter is not  supported on the host machine. Compile machine ...\n"
+                    b"E0000 00:00:1.4 7682 cpu_aot_loader.cc:220] Loading XLA:CPU AOT result. Target machine "
+                    b"feature +avx512f is not  supported on the host machine.\n"
+                    b"W0000 00:00:1.5 7682 other.cc:1] a real warning\n")
+        sys.stderr.write("\r 50%|#####     | 1/2")
+        sys.stderr.flush()
+        print("a Python line", file=sys.stderr)
+        os.write(2, b"last words")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": SRC},
+                            capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.decode() == ("E0000 00:00:1.4 7682 cpu_aot_loader.cc:220] Loading XLA:CPU AOT result. Target "
+                                      "machine feature +avx512f is not  supported on the host machine.\n"
+                                      "W0000 00:00:1.5 7682 other.cc:1] a real warning\n"
+                                      "\r 50%|#####     | 1/2a Python line\nlast words")

@@ -84,6 +84,8 @@ def test_serve_restarts_on_its_compile_cache(gpt2_checkpoint, tmp_path):
         second = _complete(url)
     assert second == first
     assert sorted(os.listdir(cache)) == written  # every program of the second start came from the cache
+    # A normal start, cold or from the cache, prints nothing: no retracing warning, no log of the cache's loads.
+    assert (tmp_path / "first.log").read_text() == (tmp_path / "second.log").read_text() == ""
 
 
 def test_generate_twice_on_one_compile_cache(gpt2_checkpoint, tmp_path):
@@ -92,5 +94,5 @@ def test_generate_twice_on_one_compile_cache(gpt2_checkpoint, tmp_path):
     runs = [subprocess.run(command, capture_output=True, text=True, timeout=300, env=_environment())
             for _ in range(2)]
     for run in runs:
-        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.returncode == 0 and run.stderr == "", run.stderr[-3000:]
     assert runs[1].stdout == runs[0].stdout and runs[0].stdout.startswith(PROMPT)

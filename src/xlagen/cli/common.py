@@ -8,6 +8,9 @@ xlagen.cli.__main__) can use these before TensorFlow is imported.
 from __future__ import annotations
 
 import argparse
+import os
+import re
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -125,3 +128,55 @@ def default_model_path() -> str | None:
     lacks it."""
     folder = Path(__file__).resolve().parents[1] / "default_model"
     return str(folder) if (folder / "model.safetensors").is_file() else None
+
+
+# TensorFlow 2.21 logs two errors for every program it loads from its persistent XLA cache, which it then loads
+# and runs: it tries the entry as a text proto before the binary one, and it compares the tuning features the
+# compiler added (+prefer-no-scatter, +prefer-no-gather on AMD Zen) with the host's CPU features.
+BENIGN_CACHE_LOG = (rb"^[EW]\d{4} [^\]]*text_format\.cc:\d+\] Error parsing text-format "
+                    rb"tensorflow\.XlaSerializedCacheEntry",
+                    rb"^[EW]\d{4} [^\]]*cpu_aot_loader\.cc:\d+\] Loading XLA:CPU AOT result\. Target machine feature "
+                    rb"\+prefer-no-[a-z]+ is not +supported")
+_LOG_LINE = re.compile(rb"^[IWEF]\d{4} ")
+
+
+def drop_stderr_lines(patterns: tuple[bytes, ...]) -> None:
+    """Drops the lines matching `patterns` from everything written to this process's stderr (file descriptor 2,
+    so TensorFlow's C++ log too) from now on; the rest passes through as it is written.
+
+    Only the command line calls this (without --verbose). A line is held back only while it may still be a
+    C++ log line; other output (progress bars' carriage returns) passes at once.
+    """
+    import atexit
+    import threading
+
+    compiled = [re.compile(pattern) for pattern in patterns]
+    sys.stderr.flush()
+    target = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def forward() -> None:
+        pending = b""
+        while chunk := os.read(read_end, 65536):
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            kept = [line + b"\n" for line in lines if not any(p.match(line) for p in compiled)]
+            if pending and not _LOG_LINE.match(pending[:6]) and len(pending) >= 6:
+                kept.append(pending)
+                pending = b""
+            if kept:
+                os.write(target, b"".join(kept))
+        if pending:
+            os.write(target, pending)
+
+    thread = threading.Thread(target=forward, name="xlagen-stderr", daemon=True)
+    thread.start()
+
+    def finish() -> None:  # the last lines, before the interpreter goes
+        sys.stderr.flush()
+        os.dup2(target, 2)
+        thread.join(2)
+
+    atexit.register(finish)

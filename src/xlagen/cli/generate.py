@@ -37,9 +37,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from xlagen.cli.common import (SEED_MAX, UsageError, add_hub_arguments, add_weight_dtype_argument,
+from xlagen.cli.common import (BENIGN_CACHE_LOG, SEED_MAX, UsageError, add_hub_arguments, add_weight_dtype_argument,
                                default_model_path, hub_options, int_list, non_negative_float, non_negative_int,
-                               positive_int, random_seed)
+                               positive_int, random_seed, drop_stderr_lines)
 from xlagen.cli.files import Prompt, check_output, open_output, read_prompts
 
 __all__ = ["Prompt", "UsageError", "add_decoding_arguments", "add_parser", "decoding_options", "default_model_path",
@@ -120,10 +120,13 @@ def add_decoding_arguments(parser: argparse.ArgumentParser) -> None:
     decoding.add_argument("--seed", type=random_seed, help=f"seed for reproducible sampling (0 to {SEED_MAX})")
 
 
-def use_compile_cache(directory: str) -> None:
-    """Points TensorFlow's persistent XLA compilation cache at `directory` (before TensorFlow starts)."""
+def use_compile_cache(directory: str, verbose: bool = False) -> None:
+    """Points TensorFlow's persistent XLA compilation cache at `directory` (before TensorFlow starts); unless
+    `verbose`, the errors TensorFlow logs for every program it loads from there, and then runs, are dropped."""
     if "tensorflow" in sys.modules:
         logger.warning("TensorFlow is already loaded: --compile-cache may not take effect")
+    elif not verbose:
+        drop_stderr_lines(BENIGN_CACHE_LOG)
     Path(directory).mkdir(parents=True, exist_ok=True)
     flag = f"--tf_xla_persistent_cache_directory={Path(directory).resolve()}"
     os.environ["TF_XLA_FLAGS"] = f"{os.environ.get('TF_XLA_FLAGS', '')} {flag}".strip()
@@ -310,7 +313,7 @@ def prepare(args: argparse.Namespace) -> None:
     args.prompt_records = read_prompts(args)
     check_output(args.output)
     if args.compile_cache:
-        use_compile_cache(args.compile_cache)
+        use_compile_cache(args.compile_cache, args.verbose)
 
 
 def run(args: argparse.Namespace) -> int:

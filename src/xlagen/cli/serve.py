@@ -186,7 +186,7 @@ def prepare(args: argparse.Namespace) -> None:
     raise_file_limit(args.max_connections + 256)
     args.socket = bind(args.host, args.port)
     if args.compile_cache:
-        use_compile_cache(args.compile_cache)
+        use_compile_cache(args.compile_cache, args.verbose)
 
 
 def _load(args: argparse.Namespace):
