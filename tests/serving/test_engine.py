@@ -338,3 +338,46 @@ def test_whisper_equals_generate(tmp_path, tokenizer):
         expected = row[-8:][:new].tolist()
         ends = [n for n, token in enumerate(expected) if token in stops]
         assert list(completion.token_ids) == (expected[:ends[0] + 1] if ends else expected)
+
+
+def test_default_buckets_take_every_prompt_that_fits(gpt2_model, tokenizer):
+    """Without prompt_buckets, a prompt of any length up to max_length - 1 is served (its bucket compiled when it
+    first comes, or in warmup(buckets=...)), and one of max_length tokens is refused naming max_length."""
+    from xlagen.serving.engine import default_prompt_buckets
+    from xlagen.serving.streams import ContextTooLong
+
+    assert default_prompt_buckets(64) == (16, 32, 63) and default_prompt_buckets(1024)[-2:] == (512, 1023)
+    engine = Engine(gpt2_model, tokenizer, slots=2, max_length=64)
+    assert engine.prompt_buckets == (16, 32, 63) and engine.max_prompt_tokens == 63 and engine.capacity == 66
+    engine.warmup(buckets=(10,))
+    warm = engine.stats()["compiles"]
+    engine.start()
+    try:
+        prompt = random_ids((60,), 300, seed=4).tolist()
+        (completion,) = run(engine, (prompt, dict(max_new_tokens=3)))
+        assert list(completion.token_ids) == references(gpt2_model, [prompt], [3])[0]
+        assert engine.stats()["compiles"] > warm  # the 63 bucket's prefill and insert, compiled on first use
+        with pytest.raises(ContextTooLong, match="max_length 64"):
+            run(engine, (prompt + [5] * 4, {}))
+    finally:
+        engine.close()
+
+
+def test_top_logprobs_are_the_most_likely_tokens_of_the_distribution(engine, gpt2_model):
+    prompt = random_ids((9,), 300, seed=6).tolist()
+    completion, plain = run(engine, (prompt, dict(max_new_tokens=4, logprobs=True, top_logprobs=5)),
+                            (prompt, dict(max_new_tokens=4, logprobs=True)))
+    assert completion.token_ids == plain.token_ids and plain.top_logprobs is None
+    ids = np.array([prompt + list(completion.token_ids)], np.int32)
+    log_softmax = tf.nn.log_softmax(gpt2_model(ids).logits[0, len(prompt) - 1:-1]).numpy()
+    for step, top in enumerate(completion.top_logprobs):
+        assert len(top) == 5 and top[0][0] == completion.token_ids[step]  # greedy: the chosen one is the most likely
+        expected = np.argsort(-log_softmax[step])[:5]
+        assert [i for i, _ in top] == expected.tolist()
+        np.testing.assert_allclose([lp for _, lp in top], log_softmax[step][expected], atol=1e-4)
+
+
+def test_a_cache_that_does_not_fit_in_memory_is_refused_before_it_is_allocated(gpt2_model, tokenizer):
+    with pytest.raises(ValueError, match=r"KV cache of 10000000 slots x 80 columns .* needs [0-9.]+ GiB, more than the "
+                                         r"[0-9.]+ GiB of memory available: lower max_length or the number of slots"):
+        Engine(gpt2_model, tokenizer, slots=10_000_000, max_length=64)
