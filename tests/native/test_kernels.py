@@ -2,8 +2,9 @@
 
 Edge shapes: one row, sizes that are odd or not a multiple of the 16-lane vectors (AVX-512), multiples of
 the 8-lane vectors (AVX2) that are not of 16, the kernels' block sizes and one past them; and the sizes an
-entry point refuses (its message comes back, nothing is written). The library is the build for this CPU's
-instruction set (`native.library.isa()`).
+entry point refuses (its message comes back, nothing is written). Every test runs on every build of the
+kernels this CPU can run (`native.build.supported_isas()`: an AMX CPU tests all four, an AVX-512 CPU without
+AMX three, an AVX2 CPU one), so each kind of machine tests the paths it takes and the ones below them.
 """
 
 from __future__ import annotations
@@ -24,16 +25,49 @@ pytestmark = requires_kernels
 
 MASK_VALUE = -1e9
 _FLOAT = ctypes.POINTER(ctypes.c_float)
+BUILDS = native.build.supported_isas() if native.hardware_reason() is None else ()
+_build = {"isa": None}  # the build the running test calls (the `kernel_build` fixture's)
+
+
+@pytest.fixture(autouse=True, params=BUILDS or [None])
+def kernel_build(request):
+    """Runs each test of this module once per build of the kernels this CPU runs."""
+    _build["isa"] = request.param
+    yield request.param
+    _build["isa"] = None
+
+
+def _library() -> ctypes.CDLL:
+    return native.library.opened_build(_build["isa"])
+
+
+def _tiles() -> bool:
+    """Whether the build under test multiplies on AMX's tiles in this process."""
+    return _build["isa"] == "avx512amx" and native.build.tiles_granted()
 
 
 def _entry(name: str, *argtypes):
-    function = getattr(native.library.opened(), name)
+    function = getattr(_library(), name)
     function.argtypes, function.restype = list(argtypes), ctypes.c_char_p
     return function
 
 
 def _p(array: np.ndarray):
     return array.ctypes.data_as(ctypes.c_void_p)
+
+
+def _assert_refused_without_tiles(name: str, x: np.ndarray, stored: np.ndarray, n: int, bias=None,
+                                  residual=None) -> None:
+    """A tile product of a build (or process) without AMX's tiles refuses, naming AMX, and writes nothing."""
+    m, k = x.shape
+    y = np.full((m, n), np.nan, np.float32)
+    if bias is None:
+        error = _entry(name, *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)(_p(x), _p(stored), _p(y), m, k, n)
+    else:
+        entry = _entry(name, *[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 2, *[ctypes.c_int] * 3)
+        error = entry(_p(x), _p(stored), _p(bias), 1, _p(residual), _p(y), m, k, n)
+    assert error is not None and b"AMX" in error, error
+    assert np.isnan(y).all()
 
 
 def _product(name: str, x: np.ndarray, stored: np.ndarray, n: int) -> np.ndarray:
@@ -89,14 +123,15 @@ def test_many_row_product_splits_every_width_into_blocks_that_fit():
 @pytest.mark.parametrize("m, k, n", SHAPES + [(32, 32, 32), (33, 31, 33), (64, 64, 64), (77, 200, 129), (40, 513, 200),
                                              (70, 3000, 130), (33, 1700, 65), (1100, 200, 129), (1057, 1700, 65)])
 def test_bfloat16_tile_product_is_that_of_activations_rounded_to_bfloat16(m, k, n):
-    if not native.amx_tiles():
-        pytest.skip("AMX's tiles: this CPU or process has none (the refusal is tested instead)")
     # Blocks of 32 rows and columns not whole (33, 77, 129, 200), K past whole tiles of 32 (31, 200, 513),
     # whole blocks written straight into y (32, 64), K in several chunks over several blocks of rows (3000, 1700),
     # rows in several slabs, the last one short (1100, 1057). Against float64 bf16(x) @ W: float32 sums' rounding only.
     rng = np.random.default_rng(m * k + n + 5)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
+    if not _tiles():
+        _assert_refused_without_tiles("xlagen_bf16_tile_product", x, native.pack_bfloat16(w), n)
+        return
     rounded = x.astype(ml_dtypes.bfloat16).astype(np.float64)
     y = _product("xlagen_bf16_tile_product", x, native.pack_bfloat16(w), n)
     expected = rounded @ w.astype(ml_dtypes.bfloat16).astype(np.float64)
@@ -119,14 +154,15 @@ def test_epilogues_add_the_bias_as_a_float32_add_after_the_product_apply_the_act
     # column of partial vectors, blocks and panels; then ReLU exactly, and GELU's tanh form within float32
     # roundings (large negative and positive sums included: the products' y reaches +-3 sqrt(k)); then a
     # residual [m, n] added, exactly (y + b) + r as XLA's add after it, in every row and column.
-    if product == "bf16_tile" and not native.amx_tiles():
-        pytest.skip("AMX's tiles: this CPU or process has none (the refusal is tested instead)")
     rng = np.random.default_rng(m * k + n + 9)
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = rng.standard_normal((k, n)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
     residual = (rng.standard_normal((m, n)) * 10).astype(np.float32)
     stored = {"int8_many_integer": native.pack_int8, "bf16_tile": native.pack_bfloat16, "f32_many": np.asarray}[product](w)
+    if product == "bf16_tile" and not _tiles():
+        _assert_refused_without_tiles("xlagen_bf16_tile_product_epilogue", x, stored, n, bias=bias, residual=residual)
+        return
     y = _product(f"xlagen_{product}_product", x, stored, n)
     entry = _entry(f"xlagen_{product}_product_epilogue", *[ctypes.c_void_p] * 3, ctypes.c_int, *[ctypes.c_void_p] * 2,
                    *[ctypes.c_int] * 3)
@@ -227,7 +263,7 @@ def test_the_bfloat16_tile_product_refuses_without_tiles_and_empty_sizes():
     y = np.full(4, np.nan, np.float32)
     entry = _entry("xlagen_bf16_tile_product", *[ctypes.c_void_p] * 3, *[ctypes.c_int] * 3)
     assert b"at least 1" in entry(_p(y), _p(y), _p(y), 0, 4, 4)
-    if not native.amx_tiles():
+    if not _tiles():
         error = entry(_p(y), _p(y), _p(y), 1, 1, 1)
         assert error is not None and b"AMX" in error
     assert np.isnan(y).all()  # nothing written
@@ -606,6 +642,11 @@ def test_constants_come_from_the_library_and_match_the_packing():
     assert native.INT8_PANEL == native.constant("int8_panel") == 64
     assert native.STEP_ATTENTION_MAX_HEAD_DIM == native.constant("step_attention_max_head_dim")
     assert native.constant("lanes") == {"avx512amx": 16, "avx512vnni": 16, "avx512": 16, "avx2": 8}[native.library.isa()]  # the build for this CPU
+    lanes = ctypes.c_long()
+    function = _library().xlagen_constant
+    function.argtypes, function.restype = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_long)], ctypes.c_int
+    assert function(b"lanes", ctypes.byref(lanes))
+    assert lanes.value == {"avx512amx": 16, "avx512vnni": 16, "avx512": 16, "avx2": 8}[_build["isa"]]  # the build tested
     assert native.pack_bfloat16(np.ones((3, 5), np.float32)).shape == (1, 3, native.PANEL // 2)
     assert native.pack_int8(np.ones((3, 5), np.float32)).shape == (1, 3 + 4, native.INT8_PANEL)
     with pytest.raises(KeyError, match="no constant 'nonsense'"):

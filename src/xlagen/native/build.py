@@ -100,6 +100,13 @@ def choose_isa(cpu_flags: Iterable[str]) -> str | None:
     return next((isa for isa, needs in ISAS.items() if flags.issuperset(needs["cpu"])), None)
 
 
+def supported_isas(flags: Iterable[str] | None = None) -> tuple[str, ...]:
+    """Every instruction set of `ISAS` whose build a CPU with these /proc/cpuinfo flags runs (default: this
+    CPU's), the most capable (`choose_isa`'s) first: an AMX CPU runs all four builds, an AVX2 one only "avx2"."""
+    available = set(cpu_flags() if flags is None else flags)
+    return tuple(isa for isa, needs in ISAS.items() if available.issuperset(needs["cpu"]))
+
+
 def cpu_flags() -> frozenset[str]:
     """This CPU's flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
     try:

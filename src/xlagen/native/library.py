@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 import platform
 
 from xlagen.native import build
@@ -72,13 +73,42 @@ def opened() -> ctypes.CDLL:
     return library
 
 
+@functools.lru_cache(maxsize=None)
+def opened_build(name: str) -> ctypes.CDLL:
+    """The kernel library built for the instruction set `name`, one this CPU runs (`build.supported_isas`),
+    opened without registering it with XLA: the kernel tests call every build the machine runs through their
+    plain entry points. This CPU's own build is `opened()`'s.
+
+    Raises:
+        NativeUnavailable: as `opened`, or this CPU cannot run that build.
+        ValueError: `name` is not one of `build.ISAS`.
+    """
+    if name not in build.ISAS:
+        raise ValueError(f"the kernels' instruction sets are {', '.join(build.ISAS)}, got {name!r}")
+    if name == isa():
+        return opened()
+    reason = hardware_reason()
+    if reason:
+        raise NativeUnavailable(reason)
+    if name not in build.supported_isas():
+        raise NativeUnavailable(f"this CPU cannot run the kernels' {name} build (it runs "
+                                f"{', '.join(build.supported_isas())})")
+    library = _open(name)
+    _configure(library, PoolSettings.from_env())
+    return library
+
+
 def _open(isa: str) -> ctypes.CDLL:
     # `build.opened` verifies the cached build (owner, mode, SHA-256) and names its open descriptor, so the
-    # bytes verified are the bytes loaded.
+    # bytes verified are the bytes loaded. glibc takes a dlopen of a name it loaded before (`/proc/self/fd/N`
+    # with N reused) for that library: each library is loaded through a duplicate of its descriptor that stays
+    # open for the process, so no later one gets its N.
     with build.opened(isa=isa) as verified:
+        kept = os.dup(int(verified.rsplit("/", 1)[1]))
         try:
-            return ctypes.CDLL(verified)
+            return ctypes.CDLL(f"/proc/self/fd/{kept}")
         except OSError as error:
+            os.close(kept)
             raise NativeUnavailable(f"loading xlagen's native kernels "
                                     f"({build.cache_folder() / build.library_name(isa=isa)}) failed: {error}") from error
 
