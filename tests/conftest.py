@@ -21,6 +21,65 @@ CORPUS = [
 GPT2_BASE = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64)
 
 
+# The slow tier: tests that take about a minute or more on two busy cores, whole modules where their fixtures are
+# the cost. `-m "not slow"` leaves the fast tier, for the edit-and-test loop (a few minutes); CI runs both.
+SLOW_MODULES = frozenset({
+    "tests/test_aot.py", "tests/test_export.py", "tests/test_speech_export.py", "tests/serving/test_restart.py",
+    "tests/serving/test_deploy.py", "tests/test_native_build.py", "tests/test_bench.py", "tests/test_shared_trace.py",
+    "tests/models/test_training.py", "tests/test_introspection.py", "tests/serving/test_transcription_server.py"})
+SLOW_TESTS = frozenset(f"tests/{name}" for name in """
+    test_native.py::test_whisper_with_packed_weights_generates_as_float32_with_rounded_weights
+    test_native.py::test_gpt2_with_packed_weights_generates_as_float32_with_rounded_weights
+    test_native.py::test_other_models_generate_the_same_with_the_float32_kernel
+    test_native.py::test_cli_generate_with_packed_weights_matches_the_api
+    test_native.py::test_t5_with_packed_weights_generates_as_float32_with_rounded_weights
+    test_native.py::test_opt_with_packed_weights_generates_as_float32_with_rounded_weights
+    test_native.py::test_bench_measures_packed_weights_beside_float32
+    test_native.py::test_float32_kernel_only_in_decoding_loops_of_few_rows
+    test_native.py::test_gpt2_generates_the_same_with_the_float32_kernel
+    test_native.py::test_float32_kernel_limits_by_size_and_width
+    test_native.py::test_the_kernel_library_builds_into_the_cache_folder_once
+    test_native_prompts.py::test_prompt_attention_generates_as_xla_attention
+    test_native_prompts.py::test_a_long_encoder_outputs_cross_attention_memory_is_laid_out_in_heads_natively
+    test_native_prompts.py::test_long_prompts_keys_and_values_are_written_into_the_fresh_cache_natively
+    test_native_prompts.py::test_long_prompts_with_packed_weights_generate_as_float32_with_rounded_weights
+    test_native_prompts.py::test_long_prompts_rms_norms_run_natively_close_to_xla
+    models/test_opt.py::test_generate_matches_transformers
+    models/test_opt.py::test_left_padded_rows_equal_rows_alone
+    models/test_opt.py::test_logits_match_transformers
+    models/test_whisper.py::test_generate_matches_transformers
+    models/test_whisper.py::test_fused_attention_matches_transformers
+    models/test_whisper.py::test_training_through_the_fused_encoder_attention
+    models/test_whisper.py::test_folded_cross_attention_matches_transformers
+    models/test_whisper.py::test_xla_equals_eager
+    models/test_whisper.py::test_compiled_generator_matches_generate
+    models/test_whisper.py::test_generate_128_mels_matches_transformers
+    models/test_t5.py::test_loss_matches_transformers_and_fit_learns
+    models/test_t5.py::test_generate_matches_transformers
+    models/test_llama.py::test_generate_matches_transformers
+    test_transcribe.py::test_segment_measures_match_transformers
+    test_transcribe.py::test_cli_formats
+    test_transcribe.py::test_long_form_matches_transformers
+    generation/test_compiled.py::test_varied_workload_compiles_once_per_bucket
+    generation/test_compiled.py::test_compiled_equals_uncompiled
+    generation/test_compiled.py::test_numeric_options_do_not_recompile_and_reasons_are_logged
+    serving/test_engine.py::test_other_families_equal_generate
+    serving/test_engine.py::test_a_narrow_step_reads_its_rows_of_the_whole_cache
+    serving/test_engine.py::test_default_buckets_take_every_prompt_that_fits
+    serving/test_engine.py::test_whisper_equals_generate
+    serving/test_server.py::test_a_request_whose_prompts_partly_fail_cancels_the_others
+    test_cli.py::test_generate_prints_prompt_and_continuation_xla_equals_eager
+""".split())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of `SLOW_MODULES` and `SLOW_TESTS` slow."""
+    for item in items:
+        module, _, name = item.nodeid.partition("::")
+        if module in SLOW_MODULES or f"{module}::{name.split('[')[0]}" in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
+
+
 def kernels_expected() -> bool:
     """Whether the tests of xlagen's native kernels must run here: wherever the kernels can run, and in CI
     (XLAGEN_CI=1, set by .ci/run, which installs the compiler) also where they cannot for a missing install,
