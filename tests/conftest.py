@@ -67,6 +67,7 @@ SLOW_TESTS = frozenset(f"tests/{name}" for name in """
     serving/test_engine.py::test_a_narrow_step_reads_its_rows_of_the_whole_cache
     serving/test_engine.py::test_default_buckets_take_every_prompt_that_fits
     serving/test_engine.py::test_whisper_equals_generate
+    serving/test_engine.py::test_a_seed_gives_the_same_tokens_on_the_engine_and_the_request_batcher
     serving/test_server.py::test_a_request_whose_prompts_partly_fail_cancels_the_others
     test_cli.py::test_generate_prints_prompt_and_continuation_xla_equals_eager
 """.split())

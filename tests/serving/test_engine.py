@@ -381,3 +381,23 @@ def test_a_cache_that_does_not_fit_in_memory_is_refused_before_it_is_allocated(g
     with pytest.raises(ValueError, match=r"KV cache of 10000000 slots x 80 columns .* needs [0-9.]+ GiB, more than the "
                                          r"[0-9.]+ GiB of memory available: lower max_length or the number of slots"):
         Engine(gpt2_model, tokenizer, slots=10_000_000, max_length=64)
+
+
+def test_a_seed_gives_the_same_tokens_on_the_engine_and_the_request_batcher(engine, gpt2_model, tokenizer):
+    """The server's two backends (the slots for one beam; `CompiledGenerator` batches under --backend batcher)
+    draw a request's tokens from the same random stream."""
+    from xlagen.serving.batcher import RequestBatcher
+
+    prompt = random_ids((7,), 300, seed=8).tolist()
+    seed = 2**40 + 3  # both 32-bit words of the seed matter
+    options = dict(max_new_tokens=10, do_sample=True, temperature=1.3, top_p=0.95, seed=seed)
+    (on_slots,) = run(engine, (prompt, options))
+    batcher = RequestBatcher(gpt2_model, tokenizer, max_batch=1)
+    batcher.start()
+    try:
+        batched = asyncio.run(batcher.generate(prompt, **options))
+    finally:
+        batcher.close()
+    assert batched.token_ids == on_slots.token_ids
+    (other_seed,) = run(engine, (prompt, {**options, "seed": seed + 1}))
+    assert other_seed.token_ids != on_slots.token_ids

@@ -25,7 +25,7 @@ import numpy as np
 
 from xlagen.serving.streams import Completion, ContextTooLong, EngineClosed, QueueFull, TokenEvent
 from xlagen.serving.events import completion_of, token_events
-from xlagen.serving.options import MAX_TOP_LOGPROBS, RequestOptions
+from xlagen.serving.options import MAX_TOP_LOGPROBS, RequestOptions, seed_words
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +338,7 @@ class RequestBatcher:
         new_tokens = max(r.options.max_new_tokens for r in requests)
         seed = None
         if options.do_sample and options.seed is not None:
-            seed = [(options.seed >> 31) & 0x7FFFFFFF, options.seed & 0x7FFFFFFF]
+            seed = seed_words(options.seed)  # as the engine's: the same tokens for the same seed
         out = self.generator.generate(ids, attention_mask=mask, seed=seed, max_new_tokens=new_tokens,
                                       eos_token_id=list(self.eos_ids) or None, pad_token_id=self.pad_id,
                                       output_scores=options.logprobs, return_dict_in_generate=options.logprobs,

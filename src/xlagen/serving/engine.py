@@ -23,7 +23,7 @@ from xlagen.generation.row_sampling import RowOptions
 from xlagen.generation.slots import SlotDecoder
 from xlagen.models.base import EncoderDecoderLM
 from xlagen.serving.streams import Completion, ContextTooLong, EngineClosed, EventStream, QueueFull, TokenEvent
-from xlagen.serving.options import MAX_TOP_LOGPROBS, RequestOptions
+from xlagen.serving.options import MAX_TOP_LOGPROBS, RequestOptions, seed_words
 from xlagen.serving.prompts import Prepared, Prompts, bucket_of
 from xlagen.serving.text import TokenText
 
@@ -66,8 +66,8 @@ class _Request:
 
 
 def _seed_words(seed: int) -> np.ndarray:
-    """An int64-range seed as the int32 `[2]` of the sampling hash."""
-    return np.array([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF], np.uint32).view(np.int32)
+    """An int64-range seed as the int32 `[2]` of the sampling hash (`options.seed_words`)."""
+    return np.array(seed_words(seed), np.int32)
 
 
 class Engine:

@@ -30,6 +30,13 @@ def _sequence(name: str, value) -> tuple:
     return tuple(value)
 
 
+def seed_words(seed: int) -> list[int]:
+    """A request's seed (an int in [0, 2**63 - 1]) as the two int32 words of the sampling hash: the low and the
+    high 32 bits. The engine and the request batcher both use it, so a seed gives the same tokens through either."""
+    low, high = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    return [word - (1 << 32) if word >= 1 << 31 else word for word in (low, high)]
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     """How one request is decoded on the engine's slots.
