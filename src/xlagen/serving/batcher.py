@@ -8,7 +8,8 @@ request's tokens arrive together, when its batch has finished: no request joins 
 Which requests share a batch: those with the same decoding options apart from `max_new_tokens` (the batch
 runs to the longest and each row is cut to its own), `stop`, `stop_token_ids` (both applied to each row's
 tokens afterwards) and `deadline`. A sampled request with a seed runs alone, so that its tokens are those of
-`CompiledGenerator.generate` for that prompt and seed whatever else is queued.
+`CompiledGenerator.generate` for that prompt and `seed=seed_words(seed)` whatever else is queued: the slot
+engine's tokens for the same seed.
 """
 
 from __future__ import annotations
