@@ -80,7 +80,8 @@ def test_greedy_alone_equals_generate(engine, gpt2_model):
 
 
 def test_greedy_among_15_others_equals_generate(engine, gpt2_model):
-    shifts = engine.stats()["shifts"]
+    before = engine.stats()
+    shifts = before["shifts"]
     prompts = [random_ids((n,), 300, seed=20 + i).tolist() for i, n in enumerate(LENGTHS)]
     completions = run(engine, *((p, dict(max_new_tokens=n)) for p, n in zip(prompts, NEW_TOKENS)))
     for new, completion, expected in zip(NEW_TOKENS, completions, references(gpt2_model, prompts, NEW_TOKENS)):
@@ -88,6 +89,10 @@ def test_greedy_among_15_others_equals_generate(engine, gpt2_model):
         assert completion.finish_reason == ("stop" if expected[-1] == 0 and len(expected) <= new else "length")
     stats = engine.stats()
     assert stats["shifts"] > shifts, "the test should make the slots shift"
+    # Steps of one token while requests wait for a slot, of steps_per_call (4) tokens once none waits.
+    multi, single = (stats["multi_steps"] - before["multi_steps"],
+                     stats["steps"] - before["steps"] - (stats["multi_steps"] - before["multi_steps"]))
+    assert multi > 0 and single > 0
     assert stats["active_slots"] == 0 and stats["queue_depth"] == 0
 
 
@@ -118,6 +123,26 @@ def test_a_narrow_step_reads_its_rows_of_the_whole_cache(gpt2_model, tokenizer, 
         engine.close()
     assert [list(c.token_ids) for c in completions] == references(gpt2_model, prompts, new_tokens)
     assert engine.stats()["moves"] >= 1  # the last requests were packed into the 2-slot step
+
+
+@pytest.mark.parametrize("rows, native_calls", [(1, True), (2, False)])
+def test_a_one_row_step_attends_with_the_native_kernel(gpt2_model, monkeypatch, rows, native_calls):
+    """A slot step's attention is the native call from `Kernels.slot_step_attention_min_rows` query rows (one
+    by default: it skips the cache's masked columns, which XLA's dots read), not from the `generate` policy's
+    `step_attention_min_rows`."""
+    from xlagen.generation.row_sampling import RowOptions
+    from xlagen.generation.slots import SlotDecoder
+
+    calls = []
+    real = native.step_attention
+    monkeypatch.setattr(native, "step_attention", lambda *args: calls.append(args[0].shape) or real(*args))
+    decoder = SlotDecoder(gpt2_model, slots=2, max_length=24,
+                          kernels=native.Kernels().replace(slot_step_attention_min_rows=rows))
+    options = RowOptions(np.zeros(1, bool), np.ones(1, np.float32), np.zeros(1, np.int32), np.ones(1, np.float32),
+                         np.ones(1, np.float32), np.zeros((1, 2), np.int32), np.zeros(1, np.int32))
+    decoder.step(8, options, width=1)
+    assert bool(calls) == native_calls
+    assert all(shape[0] == 1 for shape in calls)
 
 
 def test_text_is_the_decoded_tokens(engine, tokenizer):

@@ -50,7 +50,7 @@ class SlotDecoder:
         model: A model with the decoding contract (`xlagen.models.base.CausalDecoding`).
         slots: N, how many requests decode together.
         max_length: The most columns one request may use (its real prompt tokens and its new tokens).
-        steps_per_call: k, tokens each slot advances per `step` call.
+        steps_per_call: k, the most tokens each slot may advance per `step` call (the cache keeps room for them).
         encoder_length: For encoder-decoder models whose encoder output has a mask (T5), the length the
             slots' cross-attention memory is padded to (the largest encoder input bucket); an output without
             a mask (Whisper's, always its 1500 positions) is kept as it is.
@@ -90,7 +90,9 @@ class SlotDecoder:
         self._context = ()  # an EncoderContext of variables, made at the first insert of an encoder-decoder model
         self._prefill = self._compiled(self._prefill_program)
         self._insert = self._compiled(self._insert_program)
-        self._step = self._compiled(self._step_program)
+        # A step's attention reads a cache of mostly masked columns: `Kernels.slot_step_attention_min_rows`.
+        self._step = self._compiled(self._step_program, self.kernels.replace(
+            step_attention_min_rows=self.kernels.slot_step_attention_min_rows))
         self._shift = self._compiled(self._shift_program)
         self._shift_cache = self._compiled(self._shift_cache_program)
         self._move = self._compiled(self._move_program)
@@ -131,14 +133,16 @@ class SlotDecoder:
         """Counts a trace (each one compiles a program at its first call)."""
         self.compiles += 1
 
-    def _compiled(self, program):
-        """`program` as XLA-compiled functions traced under this decoder's kernel policy: one `tf.function` per
+    def _compiled(self, program, kernels: native.Kernels | None = None):
+        """`program` as XLA-compiled functions traced under `kernels` (default: this decoder's policy): one `tf.function` per
         signature (the shapes and dtypes of the tensors, the Python values), each traced once, so that a prompt
         bucket or step width seen for the first time compiles its own program without retracing another."""
         functions = {}
 
+        kernels = self.kernels if kernels is None else kernels
+
         def traced(*args):
-            with native.tracing(self.kernels):
+            with native.tracing(kernels):
                 return program(*args)
 
         def call(*args):
@@ -252,9 +256,9 @@ class SlotDecoder:
 
     # -- generate step --------------------------------------------------------------------------------
 
-    def step(self, index: int, options: RowOptions, width: int | None = None, alternatives: int = 0):
-        """Advances the first `width` slots by `steps_per_call` tokens, from column `index` (needs
-        `index + k <= S`).
+    def step(self, index: int, options: RowOptions, width: int | None = None, alternatives: int = 0,
+             steps: int | None = None):
+        """Advances the first `width` slots by `steps` tokens, from column `index` (needs `index + steps <= S`).
 
         Args:
             index: The write column of the slots' pending tokens.
@@ -265,22 +269,26 @@ class SlotDecoder:
                 cache in place. Default: all N.
             alternatives: A, the most likely tokens to report with each chosen one (0: none; each A is a
                 program of its own).
+            steps: k, tokens per slot in this call, 1 to `steps_per_call` (default: `steps_per_call`); each k
+                is a program of its own, running its steps in one loop.
 
         Returns:
             `(tokens int32 [W, k], logprobs float32 [W, k], top_ids int32 [W, k, A], top_logprobs float32
             [W, k, A])` as numpy arrays; rows of free slots are noise.
         """
         width = self.slots if width is None else width
+        steps = self.steps_per_call if steps is None else steps
         if not 1 <= width <= self.slots:
             raise ValueError(f"width must be in [1, {self.slots}], got {width}")
-        if index + self.steps_per_call > self.length:
-            raise ValueError(f"step at column {index} needs {self.steps_per_call} free columns of "
-                             f"{self.length}: shift first")
+        if not 1 <= steps <= self.steps_per_call:
+            raise ValueError(f"steps must be in [1, {self.steps_per_call}], got {steps}")
+        if index + steps > self.length:
+            raise ValueError(f"step at column {index} needs {steps} free columns of {self.length}: shift first")
         outputs = self._step(tf.constant(index, tf.int32), RowOptions(*(tf.constant(v) for v in options)), width,
-                             alternatives)
+                             alternatives, steps)
         return tuple(output.numpy() for output in outputs)
 
-    def _step_program(self, index, options: RowOptions, width: int, alternatives: int):
+    def _step_program(self, index, options: RowOptions, width: int, alternatives: int, steps: int):
         self._traced()
         everything = width == self.slots
 
@@ -294,7 +302,6 @@ class SlotDecoder:
         mask = rows(self._mask)
         context = keras.tree.map_structure(rows, self._context)
         columns = tf.range(self.length)
-        steps = self.steps_per_call
 
         def body(i, last, cache, history, tokens, logprobs, top_ids, top_logprobs):
             column = index + i

@@ -86,7 +86,11 @@ class Engine:
             `warmup`); a longer prompt is refused (`ContextTooLong`). Default (`default_prompt_buckets`): every
             prompt that fits `max_length`.
         max_queue: Requests that may wait for a slot; a further one raises `QueueFull`.
-        steps_per_call: Tokens every slot advances per compiled step call (1 reacts to new requests fastest).
+        steps_per_call: k, the most tokens every slot advances per compiled step call: k while no request
+            waits for a free slot and every active request has k or more tokens left to generate, else 1 (each
+            compiles its step programs). Several steps in one call spare the per-call work of the host and of
+            TensorFlow's runtime; their tokens are streamed when the call returns (at most k - 1 tokens late),
+            and a request that arrives meanwhile waits at most k steps for its slot. 1: every call one step.
         step_widths: How many slots a step may advance (each width compiles one step program): a step runs
             on the first W slots for the smallest W that holds every active request, so a lone request does
             not pay for 16 rows. Default: 1, 4 and `slots`.
@@ -108,7 +112,7 @@ class Engine:
     """
 
     def __init__(self, model, tokenizer, *, slots: int = 8, max_length: int | None = None,
-                 prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 1,
+                 prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 4,
                  step_widths: Sequence[int] | None = None, prefill_batch: int = 4, kernels=None):
         positions = getattr(model.config, "max_positions", None)
         if max_length is None:
@@ -231,7 +235,8 @@ class Engine:
                     prefilled, _ = self._decoder.prefill(ids, mask, extra, options)
                     self._decoder.insert(prefilled, ids, mask, 0, self._index, row=size - 1)
             for width in self.step_widths:
-                self._decoder.step(self._index, self._width_options(width), width)
+                for steps in sorted({1, self._decoder.steps_per_call}):
+                    self._decoder.step(self._index, self._width_options(width), width, steps=steps)
             self._decoder.shift(1, self._index)
             if len(self.step_widths) > 1:
                 self._decoder.move(1, 0)
@@ -282,8 +287,9 @@ class Engine:
 
         Returns:
             A dict: `queue_depth`, `active_slots`, `slots`, `tokens_generated`, `requests_submitted`,
-            `requests_finished` (a dict by finish reason), `prefills`, `steps`, `shifts`, `moves` (requests packed
-            into lower slots for a narrower step), `compiles` (programs
+            `requests_finished` (a dict by finish reason), `prefills`, `steps` (step calls), `multi_steps`
+            (step calls of `steps_per_call` tokens), `shifts`, `moves` (requests packed into lower slots for a
+            narrower step), `compiles` (programs
             traced and compiled so far), `cache_bytes` (the slots' KV cache, masks and histories), `warm`
             (whether `warmup` ran), `running` (the engine thread is alive).
         """
@@ -294,6 +300,7 @@ class Engine:
                     "requests_submitted": counters.get("submitted", 0),
                     "requests_finished": {reason: counters.get(reason, 0) for reason in FINISH_REASONS},
                     "prefills": counters.get("prefills", 0), "steps": counters.get("steps", 0),
+                    "multi_steps": counters.get("multi_steps", 0),
                     "shifts": counters.get("shifts", 0), "moves": counters.get("moves", 0),
                     "compiles": self._decoder.compiles, "cache_bytes": self._decoder.cache_bytes,
                     "warm": self._warm, "running": self._thread is not None and self._thread.is_alive()}
@@ -465,8 +472,22 @@ class Engine:
             self._reset_options(source)
             self._counters["moves"] += 1
 
+    def _steps(self) -> int:
+        """Tokens per slot in the next step call: `steps_per_call` unless a request waits for a free slot or
+        an active one has fewer tokens left to generate."""
+        most = self._decoder.steps_per_call
+        if most == 1:
+            return 1
+        with self._lock:
+            waiting = bool(self._waiting)
+        if waiting and len(self._active) < self.slots:
+            return 1
+        if any(request.budget - len(request.token_ids) < most for request in self._active.values()):
+            return 1
+        return most
+
     def _step(self) -> None:
-        decoder, steps = self._decoder, self._decoder.steps_per_call
+        decoder, steps = self._decoder, self._steps()
         if self._index + steps > decoder.length:
             amount = min(min(r.start for r in self._active.values()), self._index - self._start_column)
             decoder.shift(amount, self._index)
@@ -477,9 +498,10 @@ class Engine:
         self._compact()
         width = next(w for w in self.step_widths if w > max(self._active))
         tokens, logprobs, top_ids, top_logprobs = decoder.step(self._index, self._width_options(width), width,
-                                                               self._alternatives(self._active.values()))
+                                                               self._alternatives(self._active.values()), steps)
         self._index += steps
         self._counters["steps"] += 1
+        self._counters["multi_steps"] += steps > 1
         for slot, request in list(self._active.items()):
             for step, (token, logprob) in enumerate(zip(tokens[slot], logprobs[slot])):
                 self._emit(request, int(token), float(logprob), top_ids[slot, step], top_logprobs[slot, step])
