@@ -408,6 +408,27 @@ def test_a_cache_that_does_not_fit_in_memory_is_refused_before_it_is_allocated(g
         Engine(gpt2_model, tokenizer, slots=10_000_000, max_length=64)
 
 
+def test_the_default_max_length_is_lowered_to_what_fits(gpt2_model, monkeypatch, caplog):
+    """Without max_length the engine takes the model's positions, halved (down to 256) while the slots' cache
+    would take more than half of the memory available, and says so."""
+    import types
+
+    from xlagen.generation import checks
+    from xlagen.generation.slots import SlotDecoder
+    from xlagen.serving.engine import default_max_length
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(max_positions=4096), init_cache=gpt2_model.init_cache)
+    peak = {length: SlotDecoder.memory(gpt2_model, 8, length, 4)[1] for length in (256, 1024, 2048, 4096)}
+    assert peak[2048] > peak[1024]
+    for available, expected in ((2 * peak[4096], 4096), (2 * peak[1024], 1024), (2 * peak[2048] - 1, 1024),
+                                (peak[256], 256), (None, 4096)):
+        monkeypatch.setattr(checks, "available_memory_bytes", lambda: available)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="xlagen.serving.engine"):
+            assert default_max_length(model, 8, 4) == expected
+        assert ("max_length %d of the model's 4096 positions" % expected in caplog.text) == (expected < 4096)
+
+
 def test_a_seed_gives_the_same_tokens_on_the_engine_and_the_request_batcher(engine, gpt2_model, tokenizer):
     """The server's two backends (the slots for one beam; `CompiledGenerator` batches under --backend batcher)
     draw a request's tokens from the same random stream."""

@@ -96,8 +96,9 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                              "whole-generation batches of concurrent requests (CompiledGenerator)")
     engine.add_argument("--slots", type=positive_int, default=8, help="decode slots of the engine (default: 8)")
     engine.add_argument("--max-length", type=positive_int, metavar="TOKENS",
-                        help="prompt + new tokens per slot (default: the model's positions); each slot holds a KV "
-                             "cache of 1.25x this, and start-up refuses a size that does not fit in memory")
+                        help="prompt + new tokens per slot (default: the model's positions, halved while the slots' KV "
+                             "cache would take over half of the memory available); each slot holds a KV cache of "
+                             "1.25x this, and start-up refuses a size that does not fit in memory")
     engine.add_argument("--prefill-batch", type=positive_int, default=4,
                         help="slots: most waiting prompts prefilled together (default: 4)")
     engine.add_argument("--steps-per-call", type=positive_int, default=4, metavar="K",
@@ -227,10 +228,10 @@ def build_backends(args: argparse.Namespace, tokenizer, model, speech: bool):
         return Backends(tokenizer.tokenizer, speech=batcher, warmup=None if args.no_warmup else batcher.warmup)
     beams = RequestBatcher(model, tokenizer, generator=generator, max_batch=args.max_batch, max_queue=args.max_queue)
     if args.backend == "slots":
-        from xlagen.serving.engine import Engine, default_prompt_buckets
+        from xlagen.serving.engine import Engine, default_max_length, default_prompt_buckets
 
         positions = getattr(model.config, "max_positions", None)
-        max_length = args.max_length or positions or 1024
+        max_length = args.max_length or default_max_length(model, args.slots, args.steps_per_call)
         if positions is not None and max_length > positions:
             raise UsageError(f"--max-length {max_length} exceeds the model's {positions} positions")
         encoder_decoder = bool(getattr(model.config, "is_encoder_decoder", False))

@@ -32,6 +32,11 @@ from xlagen.generation.row_sampling import RowOptions, choose, presence
 from xlagen.models.base import DecoderState, EncoderContext
 
 
+def _margin(max_length: int, steps_per_call: int) -> int:
+    """Cache columns beyond `max_length` (a shift moves the slots left at most once every this many steps)."""
+    return max(2 * steps_per_call + 2, max_length // 4)
+
+
 def _roll_left(tensor, amount, axis: int):
     """`tensor` with its `axis` rotated left by a scalar tensor `amount` (the first columns wrap to the end)."""
     size = tensor.shape[axis]
@@ -74,7 +79,7 @@ class SlotDecoder:
         self.model = model
         self.kernels = native.current() if kernels is None else kernels
         self.slots, self.max_length, self.steps_per_call = slots, max_length, steps_per_call
-        self.margin = max(2 * steps_per_call + 2, max_length // 4)
+        self.margin = _margin(max_length, steps_per_call)
         self.length = max_length + self.margin
         self.encoder_length = encoder_length
         self.vocab_size = model.config.vocab_size
@@ -97,6 +102,15 @@ class SlotDecoder:
         self._shift_cache = self._compiled(self._shift_cache_program)
         self._move = self._compiled(self._move_program)
 
+    @staticmethod
+    def memory(model, slots: int, max_length: int, steps_per_call: int = 1) -> tuple[int, int]:
+        """`(held, peak)`: the bytes the slots' KV cache, masks and histories hold, and the most they take at
+        once (a shift copies one cache variable), for these sizes of `SlotDecoder`."""
+        sizes = [int(np.prod(t.shape)) * t.dtype.size for t in keras.tree.flatten(model.init_cache(1, 1))]
+        columns = slots * (max_length + _margin(max_length, steps_per_call))
+        held = columns * (sum(sizes) + 8)  # + int32 mask and history per column
+        return held, held + columns * max(sizes)
+
     def _check_memory(self, model) -> int:
         """The bytes of the slots' KV cache (and their masks and histories); refuses sizes that would not fit in the
         memory still available, before allocating them.
@@ -104,15 +118,13 @@ class SlotDecoder:
         Raises:
             ValueError: naming the bytes needed and available, and what lowers them.
         """
-        sizes = [int(np.prod(t.shape)) * t.dtype.size for t in keras.tree.flatten(model.init_cache(1, 1))]
-        need = self.slots * self.length * (sum(sizes) + 8)  # + int32 mask and history per column
-        shifting = self.slots * self.length * max(sizes)  # a shift's copy of one cache variable
+        need, peak = self.memory(model, self.slots, self.max_length, self.steps_per_call)
         available = checks.available_memory_bytes()
-        if available is not None and need + shifting > available:
-            raise ValueError(f"the KV cache of {self.slots} slots x {self.length} columns (max_length {self.max_length} "
-                             f"+ {self.margin}) needs {need / 2**30:.2f} GiB, more than the {available / 2**30:.2f} "
-                             "GiB of memory available: lower max_length or the number of slots (xlagen serve: "
-                             "--max-length, --slots)")
+        if available is not None and peak > available:
+            raise ValueError(f"the KV cache of {self.slots} slots x {self.length} columns "
+                             f"(max_length {self.max_length} + {self.margin}) needs {peak / 2**30:.2f} GiB, more "
+                             f"than the {available / 2**30:.2f} GiB of memory available: lower max_length or the "
+                             "number of slots (xlagen serve: --max-length, --slots)")
         return need
 
     def _ban_mask(self, ids) -> np.ndarray | None:
@@ -134,11 +146,11 @@ class SlotDecoder:
         self.compiles += 1
 
     def _compiled(self, program, kernels: native.Kernels | None = None):
-        """`program` as XLA-compiled functions traced under `kernels` (default: this decoder's policy): one `tf.function` per
-        signature (the shapes and dtypes of the tensors, the Python values), each traced once, so that a prompt
-        bucket or step width seen for the first time compiles its own program without retracing another."""
+        """`program` as XLA-compiled functions traced under `kernels` (default: this decoder's policy): one
+        `tf.function` per signature (the shapes and dtypes of the tensors, the Python values), each traced once,
+        so that a prompt bucket or step width seen for the first time compiles its own program without retracing
+        another."""
         functions = {}
-
         kernels = self.kernels if kernels is None else kernels
 
         def traced(*args):

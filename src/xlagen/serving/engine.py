@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from xlagen.generation import checks
 from xlagen.generation.row_sampling import RowOptions
 from xlagen.generation.slots import SlotDecoder
 from xlagen.models.base import EncoderDecoderLM
@@ -65,6 +66,24 @@ class _Request:
     completion: Completion | None = None
 
 
+def default_max_length(model, slots: int, steps_per_call: int = 1) -> int:
+    """The engine's `max_length` when none is given: the model's positions (1024 for a model without a limit),
+    halved (not below 256) while the slots' KV cache would take more than half of the memory still available,
+    with a warning naming the length kept; a model of 32k or 128k positions then serves what fits rather than
+    refusing to start."""
+    positions = getattr(model.config, "max_positions", None) or 1024
+    available = checks.available_memory_bytes()
+    length = positions
+    if available is not None:
+        while length > 256 and SlotDecoder.memory(model, slots, length, steps_per_call)[1] > available // 2:
+            length //= 2
+    if length < positions:
+        logger.warning("max_length %d of the model's %d positions: %d slots of %d would take more than half of "
+                       "the %.1f GiB of memory available (set max_length to choose)", length, positions, slots,
+                       positions, available / 2**30)
+    return length
+
+
 def _seed_words(seed: int) -> np.ndarray:
     """An int64-range seed as the int32 `[2]` of the sampling hash (`options.seed_words`)."""
     return np.array(seed_words(seed), np.int32)
@@ -77,10 +96,11 @@ class Engine:
         model: A text model loaded by xlagen (GPT-2, OPT, T5, ...).
         tokenizer: Its tokenizer (`encode`, `decode`).
         slots: Requests decoded together (each slot holds one request's KV cache in variables).
-        max_length: Columns one request may use: its prompt's real tokens plus its new tokens (default: the
-            model's positions; 1024 for a model without a limit). A request whose prompt and `max_new_tokens`
-            exceed them is refused (`ContextTooLong`); `max_new_tokens=None` asks for as many as fit. Each slot
-            holds a KV cache of `max_length * 1.25` columns (`SlotDecoder`).
+        max_length: Columns one request may use: its prompt's real tokens plus its new tokens (default:
+            `default_max_length`, the model's positions, 1024 for a model without a limit, halved while the
+            slots' cache would take more than half of the memory available). A request whose prompt and
+            `max_new_tokens` exceed them is refused (`ContextTooLong`); `max_new_tokens=None` asks for as many
+            as fit. Each slot holds a KV cache of `max_length * 1.25` columns (`SlotDecoder`).
         prompt_buckets: Lengths (decoder prompts of decoder-only models, encoder inputs of encoder-decoder
             models) are padded up to these; each compiles prefill and insert programs when first used (or in
             `warmup`); a longer prompt is refused (`ContextTooLong`). Default (`default_prompt_buckets`): every
@@ -116,7 +136,7 @@ class Engine:
                  step_widths: Sequence[int] | None = None, prefill_batch: int = 4, kernels=None):
         positions = getattr(model.config, "max_positions", None)
         if max_length is None:
-            max_length = positions or 1024
+            max_length = default_max_length(model, slots, steps_per_call)
         if positions is not None and max_length > positions:
             raise ValueError(f"max_length {max_length} exceeds the model's {positions} positions")
         if max_queue < 0:
