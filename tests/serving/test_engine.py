@@ -344,6 +344,46 @@ def test_other_families_equal_generate(tmp_path, tokenizer, family):
     assert [list(completion.token_ids) for completion in completions] == expected
 
 
+@pytest.mark.parametrize("family", ["gpt2", "mistral"])
+def test_a_long_prompt_prefills_in_chunks_between_steps(gpt2_model, tmp_path, tokenizer, family):
+    """A 25-token prompt (bucket 32) arriving while a request decodes is prefilled 8 columns at a time, a chunk
+    between two steps (4 chunks: the first holds its first real token), and both requests get `generate`'s
+    tokens; Mistral's sliding window and grouped queries included. Arriving when nothing decodes, it is
+    prefilled at once."""
+    model, vocab = (gpt2_model, 300) if family == "gpt2" else (tiny_family_model(str(tmp_path), family)[0], 50)
+    engine = Engine(model, tokenizer, slots=4, max_length=48, prompt_buckets=(8, 32), prefill_chunk=8,
+                    steps_per_call=1)
+    calls = []
+    for name in ("prefill_chunk", "step", "prefill"):
+        method = getattr(engine._decoder, name)
+        setattr(engine._decoder, name, lambda *args, _method=method, _name=name, **kw: calls.append(_name) or
+                _method(*args, **kw))
+    engine.warmup()
+    engine.start()
+    short, long = random_ids((5,), vocab, seed=3).tolist(), random_ids((25,), vocab, seed=4).tolist()
+
+    async def main():
+        first = engine.stream(short, max_new_tokens=20)
+        tokens = [(await first.__anext__()).token_id]
+        calls.clear()
+        second = engine.stream(long, max_new_tokens=6)
+        tokens += [event.token_id async for event in first if event.token_id is not None]
+        return tokens, [event.token_id async for event in second if event.token_id is not None]
+
+    try:
+        short_tokens, long_tokens = asyncio.run(main())
+        assert engine.stats()["prefill_chunks"] == 4
+        chunks = [n for n, call in enumerate(calls) if call == "prefill_chunk"]
+        assert "prefill" not in calls and all(calls[n + 1] == "step" for n in chunks[:-1]), calls
+        calls.clear()
+        (alone,) = run(engine, (long, dict(max_new_tokens=6)))
+        assert "prefill_chunk" not in calls and engine.stats()["prefill_chunks"] == 4
+    finally:
+        engine.close()
+    assert [short_tokens, long_tokens] == [references(model, [short], [20])[0], references(model, [long], [6])[0]]
+    assert list(alone.token_ids) == long_tokens
+
+
 def test_whisper_equals_generate(tmp_path, tokenizer):
     """Speech: the encoder runs once per request in its prefill (with language detection), the decoder
     prompt is forced, and the generation config's suppressed tokens stay banned on the slots."""

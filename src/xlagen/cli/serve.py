@@ -101,6 +101,9 @@ def add_parser(subparsers, parents: list[argparse.ArgumentParser]) -> argparse.A
                              "1.25x this, and start-up refuses a size that does not fit in memory")
     engine.add_argument("--prefill-batch", type=positive_int, default=4,
                         help="slots: most waiting prompts prefilled together (default: 4)")
+    engine.add_argument("--prefill-chunk", type=positive_int, default=256, metavar="TOKENS",
+                        help="slots: a longer prompt arriving while others decode is prefilled this many tokens at a "
+                             "time between their steps (default: 256)")
     engine.add_argument("--steps-per-call", type=positive_int, default=4, metavar="K",
                         help="slots: tokens per slot in one compiled call while no request waits for a slot "
                              "(tokens then stream up to K-1 late; 1: one per call; default: 4)")
@@ -238,7 +241,8 @@ def build_backends(args: argparse.Namespace, tokenizer, model, speech: bool):
         buckets = set(default_prompt_buckets(max_length, encoder_decoder))
         buckets |= {b for b in args.prompt_buckets if encoder_decoder or b < max_length}
         text = Engine(model, tokenizer, slots=args.slots, max_length=max_length, prompt_buckets=tuple(sorted(buckets)),
-                      max_queue=args.max_queue, prefill_batch=args.prefill_batch, steps_per_call=args.steps_per_call)
+                      max_queue=args.max_queue, prefill_batch=args.prefill_batch, steps_per_call=args.steps_per_call,
+                      prefill_chunk=args.prefill_chunk)
         logger.info("slots' KV cache: %.2f GiB", text.stats()["cache_bytes"] / 2**30)
     else:
         text = beams

@@ -27,7 +27,7 @@ from keras import ops
 from xlagen import native
 from xlagen.generation import checks
 from xlagen.cache import LayerCache
-from xlagen.generation.loop import Prompt, prefill, write_column
+from xlagen.generation.loop import Prompt, model_ids, prefill, write_column
 from xlagen.generation.row_sampling import RowOptions, choose, presence
 from xlagen.models.base import DecoderState, EncoderContext
 
@@ -38,12 +38,10 @@ def _margin(max_length: int, steps_per_call: int) -> int:
 
 
 def _roll_left(tensor, amount, axis: int):
-    """`tensor` with its `axis` rotated left by a scalar tensor `amount` (the first columns wrap to the end)."""
+    """`tensor` with its `axis` rotated left by a scalar tensor `amount` (the first columns wrap to the end). A
+    gather: a slice's begin is a compile-time constant to XLA, which compiled a program per amount."""
     size = tensor.shape[axis]
-    twice = tf.concat([tensor, tensor], axis=axis)
-    begin = [0] * tensor.shape.rank
-    begin[axis] = amount
-    return tf.slice(twice, tf.stack([tf.cast(b, tf.int32) for b in begin]), tensor.shape)
+    return tf.gather(tensor, (tf.range(size) + tf.cast(amount, tf.int32)) % size, axis=axis)
 
 
 class SlotDecoder:
@@ -94,6 +92,7 @@ class SlotDecoder:
         self._last = tf.Variable(tf.zeros([slots], tf.int32), trainable=False)
         self._context = ()  # an EncoderContext of variables, made at the first insert of an encoder-decoder model
         self._prefill = self._compiled(self._prefill_program)
+        self._chunk = self._compiled(self._chunk_program)
         self._insert = self._compiled(self._insert_program)
         # A step's attention reads a cache of mostly masked columns: `Kernels.slot_step_attention_min_rows`.
         self._step = self._compiled(self._step_program, self.kernels.replace(
@@ -197,6 +196,46 @@ class SlotDecoder:
         if isinstance(context, EncoderContext):
             context = self._padded_context(context.projected(self.model.decoder_blocks))
         return token, logprob, state.cache, context, top_ids, top_logprobs
+
+    def prefill_chunk(self, ids: np.ndarray, mask: np.ndarray, offset: int, chunk: int, previous,
+                      options: RowOptions, alternatives: int = 0):
+        """Runs columns `[offset, offset + chunk)` of one decoder-only prompt against the keys and values of its
+        columns before them, so that a long prompt can prefill a part at a time between steps (one program per
+        bucket and chunk size; the offset is a tensor).
+
+        Args:
+            ids: int32 `[1, Pb]`, the prompt left-padded to its bucket.
+            mask: int32 `[1, Pb]`.
+            offset: The first column, 0 <= offset <= Pb - chunk; columns may be run again (the same keys and
+                values come out), so a last chunk can end at Pb.
+            chunk: C, columns per call.
+            previous: The previous chunk's result, or None for a prompt's first chunk.
+            options: The request's options, one row.
+            alternatives: A, as for `prefill`.
+
+        Returns:
+            `(result, (token, logprob, top_ids, top_logprobs))`: `result` holds the cache for the next chunk and,
+            after the chunk ending at Pb, is what `insert` takes (as from `prefill`); the token is the prompt's
+            first new token once the chunk ends at Pb.
+        """
+        length = ids.shape[1]
+        if not 0 <= offset <= length - chunk:
+            raise ValueError(f"a chunk of {chunk} columns at {offset} does not fit a prompt of {length} columns")
+        cache = self.model.init_cache(1, length) if previous is None else previous[2]
+        result = self._chunk(tf.constant(ids, tf.int32), tf.constant(mask, tf.int32), tf.constant(offset, tf.int32),
+                             cache, RowOptions(*(tf.constant(value) for value in options)), chunk, alternatives)
+        return result, tuple(result[i].numpy() for i in (0, 1, 4, 5))
+
+    def _chunk_program(self, ids, mask, offset, cache, options: RowOptions, chunk: int, alternatives: int):
+        self._traced()
+        # A gather, not tf.slice: a slice's begin is a compile-time constant to XLA (a program per offset).
+        tokens = tf.gather(model_ids(ids, mask), offset + tf.range(chunk), axis=1)
+        with native.prefill():
+            logits, cache = self.model.call_with_cache(tokens, cache, offset, mask, last_only=True)
+        token, logprob, top_ids, top_logprobs = self._choose(
+            logits[:, -1], lambda: presence(ids, mask > 0, self.vocab_size), options, self._banned_first,
+            alternatives)
+        return token, logprob, cache, (), top_ids, top_logprobs
 
     def _padded_context(self, context: EncoderContext) -> EncoderContext:
         """The projected encoder memory (keys `[1, H, D, L]`, values `[1, H, L, D]`, mask `[1, L]`) padded to

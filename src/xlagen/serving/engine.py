@@ -66,6 +66,18 @@ class _Request:
     completion: Completion | None = None
 
 
+@dataclass
+class _Chunked:
+    """A long prompt being prefilled a chunk at a time between steps, into `slot` once its last chunk ran."""
+    request: _Request
+    slot: int
+    ids: np.ndarray  # int32 [1, Pb]
+    mask: np.ndarray
+    options: RowOptions
+    offsets: list  # first columns of the chunks still to run
+    result: Any = None  # the last chunk's (SlotDecoder.prefill_chunk)
+
+
 def default_max_length(model, slots: int, steps_per_call: int = 1) -> int:
     """The engine's `max_length` when none is given: the model's positions (1024 for a model without a limit),
     halved (not below 256) while the slots' KV cache would take more than half of the memory still available,
@@ -107,13 +119,19 @@ class Engine:
             prompt that fits `max_length`.
         max_queue: Requests that may wait for a slot; a further one raises `QueueFull`.
         steps_per_call: k, the most tokens every slot advances per compiled step call: k while no request
-            waits for a free slot and every active request has k or more tokens left to generate, else 1 (each
-            compiles its step programs). Several steps in one call spare the per-call work of the host and of
-            TensorFlow's runtime; their tokens are streamed when the call returns (at most k - 1 tokens late),
-            and a request that arrives meanwhile waits at most k steps for its slot. 1: every call one step.
+            waits for a free slot or prefills in chunks and every active request has k or more tokens left to
+            generate, else 1 (each compiles its step programs). Several steps in one call spare the per-call
+            work of the host and of TensorFlow's runtime; their tokens are streamed when the call returns (at
+            most k - 1 tokens late), and a request that arrives meanwhile waits at most k steps for its slot.
+            1: every call one step.
         step_widths: How many slots a step may advance (each width compiles one step program): a step runs
             on the first W slots for the smallest W that holds every active request, so a lone request does
             not pay for 16 rows. Default: 1, 4 and `slots`.
+        prefill_chunk: A decoder-only model's prompt whose bucket is longer than this many tokens, arriving while
+            other requests decode, is prefilled this many tokens at a time, one chunk between two steps (each
+            bucket compiles one chunk program), so that the running requests keep receiving tokens; one such
+            prompt at a time (another waits, the shorter ones behind it do not). A prompt arriving while nothing
+            decodes is prefilled at once. None: every prompt at once.
         prefill_batch: Most waiting prompts of one bucket prefilled together in one program (each power of two
             up to it compiles one prefill program per bucket); 1 prefills one prompt at a time.
         kernels: Where xlagen's native kernels run in the engine's programs (`xlagen.native.Kernels`; None:
@@ -133,7 +151,8 @@ class Engine:
 
     def __init__(self, model, tokenizer, *, slots: int = 8, max_length: int | None = None,
                  prompt_buckets: Sequence[int] | None = None, max_queue: int = 64, steps_per_call: int = 4,
-                 step_widths: Sequence[int] | None = None, prefill_batch: int = 4, kernels=None):
+                 step_widths: Sequence[int] | None = None, prefill_batch: int = 4, prefill_chunk: int | None = 256,
+                 kernels=None):
         positions = getattr(model.config, "max_positions", None)
         if max_length is None:
             max_length = default_max_length(model, slots, steps_per_call)
@@ -143,6 +162,9 @@ class Engine:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         if prefill_batch < 1:
             raise ValueError(f"prefill_batch must be >= 1, got {prefill_batch}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 or None, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         # Prompts prefilled together: powers of two up to prefill_batch (a group is split into them, unpadded).
         self.prefill_sizes = tuple(sorted({min(2**k, prefill_batch) for k in range(prefill_batch.bit_length())},
                                           reverse=True))
@@ -174,6 +196,7 @@ class Engine:
         self._rng = np.random.default_rng()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._active: dict[int, _Request] = {}
+        self._chunked: _Chunked | None = None
         self._options = self._idle_options()
         self._lock = threading.Condition()  # guards _waiting, _closing; wakes the engine thread
         self._device = threading.Lock()  # one user of the slots at a time (the engine thread, warmup)
@@ -222,8 +245,8 @@ class Engine:
             self._finish_all("cancelled")
 
     def warmup(self, prompts: Sequence | None = None, buckets: Sequence[int] | None = None) -> float:
-        """Compiles the prefill and insert programs of prompt buckets, the steps, the shift and the move, so that
-        no request waits for a compile (a bucket not warmed compiles when its first prompt comes).
+        """Compiles the prefill, chunk and insert programs of prompt buckets, the steps, the shift and the move, so
+        that no request waits for a compile (a bucket not warmed compiles when its first prompt comes).
 
         Args:
             prompts: Example prompts whose prefill programs to compile (a speech model needs an example of its
@@ -254,6 +277,10 @@ class Engine:
                                                             [_seed_words(0)] * size)
                     prefilled, _ = self._decoder.prefill(ids, mask, extra, options)
                     self._decoder.insert(prefilled, ids, mask, 0, self._index, row=size - 1)
+                if not self.encoder_decoder and self.prefill_chunk is not None and \
+                        prepared.ids.shape[1] > self.prefill_chunk:
+                    ids, mask, _, options = self._batch([prepared], [RequestOptions()], [_seed_words(0)])
+                    self._decoder.prefill_chunk(ids, mask, 0, self.prefill_chunk, None, options)
             for width in self.step_widths:
                 for steps in sorted({1, self._decoder.steps_per_call}):
                     self._decoder.step(self._index, self._width_options(width), width, steps=steps)
@@ -308,7 +335,7 @@ class Engine:
         Returns:
             A dict: `queue_depth`, `active_slots`, `slots`, `tokens_generated`, `requests_submitted`,
             `requests_finished` (a dict by finish reason), `prefills`, `steps` (step calls), `multi_steps`
-            (step calls of `steps_per_call` tokens), `shifts`, `moves` (requests packed into lower slots for a
+            (step calls of `steps_per_call` tokens), `prefill_chunks` (chunks of long prompts run), `shifts`, `moves` (requests packed into lower slots for a
             narrower step), `compiles` (programs
             traced and compiled so far), `cache_bytes` (the slots' KV cache, masks and histories), `warm`
             (whether `warmup` ran), `running` (the engine thread is alive).
@@ -321,6 +348,7 @@ class Engine:
                     "requests_finished": {reason: counters.get(reason, 0) for reason in FINISH_REASONS},
                     "prefills": counters.get("prefills", 0), "steps": counters.get("steps", 0),
                     "multi_steps": counters.get("multi_steps", 0),
+                    "prefill_chunks": counters.get("prefill_chunks", 0),
                     "shifts": counters.get("shifts", 0), "moves": counters.get("moves", 0),
                     "compiles": self._decoder.compiles, "cache_bytes": self._decoder.cache_bytes,
                     "warm": self._warm, "running": self._thread is not None and self._thread.is_alive()}
@@ -379,9 +407,9 @@ class Engine:
         try:
             while True:
                 with self._lock:
-                    while not (self._waiting or self._active or self._closing):
+                    while not (self._waiting or self._active or self._chunked or self._closing):
                         self._lock.wait()
-                    if self._closing and not (self._drain and (self._waiting or self._active)):
+                    if self._closing and not (self._drain and (self._waiting or self._active or self._chunked)):
                         break
                 with self._device:
                     self._iterate()
@@ -395,12 +423,15 @@ class Engine:
 
     def _iterate(self) -> None:
         now = time.monotonic()
-        for request in list(self._active.values()):
+        running = list(self._active.values()) + ([self._chunked.request] if self._chunked else [])
+        for request in running:
             if request.cancelled:
                 self._finish(request, "cancelled")
             elif request.deadline_at is not None and now >= request.deadline_at:
                 self._finish(request, "deadline")
         self._admit(now)
+        if self._chunked is not None:
+            self._prefill_chunk()
         if self._active:
             self._step()
         else:
@@ -421,13 +452,22 @@ class Engine:
                 return request
 
     def _admit(self, now: float) -> None:
-        free = [slot for slot in range(self.slots) if slot not in self._active]
-        admitted = []
+        free = [slot for slot in range(self.slots) if slot not in self._active and slot != self._chunked_slot()]
+        admitted, held = [], []
         while len(admitted) < len(free):
             request = self._take_waiting(now)
             if request is None:
                 break
+            if self._chunks(request):
+                if self._chunked is not None:
+                    held.append(request)  # one long prompt at a time; the shorter ones behind it go on
+                    continue
+                self._start_chunks(request, free.pop(0))
+                continue
             admitted.append(request)
+        if held:
+            with self._lock:
+                self._waiting.extendleft(reversed(held))
         groups: dict[tuple, list[_Request]] = {}  # by shapes: the prompts of one prefill program
         for request in admitted:
             prepared = request.prepared
@@ -445,6 +485,47 @@ class Engine:
         for request in expired:
             self._finish(request, "cancelled" if request.cancelled else "deadline")
 
+    def _chunked_slot(self) -> int | None:
+        return None if self._chunked is None else self._chunked.slot
+
+    def _chunks(self, request: _Request) -> bool:
+        """Whether `request`'s prompt prefills in chunks between steps: a decoder-only prompt of a bucket longer
+        than `prefill_chunk`, while other requests decode (or another prompt is in chunks)."""
+        return (self.prefill_chunk is not None and not self.encoder_decoder
+                and request.prepared.ids.shape[1] > self.prefill_chunk and bool(self._active or self._chunked))
+
+    def _start_chunks(self, request: _Request, slot: int) -> None:
+        """Reserves `slot` for `request` and plans its chunks: from the chunk holding its first real token to the
+        end of its bucket, the last one ending at the bucket's end (overlapping the one before)."""
+        ids, mask, _, options = self._batch([request.prepared], [request.options], [request.seed])
+        length, chunk = ids.shape[1], self.prefill_chunk
+        first = (length - request.prepared.real_length) // chunk * chunk
+        offsets = [min(offset, length - chunk) for offset in range(first, length, chunk)]
+        self._chunked = _Chunked(request, slot, ids, mask, options, offsets)
+
+    def _prefill_chunk(self) -> None:
+        """Runs the next chunk of the prompt being prefilled; after its last, the request joins its slot and gets
+        its first token."""
+        chunked = self._chunked
+        offset = chunked.offsets.pop(0)
+        chunked.result, (tokens, logprobs, top_ids, top_logprobs) = self._decoder.prefill_chunk(
+            chunked.ids, chunked.mask, offset, self.prefill_chunk, chunked.result, chunked.options,
+            self._alternatives([chunked.request]))
+        self._counters["prefill_chunks"] += 1
+        if chunked.offsets:
+            return
+        self._chunked = None
+        self._join(chunked.request, chunked.slot, chunked.result, chunked.ids, chunked.mask, row=0)
+        self._counters["prefills"] += 1
+        self._emit(chunked.request, int(tokens[0]), float(logprobs[0]), top_ids[0], top_logprobs[0])
+
+    def _join(self, request: _Request, slot: int, prefilled, ids: np.ndarray, mask: np.ndarray, row: int) -> None:
+        """Inserts row `row` of a prefill into `slot`, where `request` decodes from the next step."""
+        self._decoder.insert(prefilled, ids, mask, slot, self._index, row=row)
+        request.slot, request.start = slot, self._index - request.prepared.real_length
+        self._active[slot] = request
+        self._set_options(slot, request)
+
     def _batch(self, prepared: list[Prepared], options: list[RequestOptions], seeds: list[np.ndarray]):
         """The prompts and options of one prefill program: `(ids, mask, extra, RowOptions)` with a row each."""
         extra = {name: np.concatenate([p.extra[name] for p in prepared]) for name in prepared[0].extra}
@@ -460,10 +541,7 @@ class Engine:
         prefilled, (tokens, logprobs, top_ids, top_logprobs) = self._decoder.prefill(
             ids, mask, extra, options, self._alternatives(requests))
         for row, (request, slot) in enumerate(zip(requests, slots)):
-            self._decoder.insert(prefilled, ids, mask, slot, self._index, row=row)
-            request.slot, request.start = slot, self._index - request.prepared.real_length
-            self._active[slot] = request
-            self._set_options(slot, request)
+            self._join(request, slot, prefilled, ids, mask, row)
         self._counters["prefills"] += len(requests)
         for row, request in enumerate(requests):
             self._emit(request, int(tokens[row]), float(logprobs[row]), top_ids[row], top_logprobs[row])
@@ -477,10 +555,11 @@ class Engine:
     def _compact(self) -> None:
         """Moves the requests in the highest slots into free lower ones when that lets a narrower step program
         decode them all (a lone request left in slot 15 would otherwise pay for 16 rows)."""
-        narrowest = next(w for w in self.step_widths if w >= len(self._active))
+        taken = len(self._active) + (self._chunked is not None)  # a slot reserved for a prompt in chunks
+        narrowest = next(w for w in self.step_widths if w >= taken)
         if max(self._active) < narrowest:
             return
-        free = [slot for slot in range(narrowest) if slot not in self._active]
+        free = [slot for slot in range(narrowest) if slot not in self._active and slot != self._chunked_slot()]
         for source in sorted((s for s in self._active if s >= narrowest), reverse=True):
             target = free.pop(0)
             self._decoder.move(source, target)
@@ -493,10 +572,10 @@ class Engine:
             self._counters["moves"] += 1
 
     def _steps(self) -> int:
-        """Tokens per slot in the next step call: `steps_per_call` unless a request waits for a free slot or
-        an active one has fewer tokens left to generate."""
+        """Tokens per slot in the next step call: `steps_per_call` unless a request waits for a free slot, a
+        long prompt is being prefilled in chunks, or an active request has fewer tokens left to generate."""
         most = self._decoder.steps_per_call
-        if most == 1:
+        if most == 1 or self._chunked is not None:
             return 1
         with self._lock:
             waiting = bool(self._waiting)
@@ -572,6 +651,8 @@ class Engine:
             text = request.text.finish()[0] if reason == "deadline" else ""
             self._deliver(request, TokenEvent(None, text, None, reason))
         request.finished = True
+        if self._chunked is not None and self._chunked.request is request:
+            self._chunked = None
         if request.slot is not None and self._active.get(request.slot) is request:
             del self._active[request.slot]
             self._reset_options(request.slot)
@@ -581,7 +662,8 @@ class Engine:
     def _finish_all(self, reason: str) -> None:
         with self._lock:
             waiting, self._waiting = list(self._waiting), collections.deque()
-        for request in list(self._active.values()) + waiting:
+        chunked = [self._chunked.request] if self._chunked else []
+        for request in list(self._active.values()) + chunked + waiting:
             self._finish(request, reason)
 
     # -- per-slot options -----------------------------------------------------------------------------
