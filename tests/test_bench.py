@@ -244,14 +244,49 @@ def test_comparison_runs_xlagen_workers_and_writes_reports(tmp_path):
     # The whole harness with xlagen alone: bandwidth, a worker process per scenario, rooflines, reports.
     script = PEER / "compare.py"
     command = [sys.executable, str(script), "--tiny", "--quiet", "--systems", "xlagen", "--modes", "xla",
-               "--strategies", "greedy", "--no-plot", "--output-dir", str(tmp_path), "--name", "alone"]
+               "--strategies", "greedy", "--no-plot", "--output-dir", str(tmp_path), "--name", "alone", "--load", "1"]
     subprocess.run(command, capture_output=True, text=True, check=True)
     report = json.loads((tmp_path / "alone.json").read_text())
     (result,) = report["results"]
     assert result["system"] == "xlagen" and "error" not in result and result["roofline_fraction"] > 0
     assert result["weight_bytes"] == 4 * (64 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 2 * 32)
     assert report["command"][:2] == ["python", "benchmarks/peer/compare.py"] and report["ratios"] == []
-    assert "| roofline |" in (tmp_path / "alone.md").read_text()
+    command = report["command"]
+    assert command[command.index("--load") + 1] == "1" and report["machine"]["busy_processes"] == 1
+    assert result["load_average_1min"] is not None and "autogroup" in report["machine"]
+    text = (tmp_path / "alone.md").read_text()
+    assert "| roofline |" in text and "1 busy processes beside the scenarios (`--load`)" in text
+
+
+def test_busy_processes_spin_in_sessions_of_their_own_until_the_block_ends():
+    with bench_timing.busy_processes(2) as pids:
+        assert len(pids) == 2
+        for pid in pids:
+            assert os.getsid(pid) == pid != os.getsid(0)  # each leads a session: a scheduling group of its own
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with bench_timing.busy_processes(0) as pids:
+        assert pids == []
+
+
+def test_variants_script_alternates_revisions_with_their_environments(tmp_path):
+    # benchmarks/variants.py on a tiny model: two variants of this working tree, one with the pool's spinning
+    # off, beside a busy process; each worker imports this checkout's xlagen.
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "variants.py"
+    command = [sys.executable, str(script), "--variant", "a", ".", "--variant", "b", ".", "XLAGEN_NATIVE_SPIN_US=0",
+               "--models", "tiny-gpt2", "--batch-sizes", "1", "--new-tokens", "4", "--repeats", "2", "--warmup", "0",
+               "--load", "1", "--quiet", "--output-dir", str(tmp_path), "--name", "v"]
+    subprocess.run(command, capture_output=True, text=True, check=True)
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert [v["name"] for v in report["variants"]] == ["a", "b"]
+    assert report["variants"][1]["env"] == {"XLAGEN_NATIVE_SPIN_US": "0"} and report["variants"][0]["commit"]
+    assert report["loads"][0]["busy_processes"] == 1 and report["machine"]["cpu"]
+    assert {r["variant"] for r in report["results"]} == {"a", "b"}
+    for result in report["results"]:
+        assert "error" not in result and len(result["runs_s"]) == 2 and result["busy_processes"] == 1
+    text = (tmp_path / "v.md").read_text()
+    assert "| a ms/token | b ms/token | b / a |" in text and "## Busy processes: 1" in text
 
 
 def test_profile_step_script_sums_xla_instructions_per_step():

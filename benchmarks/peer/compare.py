@@ -259,15 +259,19 @@ def run_comparison(args: argparse.Namespace) -> int:
     results: list[dict] = []
     systems = {name: probe(name, args) for name in args.systems if name != "xlagen"}  # its compute types
     build_references(scenarios, args, systems)
-    for index, scenario in enumerate(scenarios):
-        names = args.systems if index % 2 == 0 else args.systems[::-1]  # Alternate who compiles and runs first.
-        bench.progress(args, f"[{index + 1}/{len(scenarios)}] {scenario.label()} ...")
-        for result in run_interleaved(scenario, names, args, systems):
-            results.append(result)
-            bench.progress(args, "    " + bench_timing.describe(result))
+    with bench_timing.busy_processes(args.load):  # the bandwidth is measured without them
+        for index, scenario in enumerate(scenarios):
+            names = args.systems if index % 2 == 0 else args.systems[::-1]  # Alternate who compiles and runs first.
+            bench.progress(args, f"[{index + 1}/{len(scenarios)}] {scenario.label()} ...")
+            for result in run_interleaved(scenario, names, args, systems):
+                result["load_average_1min"] = bench_timing.load_average()
+                results.append(result)
+                bench.progress(args, "    " + bench_timing.describe(result))
+        load_end = bench_timing.load_average()
     measured.append(bandwidth.measure_bandwidth(args.bandwidth_mib, args.bandwidth_repeats))
     machine = bench_timing.machine_info()
-    machine["load_average_1min"] = {"start": load_start, "end": bench_timing.load_average()}
+    machine["load_average_1min"] = {"start": load_start, "end": load_end}
+    machine["busy_processes"] = args.load
     machine["git_commit"] = git_commit()
     command = bench.command_line(args, ["python", "benchmarks/peer/compare.py"])
     command += ["--reference", args.reference, "--systems", *args.systems, "--bandwidth-mib", str(args.bandwidth_mib),
@@ -287,7 +291,8 @@ def run_comparison(args: argparse.Namespace) -> int:
                                                                            "one_worker_at_a_time":
                                                                                args.one_worker_at_a_time,
                                                                            "reference_env": args.reference_env,
-                                                                           "xla_threads": args.xla_threads},
+                                                                           "xla_threads": args.xla_threads,
+                                                                           "load": args.load},
               "results": results}
     bandwidth.add_rooflines(report)
     report["ratios"] = ratios(results)

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from xlagen.cli.bench_report import markdown, plot, write_reports
 from xlagen.cli.bench_timing import (ARCHITECTURES, MODES, PACKED_BF16, PACKED_INT8, STRATEGIES, Scenario, TFSystem,
-                                     XlagenSystem, configure_threads, describe, environment, label, load_average,
-                                     machine_info, run_in_process, set_thread_pools)
-from xlagen.cli.common import positive_int
+                                     XlagenSystem, busy_processes, configure_threads, describe, environment, label,
+                                     load_average, machine_info, run_in_process, set_thread_pools)
+from xlagen.cli.common import non_negative_int, positive_int
 
 SCHEMA = "xlagen-bench/2"
 # Options left unset on the command line take these values; --quick and --tiny override some.
@@ -58,6 +58,7 @@ def command_line(args: argparse.Namespace, program: list[str]) -> list[str]:
         value = getattr(args, name)
         command += [f"--{name.replace('_', '-')}", *map(str, value if isinstance(value, list) else [value])]
     command += ["--dtype", *args.dtype, "--threads", str(args.threads)]
+    command += ["--load", str(args.load)] if args.load else []
     return command + (["--ttft"] if args.ttft else [])
 
 
@@ -74,17 +75,21 @@ def run_benchmark(args: argparse.Namespace, system: TFSystem) -> int:
     results: list[dict] = []
 
     def emit(result: dict) -> None:
+        result["load_average_1min"] = load_average()
         results.append(result)
         progress(args, f"[{len(results)}/{len(scenarios)}] {label(result)}: " + describe(result))
 
-    run_in_process(system, scenarios, args, emit)
+    with busy_processes(args.load):
+        run_in_process(system, scenarios, args, emit)
+        load_end = load_average()
     machine = machine_info()
-    machine["load_average_1min"] = {"start": load_start, "end": load_average()}
+    machine["load_average_1min"] = {"start": load_start, "end": load_end}
+    machine["busy_processes"] = args.load
     report = {"schema": SCHEMA, "created": started.isoformat(timespec="seconds"),
               "seconds": round((datetime.datetime.now(datetime.timezone.utc) - started).total_seconds(), 1),
               "command": command_line(args, ["xlagen", "bench"]), "machine": machine, "systems": systems,
               "options": {k: getattr(args, k) for k in DEFAULTS} | {"threads": args.threads, "dtype": args.dtype,
-                                                                     "ttft": args.ttft},
+                                                                     "ttft": args.ttft, "load": args.load},
               "results": results}
     paths = write_reports(report, Path(args.output_dir), args.name or started.strftime("bench-%Y%m%d-%H%M%S"),
                           markdown, plot if not args.no_plot else None)
@@ -123,6 +128,9 @@ def add_scenario_arguments(parser: argparse.ArgumentParser, models_help: str) ->
                         "token from decode ms/token (one more compile per scenario)")
     timing.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
                         help="TensorFlow intra- and inter-op threads (default: all cores)")
+    timing.add_argument("--load", type=non_negative_int, default=0, metavar="N",
+                        help="N busy processes (a pure-Python loop each, in sessions of their own) run beside the "
+                        "timed scenarios and are killed after them: a loaded machine on purpose (default: 0)")
 
 
 def add_output_arguments(parser: argparse.ArgumentParser, default_dir: str) -> None:

@@ -74,7 +74,9 @@ def header_lines(report: dict, title: str) -> list[str]:
     return [f"# {title}", "",
             (f"- Machine: {machine.get('cpu')}, {machine.get('usable_cores')} cores, "
              f"{machine.get('memory_gib')} GiB; flags: {' '.join(machine.get('cpu_flags', []))}; load average "
-             f"(1 min) at start / end: {' / '.join(map(str, machine.get('load_average_1min', {}).values()))}"),
+             f"(1 min) at start / end: {' / '.join(map(str, machine.get('load_average_1min', {}).values()))}"
+             + (f"; {machine['busy_processes']} busy processes beside the scenarios (`--load`)"
+                if machine.get("busy_processes") else "")),
             f"- Versions: {versions}", f"- Threads: {threads}", f"- Command: `{' '.join(report['command'])}`"]
 
 

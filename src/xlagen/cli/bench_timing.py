@@ -9,13 +9,16 @@ models are imported inside functions.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import logging
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -26,7 +29,8 @@ STRATEGIES = {"greedy": 1, "beam2": 2, "beam4": 4}  # name -> num_beams
 MODES = ("xla", "eager")
 PROMPT_TOKENS = 8
 ENV_KEYS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "XLA_FLAGS",
-            "TF_XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS", "XLAGEN_NATIVE_THREADS")
+            "TF_XLA_FLAGS", "TF_ENABLE_ONEDNN_OPTS", "TF_USE_LEGACY_KERAS", "XLAGEN_NATIVE_THREADS",
+            "XLAGEN_NATIVE_SPIN_US", "XLAGEN_NATIVE_LOOKAHEAD_KB")
 _CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8")
 PACKED_BF16 = "bfloat16-weights"
 PACKED_INT8 = "int8-weights"
@@ -350,14 +354,44 @@ def load_average() -> float | None:
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
+@contextlib.contextmanager
+def busy_processes(count: int) -> Iterator[list[int]]:
+    """A machine loaded on purpose: `count` processes that each keep a core busy (a pure-Python loop), started
+    before the block (which gets their process ids) and killed after it.
+
+    Each runs in a session of its own, as other users' programs do: where Linux groups a session's processes
+    for scheduling (autogroup), busy processes in the measuring program's session would only share its slice
+    instead of competing with it as other programs do.
+    """
+    processes = [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, start_new_session=True) for _ in range(count)]
+    try:
+        yield [process.pid for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+        for process in processes:
+            process.wait()
+
+
+def autogroup() -> bool | None:
+    """Whether Linux schedules each session's processes as one group (`kernel.sched_autogroup_enabled`), or None
+    where it does not say."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return None
+
+
 def machine_info() -> dict[str, Any]:
-    """CPU model and flags, cores, memory, platform and numpy's BLAS."""
+    """CPU model and flags, cores, memory, platform, numpy's BLAS and whether sessions are scheduled as groups."""
     import numpy as np
 
     info: dict[str, Any] = {"cpu": platform.processor() or None, "cores": os.cpu_count(),
                             "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                             else os.cpu_count(), "platform": platform.platform(),
-                            "python": platform.python_version(), "numpy": np.__version__, "env": environment()}
+                            "python": platform.python_version(), "numpy": np.__version__, "env": environment(),
+                            "autogroup": autogroup()}
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         fields = dict(line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line)

@@ -56,7 +56,8 @@ The modules: `build` (compile and cache the library), `library` (load it, its co
 
 from xlagen.native.build import NO_COMPILER, SOURCES, NativeUnavailable, compile_library
 from xlagen.native.library import (amx_tiles, configure_pool, constant, hardware_reason, load, lookahead_counts,
-                                   lookahead_kib, ready, set_lookahead, status_supported, unavailable_reason)
+                                   lookahead_kib, pool_counts, ready, set_lookahead, status_supported,
+                                   unavailable_reason)
 from xlagen.native.ops import (ARGMAX_TARGET, ATTENTION_TARGET, BF16_TILE_TARGET, BIASED_ATTENTION_TARGET,
                                FLOAT32_TARGET, GEMM_TARGETS, INT8_INTEGER_TARGET, INT8_MANY_INTEGER_TARGET,
                                INT8_TARGET, LAYER_NORM_TARGET, LOOKUP_TARGET, MASKED_ATTENTION_TARGET, MEMORY_ATTENTION_TARGET,
@@ -88,7 +89,7 @@ __all__ = ["ARGMAX_TARGET", "ATTENTION_HEAD_DIMS", "ATTENTION_TARGET", "BF16_TIL
            "STEP_ATTENTION_TARGET", "TARGET", "WEIGHT_DTYPES", "amx_tiles", "argmax", "attention", "compile_library",
            "configure_pool", "constant", "current", "decoding_step", "hardware_reason", "load", "lookahead_counts",
            "layer_norm", "lookahead_kib", "lookup_columns", "masked_attention", "matmul", "matmul_float32", "memory_attention",
-           "pack_bfloat16", "pack_int8", "pack_tensor", "prefill", "projection", "ready",
+           "pack_bfloat16", "pack_int8", "pack_tensor", "pool_counts", "prefill", "projection", "ready",
            "reference_memory_attention", "relative_to_dense", "rms_norm", "set_lookahead", "split_heads", "status_supported", "step_attention",
            "tracing", "unavailable_reason", "unpack", "use_argmax", "use_attention_kernel", "use_float32_kernel",
            "use_fresh_cache", "use_layer_norm", "use_lookup", "use_memory_attention", "use_prompt_attention",

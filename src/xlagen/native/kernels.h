@@ -30,7 +30,7 @@ constexpr int kInt8Panel = 64;           // output columns per int8 panel
 constexpr int kMaxStreamM = 16;          // rows of x up to which float32 products stream (f32_product.cc)
 constexpr int kStepAttentionMaxD = 256;  // head sizes the step attention takes, at most
 constexpr int kMaxDefaultThreads = 8;    // worker threads by default, at most (caller included)
-constexpr int kDefaultSpinMicroseconds = 600;
+constexpr int kDefaultSpinMicroseconds = 600;  // the most an idle worker spins, where a core is free (pool.h)
 // Bytes of the next float32 product each idle worker reads ahead, at most: they fill the core's L2 (1 MB
 // here) no more than the gap between two products lets them (xlagen_configure_pool, xlagen_set_lookahead).
 constexpr int kDefaultLookaheadKB = 768;

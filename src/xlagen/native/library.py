@@ -237,6 +237,21 @@ def lookahead_kib() -> int:
     return int(library.xlagen_lookahead())
 
 
+def pool_counts() -> dict[str, int]:
+    """The kernels' thread pool: its `threads` (the caller included) and `spin_us` (how long an idle thread
+    spins at most before it sleeps; 0: never), and counters since the process started: `tasks` (calls
+    run on the pool), `spun_ns` (time the workers spun waiting for a task), `samples` (counts of the
+    machine's runnable threads, which say how many workers may spin), `crowded_samples` (counts that left no
+    core to spin on: the workers slept at once) and `caller_sleeps` (times the calling thread slept until a
+    worker finished its part). Makes the pool if no kernel has run yet.
+
+    Raises:
+        NativeUnavailable: the kernels cannot run here.
+    """
+    return _counts(opened(), "xlagen_pool_counts",
+                   ("threads", "spin_us", "tasks", "spun_ns", "samples", "crowded_samples", "caller_sleeps"))
+
+
 def lookahead_counts() -> dict[str, int]:
     """Counters of the float32 kernel's read-ahead since the process started: `calls` (float32 products),
     `predicted` (calls that were the product expected after the previous one) and `bytes_read_ahead` (by
@@ -245,8 +260,13 @@ def lookahead_counts() -> dict[str, int]:
     Raises:
         NativeUnavailable: the kernels cannot run here.
     """
-    library = load()
-    counts = (ctypes.c_long * 3)()
-    library.xlagen_lookahead_counts.argtypes = [ctypes.c_void_p]
-    library.xlagen_lookahead_counts(counts)
-    return {"calls": counts[0], "predicted": counts[1], "bytes_read_ahead": counts[2]}
+    return _counts(load(), "xlagen_lookahead_counts", ("calls", "predicted", "bytes_read_ahead"))
+
+
+def _counts(library: ctypes.CDLL, name: str, fields: tuple[str, ...]) -> dict[str, int]:
+    """The counters that the library's function `name` writes into an array of longs, by `fields`."""
+    counts = (ctypes.c_long * len(fields))()
+    function = getattr(library, name)
+    function.argtypes = [ctypes.c_void_p]
+    function(counts)
+    return dict(zip(fields, counts))

@@ -14,7 +14,7 @@ in `build.py`:
 |---|---|---|
 | `XLAGEN_FLOAT32_KERNEL` | `1` | `0`: float32 weights use XLA's dot and attention (`Kernels.float32`) |
 | `XLAGEN_NATIVE_THREADS` | CPUs this process may use, at most 8 | the kernels' threads, caller included |
-| `XLAGEN_NATIVE_SPIN_US` | `600` | microseconds an idle worker spins before it sleeps |
+| `XLAGEN_NATIVE_SPIN_US` | `600` | microseconds an idle worker spins at most before it sleeps, while cores are free (`0`: never) |
 | `XLAGEN_NATIVE_LOOKAHEAD_KB` | `768` | KiB of the next product each idle worker reads ahead |
 | `XLAGEN_CACHE` | `~/.cache/xlagen` | the cache; the library is built into its `native/` folder |
 | `CXX` | `g++`, else `c++` | the compiler that builds the library once |
@@ -493,7 +493,9 @@ class PoolSettings:
 
     Attributes:
         threads: Threads, the caller included (None: the CPUs this process may use, at most 8).
-        spin_us: Microseconds an idle worker spins before it sleeps (None: 600).
+        spin_us: Microseconds an idle worker spins at most before it sleeps (None: 600); it spins only while the
+            machine has a core that no other runnable thread wants, and the calling thread, waiting for a
+            worker's part of a call, spins no longer than this either. 0: no thread of the pool ever spins.
         lookahead_kib: KiB of the next float32 product each idle worker reads ahead (None: 768).
     """
 

@@ -448,6 +448,15 @@ extern "C" void xlagen_set_lookahead(long kib) {
 }
 extern "C" long xlagen_lookahead() { return static_cast<long>(xlagen::GetPool().lookahead() / 1024); }
 
+// [threads, the spin bound in microseconds, then Pool::Count's: tasks run on the pool, nanoseconds the
+// workers spun, samples of the runnable threads, samples that left no core to spin on, the caller's sleeps]
+extern "C" void xlagen_pool_counts(long* out) {
+  xlagen::Pool& pool = xlagen::GetPool();
+  out[0] = pool.threads();
+  out[1] = pool.spin_us();
+  pool.Count(out + 2);
+}
+
 // [float32 product calls, calls that were the product predicted after the previous one, bytes read ahead]
 extern "C" void xlagen_lookahead_counts(long* out) {
   xlagen::GetSuccessors().Count(out);
