@@ -16,7 +16,7 @@ NUMPY_ONLY = ["xlagen.text.tokenizer", "xlagen.text.auto_tokenizer", "xlagen.tex
               "xlagen.weights.gpt2", "xlagen.weights.llama", "xlagen.weights.opt", "xlagen.weights.t5",
               "xlagen.weights.whisper",
               "xlagen.speech.audio", "xlagen.speech.audio.decoding", "xlagen.speech.audio.features",
-              "xlagen.speech.processing"]
+              "xlagen.speech.processing", "xlagen.buffers"]
 # Packages (relative to src/xlagen) allowed to import tensorflow / keras.
 TF_ALLOWED = ("layers", "models", "generation", "cli", "deploy", "cache.py", "modeling.py",
               "text/graph_tokenizer.py", "speech/transcribe.py", "speech/whisper_decoding.py")

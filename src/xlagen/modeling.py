@@ -13,14 +13,18 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from xlagen import native
 from xlagen.generation.api import GenerationMixin
 from xlagen.generation.config import GenerationConfig
 from xlagen.hub import resolve_model_dir
+from xlagen.layers.dense import Dense, check_packable
+from xlagen.layers.embeddings import TokenEmbedding
+from xlagen.models import deferred as deferred_variables
 from xlagen.models import gpt2, llama, opt, registry, t5, whisper
 from xlagen.speech import whisper_decoding
-from xlagen.weights.checkpoint import read_checkpoint, read_checkpoint_shapes, read_json, write_files
-from xlagen.weights.loader import (check_memory, check_parameter_count, check_sizes, convert, export, normalize_prefix,
-                                   physical_memory)
+from xlagen.weights.checkpoint import open_checkpoint, read_checkpoint_shapes, read_json, write_files
+from xlagen.weights.loader import (CheckpointMismatchError, check_memory, check_parameter_count, check_sizes,
+                                   convert_each, export, normalize_prefix, physical_memory)
 
 logger = logging.getLogger(__name__)
 
@@ -54,25 +58,80 @@ def _checked_config(architecture: registry.Architecture, folder: Path, hf_config
 
 
 def _load(architecture: registry.Architecture, cls: type, folder: Path, hf_config: dict, dtype, weight_dtype=None):
-    """Checks config.json (`_checked_config`), then builds the model and fills it from the checkpoint."""
+    """Checks config.json (`_checked_config`), then builds the model and fills it from the checkpoint.
+
+    The checkpoint is read a rule of the family's table at a time, largest tensors first, and each variable
+    gets its value once, from the checkpoint (`xlagen.models.deferred`), so a load holds the model and one
+    rule's tensors: GPT-2-small's peak is about 1.1 times its weights (benchmarks/load_memory.py). With a
+    packed `weight_dtype` the products' float32 kernels are packed as they are read and never kept.
+    """
     config = _checked_config(architecture, folder, hf_config, dtype)
+    packed = weight_dtype not in (None, "float32")
+    if packed:
+        _check_weight_dtype(weight_dtype)
+        native.load()  # NativeUnavailable now rather than after reading the checkpoint
     weights = architecture.weights
-    tensors = normalize_prefix(read_checkpoint(folder), weights.PREFIX)
+    checkpoint = open_checkpoint(folder, weights.PREFIX)
     resolve_config = getattr(weights, "resolve_config", None)  # T5: a stored head unties
     if resolve_config is not None:
-        config = resolve_config(config, tensors)
-    model = cls(config, dtype=dtype) if dtype else cls(config)
+        config = resolve_config(config, checkpoint)
+    model, deferred = deferred_variables.build(lambda: cls(config, dtype=dtype) if dtype else cls(config))
+    products = {layer.kernel.path: layer for layer in model._flatten_layers() if isinstance(layer, Dense)}
+    embeddings = {layer.kernel.path: layer for layer in model._flatten_layers() if isinstance(layer, TokenEmbedding)}
+    if packed:
+        for layer in [*products.values(), *embeddings.values()]:
+            check_packable(layer, weight_dtype)
     variables = {v.path: v for v in model.weights}
-    values = convert(weights.rules(config), tensors, {path: tuple(v.shape) for path, v in variables.items()},
-                     ignore=weights.ignore(config))
-    for path, value in values.items():
-        variables[path].assign(value.astype(np.dtype(variables[path].dtype)))
+    unpacked_embeddings = []  # (layer, the array its variable holds): packed once the checkpoint's copy is freed
+
+    def store(path: str, value: np.ndarray) -> None:
+        if packed and path in products:
+            products[path].load_packed(value, weight_dtype)
+            deferred.drop(variables[path])
+            return
+        held = deferred.initialize(variables[path], value)
+        if packed and path in embeddings:  # a tied head's product reads the packed copy, lookups the float32
+            unpacked_embeddings.append((embeddings[path], held))
+
+    # Largest first: a large tensor's read and transposed copy are then beside the fewest variables.
+    rules = sorted(weights.rules(config), key=lambda rule: -sum(checkpoint.nbytes(s) for s in rule.sources
+                                                                if s in checkpoint))
+    try:
+        convert_each(rules, checkpoint, {path: tuple(v.shape) for path, v in variables.items()}, store,
+                     ignore=weights.ignore(config), dtype=None)
+    except CheckpointMismatchError:
+        checkpoint.check_finite()  # a broken file is the first thing to say
+        raise
+    checkpoint.check_finite()
+    deferred.finish()
+    for layer, kernel in unpacked_embeddings:
+        layer.pack_weights(weight_dtype, kernel=kernel)
+    del unpacked_embeddings
     model.generation_config = (GenerationConfig.from_pretrained(folder) if (folder / "generation_config.json").is_file()
                                else GenerationConfig.from_model_config(config))
     model.name_or_path = str(folder)
-    if weight_dtype not in (None, "float32"):
-        model.pack_weights(weight_dtype)
+    if packed:
+        model.packed_weights = True
+        model.weight_dtype = weight_dtype
+        model.trainable = False
+        model._packed_from = _file_stamps(checkpoint.files)
     return model
+
+
+def _check_weight_dtype(weight_dtype) -> None:
+    """Refuses a weight dtype `pack_weights` does not know."""
+    if weight_dtype not in native.WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype must be one of {native.WEIGHT_DTYPES} (or None / 'float32' at "
+                         f"load time), got {weight_dtype!r}")
+
+
+def _file_stamps(paths) -> dict[str, tuple[int, int]]:
+    """Each file's size and modification time, to tell later whether it is the file a model was loaded from."""
+    stamps = {}
+    for path in paths:
+        stat = Path(path).stat()
+        stamps[str(path)] = (stat.st_size, stat.st_mtime_ns)
+    return stamps
 
 
 class PreTrainedModel(GenerationMixin):
@@ -95,7 +154,8 @@ class PreTrainedModel(GenerationMixin):
             dtype: Keras dtype policy for the weights and compute, e.g. "float32" (default).
             weight_dtype: "bfloat16" or "int8": the matrix products read their weights rounded to
                 bfloat16, or quantized to int8 with a scale per output column, and compute in float32
-                (`pack_weights`); None or "float32": as stored.
+                (`pack_weights`; packed as they are read, the products' float32 kernels are never all in
+                memory); None or "float32": as stored.
 
         Returns:
             The model, weights loaded, with `generation_config` from generation_config.json.
@@ -145,20 +205,16 @@ class PreTrainedModel(GenerationMixin):
         Embedding lookups, layer norms and biases stay float32. Call it before the first `generate`
         (compiled programs keep the weights they were traced with). For inference: the model becomes
         non-trainable (the kernel has no gradient), SavedModel export and `xlagen aot` refuse a packed
-        model, and `save_pretrained` writes the float32 weights.
+        model, and `save_pretrained` writes the float32 weights. The float32 kernels stay in memory beside
+        the packed ones; `from_pretrained(weight_dtype=...)` packs them as it reads them instead and keeps
+        only the packed ones (its `save_pretrained` reads the float32 kernels again from the checkpoint).
 
         Raises:
             ValueError: for a weight dtype other than "bfloat16" or "int8", a model whose dtype policy is
                 not float32, or a model already packed.
             xlagen.native.NativeUnavailable: this machine cannot run the kernel (the message says why).
         """
-        from xlagen import native
-        from xlagen.layers.dense import Dense
-        from xlagen.layers.embeddings import TokenEmbedding
-
-        if weight_dtype not in native.WEIGHT_DTYPES:
-            raise ValueError(f"weight_dtype must be one of {native.WEIGHT_DTYPES} (or None / 'float32' at "
-                             f"load time), got {weight_dtype!r}")
+        _check_weight_dtype(weight_dtype)
         if self.packed_weights:
             raise ValueError(f"the model's weights are already packed as {self.weight_dtype}")
         for layer in self._flatten_layers():
@@ -193,6 +249,7 @@ class PreTrainedModel(GenerationMixin):
         """
         weights = registry.lookup(self.config.model_type, self.architectures, self.task).weights
         values = {v.path: np.asarray(v.numpy(), np.float32) for v in self.weights}
+        values.update(self._dropped_kernels(weights))
         tensors = {weights.saved_name(name): value
                    for name, value in export(weights.rules(self.config), values).items()}
         saved_tensors = getattr(weights, "saved_tensors", None)  # T5: the head as config.json describes it
@@ -205,6 +262,37 @@ class PreTrainedModel(GenerationMixin):
             "generation_config.json": lambda path: generation_config.save_pretrained(path.parent, path.name),
             "model.safetensors": lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
         }, overwrite)
+
+
+    def _dropped_kernels(self, weights) -> dict[str, np.ndarray]:
+        """The float32 kernels a model loaded with a packed `weight_dtype` did not keep, read again from its
+        checkpoint (variable path -> array).
+
+        Raises:
+            ValueError: if the checkpoint's files changed since the model was loaded from them.
+        """
+        layers = {layer.dropped_kernel_path: layer for layer in self._flatten_layers()
+                  if getattr(layer, "dropped_kernel_path", None)}
+        if not layers:
+            return {}
+        folder = Path(self.name_or_path)
+        try:
+            same = _file_stamps(self._packed_from) == self._packed_from
+        except OSError:
+            same = False
+        if not same:
+            raise ValueError(f"cannot save: this model was loaded with weight_dtype={self.weight_dtype!r}, which keeps "
+                             f"only the packed kernels, and the checkpoint '{folder}' that holds the float32 ones has "
+                             "changed since; load it again to save it.")
+        out = {}
+        rules = [rule for rule in weights.rules(self.config) if rule.target in layers]
+        shapes = {path: layer.dropped_kernel_shape for path, layer in layers.items()}
+
+        def store(path: str, value: np.ndarray) -> None:
+            out[path] = np.ascontiguousarray(value, np.float32)
+
+        convert_each(rules, open_checkpoint(folder, weights.PREFIX), shapes, store, ignore=(".*",))
+        return out
 
 
 class TFGPT2LMHeadModel(PreTrainedModel, gpt2.GPT2LMHead):

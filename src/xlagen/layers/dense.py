@@ -23,6 +23,8 @@ class Dense(keras.layers.Dense):
     """
 
     packed_kernel = None  # set by pack_weights: the kernel packed by xlagen.native.pack_tensor
+    dropped_kernel_path = None  # set by load_packed: the path and shape the float32 kernel variable had
+    dropped_kernel_shape = None
 
     def pack_weights(self, weight_dtype: str = "bfloat16"):
         """From now on multiply by the kernel rounded to bfloat16, or quantized to int8 with a scale per
@@ -32,6 +34,25 @@ class Dense(keras.layers.Dense):
         taken now, so later changes to the kernel are not seen. Not differentiable: inference only.
         """
         self.packed_kernel = packed_kernel_of(self, weight_dtype)
+
+    def load_packed(self, kernel, weight_dtype: str) -> None:
+        """Multiplies by `kernel` packed as `weight_dtype` (as `pack_weights`), and drops the layer's own float32
+        kernel variable, which must never have been given a value (`xlagen.models.deferred`): a model loaded
+        with `weight_dtype` holds only the packed kernels, a quarter (int8) or half (bfloat16) of float32's
+        bytes.
+
+        Args:
+            kernel: float numpy `[in, units]`, e.g. a view of a checkpoint's transposed tensor.
+            weight_dtype: "bfloat16" or "int8".
+        """
+        check_packable(self, weight_dtype)
+        self.packed_kernel = native.pack_tensor(kernel, weight_dtype)
+        dropped = self._kernel
+        self.dropped_kernel_path, self.dropped_kernel_shape = dropped.path, tuple(dropped.shape)
+        # As `del self._kernel` (Keras' own Dense.quantize drops its float kernel so), without the gc.collect()
+        # Keras' Layer.__delattr__ runs for every variable deleted: seconds a layer in a process holding a model.
+        self._untrack_variable(dropped)
+        super(keras.layers.Layer, self).__delattr__("_kernel")
 
     def call(self, inputs, training=None, residual=None):
         """`activation(inputs @ kernel + bias)`, plus `residual` (`[..., units]`, a residual connection's input,
@@ -54,12 +75,21 @@ class Dense(keras.layers.Dense):
         return x if residual is None or native_residual is not None else ops.add(x, residual)
 
 
-def packed_kernel_of(layer, weight_dtype: str):
-    """A built float32 layer's `kernel` packed as `weight_dtype` ("bfloat16" or "int8") for
-    `xlagen.native.matmul`."""
+def packed_kernel_of(layer, weight_dtype: str, kernel=None):
+    """A built float32 layer's `kernel` (or the float numpy `kernel` given for it) packed as `weight_dtype`
+    ("bfloat16" or "int8") for `xlagen.native.matmul`."""
+    check_packable(layer, weight_dtype)
+    return native.pack_tensor(layer.kernel if kernel is None else kernel, weight_dtype)
+
+
+def check_packable(layer, weight_dtype: str) -> None:
+    """Refuses to pack the weights of a layer not built, or not float32.
+
+    Raises:
+        ValueError: naming the layer (and its dtype policy).
+    """
     if not layer.built:
         raise ValueError(f"{layer.name}: build the layer (load the model) before packing its weights")
     if layer.compute_dtype != "float32" or layer.variable_dtype != "float32":
         raise ValueError(f"{layer.name}: {weight_dtype} weights need a float32 model (dtype policy "
                          f"{layer.dtype_policy.name!r})")
-    return native.pack_tensor(layer.kernel, weight_dtype)

@@ -31,12 +31,17 @@ class TokenEmbedding(keras.layers.Layer):
         self.input_dim = input_dim
         self.output_dim = output_dim
 
-    def pack_weights(self, weight_dtype: str = "bfloat16"):
+    def pack_weights(self, weight_dtype: str = "bfloat16", kernel=None):
         """From now on `attend` multiplies by the kernel rounded to bfloat16 or quantized to int8
         (`xlagen.native.matmul`). Lookups keep reading the float32 kernel. Inference only, as
         `Dense.pack_weights`.
+
+        Args:
+            weight_dtype: "bfloat16" or "int8".
+            kernel: The kernel's value as a float numpy `[output_dim, V]`, when the caller holds it (a load):
+                packed from there rather than from a copy of the variable.
         """
-        self.packed_kernel = packed_kernel_of(self, weight_dtype)
+        self.packed_kernel = packed_kernel_of(self, weight_dtype, kernel)
 
     def build(self, input_shape=None):
         # keras.layers.Embedding's default initializer.

@@ -4,7 +4,7 @@ Only safetensors is supported. Pickle-based formats (`pytorch_model.bin`, `*.pt`
 run arbitrary code when loaded, so they are refused with instructions for converting them.
 
 numpy has no bfloat16, so bfloat16 tensors are widened to float32 (exactly: a bfloat16 is the top
-16 bits of a float32). float16 tensors stay float16; callers cast to the compute dtype.
+16 bits of a float32), a tensor at a time. float16 tensors stay float16; callers cast to the compute dtype.
 """
 
 from __future__ import annotations
@@ -14,10 +14,12 @@ import math
 import os
 import pathlib
 import struct
+from collections.abc import Mapping
 
 import numpy as np
 import safetensors
 
+from xlagen.buffers import aligned_empty
 # Writing lives in atomic_save; these names stay importable from here.
 from xlagen.weights.atomic_save import check_save_complete, finish_interrupted_save, write_files  # noqa: F401
 
@@ -41,7 +43,8 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Reads all weights of a checkpoint folder.
 
     Looks for `model.safetensors`, then for a sharded `model.safetensors.index.json` whose
-    `weight_map` names the shard files.
+    `weight_map` names the shard files. Everything is in memory at once: a model loads through
+    `open_checkpoint` instead, a tensor at a time.
 
     Args:
         model_dir: Folder of a Hugging Face checkpoint.
@@ -60,15 +63,129 @@ def read_checkpoint(model_dir: str | os.PathLike[str]) -> dict[str, np.ndarray]:
             tensor, a tensor has a dtype numpy cannot represent, or float tensors hold NaN or infinite
             values (naming the file and the tensors).
     """
-    tensors: dict[str, np.ndarray] = {}
-    for path in weight_files(model_dir):
-        for name, array in _read_safetensors(path).items():
-            if name in tensors:
-                raise ValueError(f"Tensor '{name}' appears in more than one shard of '{model_dir}'.")
-            tensors[name] = array
-    if not (pathlib.Path(model_dir) / SAFE_WEIGHTS_NAME).is_file():
-        _check_index_complete(pathlib.Path(model_dir), tensors)
+    checkpoint = open_checkpoint(model_dir)
+    tensors = {}
+    for path in checkpoint.files:
+        tensors.update((name, checkpoint[name]) for name in checkpoint.names_in(path))
+        checkpoint.check_finite()
     return tensors
+
+
+def open_checkpoint(model_dir: str | os.PathLike[str], prefix: str = "") -> Checkpoint:
+    """Opens the weights of a checkpoint folder for reading a tensor at a time (`Checkpoint`).
+
+    Only the headers are read here, and every check that needs no tensor data is made: the files are
+    found as `read_checkpoint` finds them, each header is checked (by xlagen and by the safetensors
+    library), dtypes numpy cannot hold are refused, and so are tensors in two shards and tensors of the
+    index missing from their shard.
+
+    Args:
+        model_dir: Folder of a Hugging Face checkpoint.
+        prefix: Removed from the names that carry it (`loader.normalize_prefix`), e.g. "transformer.".
+
+    Returns:
+        The `Checkpoint`, a mapping of (prefix-less) names to tensors read when looked up.
+
+    Raises:
+        OSError, ValueError: As `read_checkpoint`, except for non-finite values, which `Checkpoint`
+            finds as it reads them; ValueError if removing `prefix` makes two names collide.
+    """
+    return Checkpoint(pathlib.Path(model_dir), prefix)
+
+
+class Checkpoint(Mapping):
+    """The tensors of a checkpoint folder, each read from its file when it is looked up.
+
+    A load holds one tensor of the checkpoint at a time (beside the model) instead of all of them:
+    `checkpoint[name]` reads the tensor into a fresh, 64-byte-aligned array with a plain file read.
+    Not through a memory map, whose pages count as the process's resident memory for as long as the
+    file stays mapped (the safetensors library maps the file and copies out of it: twice the tensor).
+    The alignment lets TensorFlow adopt the array as a variable's buffer without copying it.
+
+    Each tensor read is checked for NaN and infinite values; `check_finite` raises for those found so
+    far, naming them.
+
+    Attributes:
+        files: The safetensors files, in the order they are read.
+    """
+
+    def __init__(self, model_dir: pathlib.Path, prefix: str = ""):
+        self.model_dir = model_dir
+        self.files = weight_files(model_dir)
+        self._entries: dict[str, tuple[pathlib.Path, int, str, tuple[int, ...], tuple[int, int]]] = {}
+        for path in self.files:
+            header, data_start = read_header(path), 8 + _header_size(path)
+            for name, (dtype, _, _) in header.items():
+                if dtype not in _NUMPY_DTYPES and dtype != "BF16":  # float8 and other formats numpy lacks.
+                    raise ValueError(f"Tensor '{name}' in '{path}' has dtype {dtype}, which xlagen cannot read.")
+            try:  # the library's own checks of the file (it reads only the header here)
+                with safetensors.safe_open(str(path), framework="np"):
+                    pass
+            except safetensors.SafetensorError as e:
+                raise ValueError(f"'{path}' is not a valid safetensors file ({e}); re-download or re-save it.") from e
+            for name, (dtype, shape, offsets) in header.items():
+                if name in self._entries:
+                    raise ValueError(f"Tensor '{name}' appears in more than one shard of '{model_dir}'.")
+                self._entries[name] = (path, data_start, dtype, shape, offsets)
+        if not (model_dir / SAFE_WEIGHTS_NAME).is_file():
+            _check_index_complete(model_dir, self._entries)
+        self._names: dict[str, str] = {}  # name without the prefix -> stored name (as `loader.normalize_prefix`)
+        for stored in self._entries:
+            name = stored[len(prefix):] if stored.startswith(prefix) else stored
+            if name in self._names:
+                raise ValueError(f"both '{name}' and '{prefix}{name}' are in the checkpoint")
+            self._names[name] = stored
+        self._not_finite: dict[pathlib.Path, dict[str, str]] = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        path, data_start, dtype, shape, (begin, end) = self._entries[self._names[name]]
+        if dtype == "BF16":
+            array = _read_bfloat16(path, data_start + begin, shape)
+        else:
+            array = aligned_empty(shape, _numpy_dtype(dtype))
+            _read_into(path, data_start + begin, array, end - begin)
+        if not _all_finite(array):
+            self._not_finite.setdefault(path, {})[self._names[name]] = (
+                f"{int(np.isnan(array).sum())} NaN, {int(np.isinf(array).sum())} infinite of {array.size}")
+        return array
+
+    def __contains__(self, name) -> bool:  # Mapping's would read the tensor
+        return name in self._names
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the header."""
+        return self._entries[self._names[name]][3]
+
+    def nbytes(self, name: str) -> int:
+        """The bytes of the tensor as read (a bfloat16 one widened to float32)."""
+        _, _, dtype, shape, (begin, end) = self._entries[self._names[name]]
+        return (end - begin) * (2 if dtype == "BF16" else 1)
+
+    def names_in(self, path: pathlib.Path) -> list[str]:
+        """The (prefix-less) names of the tensors stored in the file `path`."""
+        return [name for name, stored in self._names.items() if self._entries[stored][0] == path]
+
+    def check_finite(self) -> None:
+        """Refuses a file whose tensors read so far hold NaN or infinite values (a model built from them would
+        generate garbage without an error), naming them.
+
+        Raises:
+            ValueError: naming the first such file, its tensors (up to 10) and their counts of bad values.
+        """
+        for path in self.files:
+            bad = self._not_finite.get(path)
+            if not bad:
+                continue
+            counts = [f"{name} ({bad[name]})" for name in sorted(bad)[:10]]
+            raise ValueError(f"'{path}' holds NaN or infinite weights in {len(bad)} tensor(s): {', '.join(counts)}"
+                             + (", ..." if len(bad) > 10 else "") + "; the checkpoint is broken (a training run "
+                             "that diverged, or a bad conversion or quantization): re-download or re-create it.")
 
 
 def read_checkpoint_shapes(model_dir: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
@@ -253,7 +370,7 @@ def _check_inside(model_dir: pathlib.Path, path: pathlib.Path, what: str) -> Non
                              "weights only from inside the folder (replace the symlink by the file).")
 
 
-def _check_index_complete(model_dir: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+def _check_index_complete(model_dir: pathlib.Path, tensors: Mapping[str, object]) -> None:
     """Checks that every tensor of the index is in its shard."""
     weight_map = _weight_map(model_dir)
     absent = sorted(n for n in weight_map if n not in tensors)
@@ -262,28 +379,6 @@ def _check_index_complete(model_dir: pathlib.Path, tensors: dict[str, np.ndarray
             f"{SAFE_WEIGHTS_INDEX_NAME} in '{model_dir}' lists {len(absent)} tensors that are not "
             f"in their shards: {', '.join(absent[:20])}" + (" ..." if len(absent) > 20 else "")
         )
-    return tensors
-
-
-def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """Reads one safetensors file (header checked first); bfloat16 is widened to float32."""
-    header = read_header(path)
-    for name, (dtype, _, _) in header.items():
-        if dtype not in _NUMPY_DTYPES and dtype != "BF16":  # float8 and other formats numpy lacks.
-            raise ValueError(f"Tensor '{name}' in '{path}' has dtype {dtype}, which xlagen cannot read.")
-    tensors: dict[str, np.ndarray] = {}
-    try:
-        with safetensors.safe_open(str(path), framework="np") as f:
-            for name in f.keys():
-                if header[name][0] != "BF16":
-                    tensors[name] = f.get_tensor(name)
-    except safetensors.SafetensorError as e:
-        raise ValueError(f"'{path}' is not a valid safetensors file ({e}); re-download or re-save it.") from e
-    bf16 = {name: entry for name, entry in header.items() if entry[0] == "BF16"}
-    if bf16:
-        tensors.update(_read_bfloat16(path, bf16))
-    _check_finite(path, tensors)
-    return tensors
 
 
 def _all_finite(array: np.ndarray) -> bool:
@@ -299,30 +394,37 @@ def _all_finite(array: np.ndarray) -> bool:
     return bool(np.isfinite(total)) or bool(np.isfinite(array).all())
 
 
-def _check_finite(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
-    """Refuses a file whose float tensors hold NaN or infinite values (a model built from them would generate
-    garbage without an error), naming the tensors."""
-    bad = sorted(name for name, array in tensors.items() if not _all_finite(array))
-    if not bad:
-        return
-    counts = [f"{name} ({int(np.isnan(tensors[name]).sum())} NaN, {int(np.isinf(tensors[name]).sum())} infinite of "
-              f"{tensors[name].size})" for name in bad[:10]]
-    raise ValueError(f"'{path}' holds NaN or infinite weights in {len(bad)} tensor(s): {', '.join(counts)}"
-                     + (", ..." if len(bad) > 10 else "") + "; the checkpoint is broken (a training run that "
-                     "diverged, or a bad conversion or quantization): re-download or re-create it.")
+def _numpy_dtype(dtype: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype numpy holds (little-endian, as the format stores it)."""
+    return np.dtype("?" if dtype == "BOOL" else {"U": "<u", "I": "<i", "F": "<f"}[dtype[0]] + str(int(dtype[1:]) // 8))
 
 
-def _read_bfloat16(path: pathlib.Path, entries: dict) -> dict[str, np.ndarray]:
-    """Reads bfloat16 tensors as float32 from the raw bytes located by the (checked) header entries."""
-    # Format: u64 little-endian header size N, N bytes of JSON header, then the data buffer;
-    # each entry's data_offsets are relative to the start of the data buffer.
+def _header_size(path: pathlib.Path) -> int:
+    """The byte count of the (already checked) JSON header of a safetensors file."""
     with open(path, "rb") as f:
-        (header_size,) = struct.unpack("<Q", f.read(8))
-    out = {}
-    for name, (_, shape, (begin, end)) in entries.items():
-        raw = np.fromfile(path, dtype="<u2", count=(end - begin) // 2, offset=8 + header_size + begin)
-        # A bfloat16 is the top half of a float32 with the same value.
-        out[name] = (raw.astype(np.uint32) << 16).view(np.float32).reshape(shape)
+        return struct.unpack("<Q", f.read(8))[0]
+
+
+def _read_into(path: pathlib.Path, offset: int, array: np.ndarray, size: int) -> None:
+    """Reads `size` bytes at `offset` of the file into the C-contiguous `array`."""
+    with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
+        view, done = memoryview(array.reshape(-1).view(np.uint8)), 0
+        while done < size:  # a read may return fewer bytes than asked for
+            got = f.readinto(view[done:size])
+            if not got:
+                raise ValueError(f"'{path}' is not a valid safetensors file: it ends inside a tensor (truncated?).")
+            done += got
+
+
+def _read_bfloat16(path: pathlib.Path, offset: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Reads a bfloat16 tensor as float32: a bfloat16 is the top half of a float32 of the same value."""
+    raw = np.empty(shape, "<u2")
+    _read_into(path, offset, raw, raw.nbytes)
+    out = aligned_empty(shape, np.float32)
+    halves = out.reshape(-1).view("<u2").reshape(-1, 2)  # [low, high] of each little-endian float32
+    halves[:, 0] = 0
+    halves[:, 1] = raw.reshape(-1)
     return out
 
 

@@ -233,6 +233,44 @@ def convert(
             with unknown or duplicate targets.
         re.error: If an `ignore` pattern is not a valid regex.
     """
+    out: dict[str, np.ndarray] = {}
+
+    def store(target: str, value: np.ndarray) -> None:
+        out[target] = np.ascontiguousarray(value)
+
+    convert_each(rules, tensors, expected, store, ignore=ignore, dtype=dtype)
+    return out
+
+
+def convert_each(
+    rules: Iterable[Rule],
+    tensors: Mapping[str, np.ndarray],
+    expected: Mapping[str, Sequence[int]],
+    store: Callable[[str, np.ndarray], None],
+    *,
+    ignore: Sequence[str] = (),
+    dtype: np.dtype | type | None = np.float32,
+) -> None:
+    """`convert`, handing each variable to `store` as soon as it is made, in the order of `rules`.
+
+    Nothing is kept between rules, so a lazy `tensors` (`checkpoint.open_checkpoint`) is read a rule at a
+    time: a load holds one rule's tensors beside the model rather than the whole checkpoint.
+    Every rule is tried before a mismatch is raised (so that all problems are reported together), so
+    `store` may have been called for some targets when it is.
+
+    Args:
+        rules: The model's conversion table, in the order to apply it.
+        tensors: HF tensor name -> array; each source is looked up once, when its rule runs.
+        expected: As `convert`.
+        store: Called with (target path, array of the expected shape): the transform's result, which may be
+            a view of a source (e.g. its transpose) rather than a C-contiguous array.
+        ignore: As `convert`.
+        dtype: As `convert`.
+
+    Raises:
+        CheckpointMismatchError: As `convert`.
+        re.error: If an `ignore` pattern is not a valid regex.
+    """
     rules = list(rules)
     ignore_res = [re.compile(p) for p in ignore]
     expected_shapes = {k: tuple(int(d) for d in v) for k, v in expected.items()}
@@ -248,7 +286,6 @@ def convert(
         "duplicate_targets": sorted(t for t, n in collections.Counter(targets).items() if n > 1),
     }
 
-    out: dict[str, np.ndarray] = {}
     for rule in rules:
         absent = [s for s in rule.sources if s not in tensors]
         problems["missing"].extend(absent)
@@ -257,23 +294,25 @@ def convert(
             continue
         if absent:
             continue
+        sources = [tensors[s] for s in rule.sources]
         try:
-            value = np.asarray(rule.transform([tensors[s] for s in rule.sources]))
+            value = np.asarray(rule.transform(sources))
         except Exception as e:  # Reported with all other problems rather than stopping at the first.
-            shapes = ", ".join(f"{s}{tuple(tensors[s].shape)}" for s in rule.sources)
+            shapes = ", ".join(f"{s}{tuple(x.shape)}" for s, x in zip(rule.sources, sources))
             text = f"{_name(rule.transform)} on {shapes}: {e}"
             problems["failed"].append((rule.target, rule.sources, text))
             continue
+        del sources  # a transform's result that is a new array leaves the sources to be freed now
         want = expected_shapes[rule.target]
         if value.shape != want:
             problems["mismatched"].append((rule.target, want, value.shape, rule.sources))
             continue
-        out[rule.target] = _cast(value, dtype)
+        store(rule.target, _cast(value, dtype))
+        del value
 
     problems["missing"] = sorted(set(problems["missing"]))
     if any(problems.values()):
         raise CheckpointMismatchError(**problems)
-    return out
 
 
 def normalize_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str, np.ndarray]:
@@ -302,10 +341,11 @@ def normalize_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> dict[str
 
 
 def _cast(value: np.ndarray, dtype: np.dtype | type | None) -> np.ndarray:
-    """Casts floating-point arrays to `dtype`; leaves integer and boolean arrays alone."""
+    """Casts floating-point arrays to `dtype` (not copying one already of it); leaves integer and boolean arrays
+    alone."""
     if dtype is not None and np.issubdtype(value.dtype, np.floating):
         value = value.astype(dtype, copy=False)
-    return np.ascontiguousarray(value)
+    return value
 
 
 def _name(transform: Transform) -> str:
