@@ -263,7 +263,6 @@ class PreTrainedModel(GenerationMixin):
             "model.safetensors": lambda path: save_file(tensors, str(path), metadata={"format": "pt"}),
         }, overwrite)
 
-
     def _dropped_kernels(self, weights) -> dict[str, np.ndarray]:
         """The float32 kernels a model loaded with a packed `weight_dtype` did not keep, read again from its
         checkpoint (variable path -> array).

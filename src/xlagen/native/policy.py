@@ -146,8 +146,8 @@ class Kernels:
         slot_step_attention_min_rows: The same for a step of `xlagen.generation.slots.SlotDecoder` (the serving
             engine's), whose cache holds `max_length * 1.25` columns per slot of which most are masked (left
             of a request's prompt, right of the write column): the native call skips the masked keys, XLA's
-            dots read them all. One row of GPT-2-small at 1,024 columns (8 slots, 1 thread) took 32.9 ms of
-            CPU with the native call against 46.3 with XLA's dots, 30.3 against 32.9 at 128 columns.
+            dots read them all. A lone GPT-2-small stream on 8 slots of 1,024 columns ran 19.2 ms per token
+            with the native call against 31.5 with XLA's dots (`benchmarks/lone_stream.py --xla-attention`).
         prompt_attention_min_tokens: A generation's prompt pass (`prefill`) of at least this many tokens runs
             its masked self-attention as one native call per layer (`ops.masked_attention`), which scores
             only the keys each tile of 12 query rows (8 with AVX-512) may see: under the causal mask about half of XLA's work,
