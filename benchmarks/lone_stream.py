@@ -59,7 +59,8 @@ def main() -> None:
     engines = {}
     variants = [("engine", 4, None), ("engine, one step per call", 1, None)]
     if args.xla_attention:
-        variants.append(("engine, XLA's one-row attention", 4, native.current().replace(slot_step_attention_min_rows=2)))
+        xla_attention = native.current().replace(slot_step_attention_min_rows=2)
+        variants.append(("engine, XLA's one-row attention", 4, xla_attention))
     for name, steps, kernels in variants:
         engine = Engine(model, tokenizer, slots=args.slots, max_length=args.max_length, steps_per_call=steps,
                         kernels=kernels)

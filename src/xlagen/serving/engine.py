@@ -335,9 +335,9 @@ class Engine:
         Returns:
             A dict: `queue_depth`, `active_slots`, `slots`, `tokens_generated`, `requests_submitted`,
             `requests_finished` (a dict by finish reason), `prefills`, `steps` (step calls), `multi_steps`
-            (step calls of `steps_per_call` tokens), `prefill_chunks` (chunks of long prompts run), `shifts`, `moves` (requests packed into lower slots for a
-            narrower step), `compiles` (programs
-            traced and compiled so far), `cache_bytes` (the slots' KV cache, masks and histories), `warm`
+            (step calls of `steps_per_call` tokens), `prefill_chunks` (chunks of long prompts run), `shifts`,
+            `moves` (requests packed into lower slots for a narrower step), `compiles` (programs traced and
+            compiled so far), `cache_bytes` (the slots' KV cache, masks and histories), `warm`
             (whether `warmup` ran), `running` (the engine thread is alive).
         """
         with self._lock:
