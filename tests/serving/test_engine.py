@@ -4,6 +4,7 @@ sampling, stop ids / stop strings / lengths, cancellation, the queue bound and d
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -243,7 +244,12 @@ def test_a_stop_string_completed_by_the_final_flush_is_a_stop(engine, tokenizer)
     assert stopped.finish_reason == "stop" and stopped.text == text[:-2]
 
 
-def test_cancelling_frees_the_slot(engine):
+def test_cancelling_frees_the_slot(engine, monkeypatch):
+    # Steps made slow, so that the request is still decoding when the test cancels it (on the tiny model, 24
+    # tokens at 4 per call could otherwise end between the test seeing the request and cancelling it).
+    step = engine._decoder.step
+    monkeypatch.setattr(engine._decoder, "step", lambda *args, **kw: time.sleep(0.2) or step(*args, **kw))
+
     async def main():
         events = engine.stream(TEXTS[4], max_new_tokens=24, stop_token_ids=[])
         first = await events.__anext__()

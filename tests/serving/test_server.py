@@ -208,8 +208,11 @@ def test_models_health_and_metrics(text_server):
         assert name in metrics
 
 
-def test_disconnect_frees_the_slot(text_server):
+def test_disconnect_frees_the_slot(text_server, monkeypatch):
     url, engine, _ = text_server
+    # Steps made slow, so that the request is still decoding when the server sees the client leave.
+    step = engine._decoder.step
+    monkeypatch.setattr(engine._decoder, "step", lambda *args, **kw: time.sleep(0.1) or step(*args, **kw))
     cancelled = engine.stats()["requests_finished"]["cancelled"]
     with httpx.stream("POST", url + "/v1/completions", timeout=60,
                       json={"prompt": "Hello world", "max_tokens": 48, "temperature": 0.8, "seed": 1,

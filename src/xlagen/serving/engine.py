@@ -25,6 +25,7 @@ from xlagen.generation.slots import SlotDecoder
 from xlagen.models.base import EncoderDecoderLM
 from xlagen.serving.streams import Completion, ContextTooLong, EngineClosed, EventStream, QueueFull, TokenEvent
 from xlagen.serving.options import MAX_TOP_LOGPROBS, RequestOptions, seed_words
+from xlagen.serving import schedule
 from xlagen.serving.prompts import Prepared, Prompts, bucket_of
 from xlagen.serving.text import TokenText
 
@@ -498,9 +499,7 @@ class Engine:
         """Reserves `slot` for `request` and plans its chunks: from the chunk holding its first real token to the
         end of its bucket, the last one ending at the bucket's end (overlapping the one before)."""
         ids, mask, _, options = self._batch([request.prepared], [request.options], [request.seed])
-        length, chunk = ids.shape[1], self.prefill_chunk
-        first = (length - request.prepared.real_length) // chunk * chunk
-        offsets = [min(offset, length - chunk) for offset in range(first, length, chunk)]
+        offsets = schedule.chunk_offsets(ids.shape[1], request.prepared.real_length, self.prefill_chunk)
         self._chunked = _Chunked(request, slot, ids, mask, options, offsets)
 
     def _prefill_chunk(self) -> None:
@@ -555,13 +554,7 @@ class Engine:
     def _compact(self) -> None:
         """Moves the requests in the highest slots into free lower ones when that lets a narrower step program
         decode them all (a lone request left in slot 15 would otherwise pay for 16 rows)."""
-        taken = len(self._active) + (self._chunked is not None)  # a slot reserved for a prompt in chunks
-        narrowest = next(w for w in self.step_widths if w >= taken)
-        if max(self._active) < narrowest:
-            return
-        free = [slot for slot in range(narrowest) if slot not in self._active and slot != self._chunked_slot()]
-        for source in sorted((s for s in self._active if s >= narrowest), reverse=True):
-            target = free.pop(0)
+        for source, target in schedule.compaction(self.step_widths, self._active, self._chunked_slot()):
             self._decoder.move(source, target)
             request = self._active.pop(source)
             request.slot = target
@@ -574,28 +567,24 @@ class Engine:
     def _steps(self) -> int:
         """Tokens per slot in the next step call: `steps_per_call` unless a request waits for a free slot, a
         long prompt is being prefilled in chunks, or an active request has fewer tokens left to generate."""
-        most = self._decoder.steps_per_call
-        if most == 1 or self._chunked is not None:
-            return 1
         with self._lock:
             waiting = bool(self._waiting)
-        if waiting and len(self._active) < self.slots:
-            return 1
-        if any(request.budget - len(request.token_ids) < most for request in self._active.values()):
-            return 1
-        return most
+        return schedule.steps_per_call(
+            self._decoder.steps_per_call, waiting, self.slots - len(self._active) - (self._chunked is not None),
+            self._chunked is not None, (request.budget - len(request.token_ids) for request in self._active.values()))
 
     def _step(self) -> None:
         decoder, steps = self._decoder, self._steps()
-        if self._index + steps > decoder.length:
-            amount = min(min(r.start for r in self._active.values()), self._index - self._start_column)
+        amount = schedule.shift_amount(self._index, steps, decoder.length, (r.start for r in self._active.values()),
+                                       self._start_column)
+        if amount:
             decoder.shift(amount, self._index)
             self._index -= amount
             for request in self._active.values():
                 request.start -= amount
             self._counters["shifts"] += 1
         self._compact()
-        width = next(w for w in self.step_widths if w > max(self._active))
+        width = schedule.step_width(self.step_widths, self._active)
         tokens, logprobs, top_ids, top_logprobs = decoder.step(self._index, self._width_options(width), width,
                                                                self._alternatives(self._active.values()), steps)
         self._index += steps
