@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 
 import numpy as np
+from serving_setup import serving_model, write_report
 
 
 def _timed(call, tokens: int) -> tuple[float, float]:
@@ -41,16 +41,11 @@ def main() -> None:
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args()
 
-    from xlagen import AutoTokenizer, CompiledGenerator, native
+    from xlagen import CompiledGenerator, native
     from xlagen.cli import bench
-    from xlagen.cli.generate import default_model_path
     from xlagen.serving import Engine
 
-    threads = bench.configure_threads(args.threads)
-    model = bench.XlagenSystem().build("gpt2", "float32")
-    if model.generation_config is not None:  # never stop early
-        model.generation_config = model.generation_config.update(eos_token_id=None)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    model, tokenizer, threads = serving_model(args.threads)
     load_start = bench.load_average()
     prompt = list(range(5, 25))
     ids = np.array([prompt], np.int32)
@@ -95,11 +90,7 @@ def main() -> None:
               "config": vars(args) | {"model": "gpt2 (GPT-2 small shapes, random weights)", "dtype": "float32",
                                       "prompt_tokens": len(prompt)},
               "results": results}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(text + "\n")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import sys
 import time
 
 import numpy as np
+from serving_setup import serving_model, write_report
 
 
 def _round(engine, streams: int, stream_tokens: int, long_prompt: list, rng) -> dict:
@@ -77,16 +77,10 @@ def main() -> None:
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args()
 
-    from xlagen import AutoTokenizer
     from xlagen.cli import bench
-    from xlagen.cli.generate import default_model_path
     from xlagen.serving import Engine
 
-    threads = bench.configure_threads(args.threads)
-    model = bench.XlagenSystem().build("gpt2", "float32")
-    if model.generation_config is not None:  # never stop early
-        model.generation_config = model.generation_config.update(eos_token_id=None)
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    model, tokenizer, threads = serving_model(args.threads)
     load_start = bench.load_average()
     rng = np.random.default_rng(args.seed)
     long_prompt = rng.integers(0, 50000, args.long_prompt).tolist()
@@ -118,10 +112,7 @@ def main() -> None:
               "command": "python benchmarks/long_prompt_stall.py " + " ".join(sys.argv[1:]),
               "config": vars(args) | {"model": "gpt2 (GPT-2 small shapes, random weights)", "dtype": "float32"},
               "results": {name: summary(results) for name, results in runs.items()}}
-    print(json.dumps(report, indent=1))
-    if args.out:
-        with open(args.out, "w") as out:
-            out.write(json.dumps(report, indent=1) + "\n")
+    write_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import statistics
 import time
 
 import numpy as np
+from serving_setup import serving_model, write_report
 
 
 def _workload(count: int, seed: int, vocab: int):
@@ -146,15 +147,11 @@ def main() -> None:
     parser.add_argument("--out", help="write the JSON here too")
     args = parser.parse_args()
 
-    from xlagen import AutoTokenizer, Buckets, CompiledGenerator
+    from xlagen import Buckets, CompiledGenerator
     from xlagen.cli import bench
-    from xlagen.cli.generate import default_model_path
     from xlagen.serving import Engine
 
-    threads = bench.configure_threads(args.threads)
-    model = bench.XlagenSystem().build("gpt2", "float32")
-    model.generation_config = model.generation_config.update(eos_token_id=None) if model.generation_config else None
-    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    model, tokenizer, threads = serving_model(args.threads)
     vocab = model.config.vocab_size
     record = {"model": "gpt2 (GPT-2 small shapes, random weights)", "dtype": "float32", "slots": args.slots,
               "max_length": args.max_length, "threads": threads, "machine": bench.machine_info(),
@@ -189,11 +186,7 @@ def main() -> None:
     if args.chunk_rounds:
         record["step_chunks"] = _chunk_comparison(model, args.slots, args.max_length, args.chunk_rounds)
     record["load_average_1min_end"] = bench.load_average()
-    text = json.dumps(record, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_report(record, args.out)
 
 
 if __name__ == "__main__":
